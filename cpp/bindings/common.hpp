@@ -1,0 +1,22 @@
+// Helpers shared by the binding files. Only cpp/bindings/ includes pybind11.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+namespace fastload::bindings {
+
+namespace py = pybind11;
+
+// File names cross the boundary as the OS gives them: bytes on the C++ side, str with
+// surrogateescape on the Python side (what os.fsdecode/os.fsencode do).
+py::str fs_str(const std::string& s);
+std::string fs_bytes(const py::handle& obj);  // accepts str, bytes or os.PathLike
+
+void register_errors(py::module_& m);
+void register_io(py::module_& m);
+void register_copy(py::module_& m);
+void register_hash(py::module_& m);
+
+}  // namespace fastload::bindings

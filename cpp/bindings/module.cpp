@@ -1,0 +1,9 @@
+#include "bindings/common.hpp"
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "fastload's native core: the I/O engine, the copier, digests";
+  fastload::bindings::register_errors(m);
+  fastload::bindings::register_io(m);
+  fastload::bindings::register_hash(m);
+  fastload::bindings::register_copy(m);
+}

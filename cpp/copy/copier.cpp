@@ -1,0 +1,652 @@
+#include "copy/copier.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+
+#include "common/unique_fd.hpp"
+#include "hash/digest.hpp"
+
+namespace fastload::copy {
+namespace {
+
+constexpr uint32_t kPad = 4096;  // room after each buffer for the one-byte EOF probe
+constexpr int kPollMs = 100;     // how often the loop looks at the cancel flag
+
+// user_data layout: [file slot:32][buffer:27][big:1][op:4]
+enum Kind : uint64_t { kOpenSrc = 1, kOpenDst, kRead, kWrite, kCloseSrc, kCloseDst };
+
+uint64_t tag(uint32_t slot, Kind kind, bool big = false, uint32_t buffer = 0) {
+  return (uint64_t(slot) << 32) | (uint64_t(buffer) << 5) | (uint64_t(big) << 4) | kind;
+}
+
+std::string join(const std::string& root, const std::string& rel) {
+  if (rel.empty()) return root;
+  if (root.empty() || root.back() == '/') return root + rel;
+  return root + "/" + rel;
+}
+
+struct Stripe {
+  uint32_t file_slot = 0;
+  uint64_t index = 0;   // stripe number within the file
+  uint64_t offset = 0;
+  uint64_t len = 0;     // bytes this stripe holds
+  uint64_t got = 0;     // bytes read so far
+  uint64_t put = 0;     // bytes written so far
+  bool last = false;    // asks for one byte more to detect growth
+  bool read_done = false;
+  char* buf = nullptr;
+  int buf_index = -1;   // registered buffer, or -1
+};
+
+struct FileState {
+  bool active = false;
+  uint32_t task = 0;
+  std::string src_path;  // relative, kept alive for the engine
+  std::string tmp_path;
+  int src_fd = -1;
+  int dst_fd = -1;
+  bool dst_open = false;
+  uint64_t nstripes = 0;
+  uint64_t next_stripe = 0;
+  uint64_t stripes_done = 0;
+  unsigned ops = 0;  // operations in flight for this file
+  unsigned closes = 0;
+  bool closing = false;
+  bool sparse = false;
+  bool failed = false;  // this file caused the job's error: never rename it into place
+  std::vector<std::pair<uint64_t, uint64_t>> data;  // sparse: data extents [start, end)
+  std::vector<uint64_t> digests;
+  std::vector<uint32_t> waiting_write;  // big stripes read before the temporary was open
+  Stripe small;                         // the file's own stripe when it is small
+};
+
+}  // namespace
+
+std::string temp_name(const std::string& rel) {
+  auto slash = rel.rfind('/');
+  std::string dir = slash == std::string::npos ? "" : rel.substr(0, slash + 1);
+  std::string base = slash == std::string::npos ? rel : rel.substr(slash + 1);
+  if (base.size() + 9 > 255) {  // ".{base}.fl-tmp" must fit NAME_MAX
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx",
+                  static_cast<unsigned long long>(hash::fl64(base.data(), base.size())));
+    return dir + "." + hex + ".fl-tmp";
+  }
+  return dir + "." + base + ".fl-tmp";
+}
+
+// The state machine of one run; lives on the job's thread.
+class Runner {
+ public:
+  explicit Runner(CopyJob& job) : job_(job), opt_(job.opt_), tasks_(job.tasks_) {}
+
+  ~Runner() {
+    if (region_ != MAP_FAILED) ::munmap(region_, region_size_);
+  }
+
+  void run(io::Engine& engine) {
+    eng_ = &engine;
+    open_roots();
+    allocate_buffers();
+    files_.resize(std::max(1u, opt_.files_in_flight));
+    for (uint32_t i = 0; i < files_.size(); ++i) free_files_.push_back(i);
+    std::vector<io::Completion> cq(512);
+    while (true) {
+      if (!error_ && job_.cancel_.cancelled())
+        fail(Error(ErrorKind::kCancelled, 0, "staging cancelled", job_.dst_root_));
+      if (!error_) admit();
+      if (eng_->in_flight() == 0) {
+        if (error_ || (next_task_ >= tasks_.size() && active_ == 0)) break;
+      }
+      int n = eng_->reap(cq.data(), unsigned(cq.size()), eng_->in_flight() ? 1 : 0, kPollMs);
+      if (n < 0) {
+        fail(Error::os(-n, "wait for I/O", job_.dst_root_));
+        // Without a working engine nothing more will complete.
+        break;
+      }
+      for (int i = 0; i < n; ++i) complete(cq[size_t(i)]);
+    }
+    if (error_) {
+      cleanup_after_error();
+      throw *error_;
+    }
+  }
+
+ private:
+  // ---- setup -------------------------------------------------------------------------
+
+  void open_roots() {
+    src_root_.reset(::open(job_.src_root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!src_root_) throw Error::os(errno, "open directory", job_.src_root_);
+    if (opt_.write) {
+      dst_root_.reset(::open(job_.dst_root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      if (!dst_root_) throw Error::os(errno, "open directory", job_.dst_root_);
+    }
+  }
+
+  void allocate_buffers() {
+    small_size_ = size_t(std::max<uint64_t>(opt_.small_size, 4096));
+    big_size_ = size_t(std::max<uint64_t>(opt_.stripe_size, 4096));
+    size_t nsmall = std::max(1u, opt_.files_in_flight);
+    size_t nbig = std::max(1u, opt_.big_buffers);
+    small_stride_ = small_size_ + kPad;
+    big_stride_ = big_size_ + kPad;
+    size_t small_bytes = nsmall * small_stride_;
+    region_size_ = small_bytes + nbig * big_stride_;
+    // Anonymous memory is faulted in lazily, so small files touch only what they use.
+    region_ = ::mmap(nullptr, region_size_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (region_ == MAP_FAILED) throw Error::os(errno, "allocate buffers", "");
+    small_base_ = static_cast<char*>(region_);
+    big_base_ = small_base_ + small_bytes;
+    big_.resize(nbig);
+    for (uint32_t i = 0; i < nbig; ++i) free_big_.push_back(i);
+    // Fixed buffers save the kernel a page-pinning walk per read; worth it only for the
+    // big stripes, and only if the backend (and RLIMIT_MEMLOCK) allow it.
+    iovec iov[2] = {{small_base_, small_bytes}, {big_base_, nbig * big_stride_}};
+    fixed_ = eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
+  }
+
+  // ---- admission ---------------------------------------------------------------------
+
+  void admit() {
+    while (!free_files_.empty() && next_task_ < tasks_.size() &&
+           eng_->in_flight() + 2 <= eng_->capacity()) {
+      uint32_t slot = free_files_.front();
+      free_files_.pop_front();
+      start_file(slot, uint32_t(next_task_++));
+    }
+    // Stripes of active big files waiting for a buffer.
+    while (!free_big_.empty() && !want_big_.empty() && eng_->in_flight() < eng_->capacity()) {
+      uint32_t slot = want_big_.front();
+      FileState& f = files_[slot];
+      if (!f.active || f.closing || f.src_fd < 0 || is_small(f) || f.next_stripe >= f.nstripes) {
+        want_big_.pop_front();
+        continue;
+      }
+      issue_next_stripe(slot);
+      if (f.next_stripe >= f.nstripes) want_big_.pop_front();
+    }
+  }
+
+  void start_file(uint32_t slot, uint32_t task) {
+    FileState& f = files_[slot];
+    const FileTask& t = tasks_[task];
+    f = FileState{};
+    f.active = true;
+    f.task = task;
+    f.src_path = t.src;
+    f.nstripes = t.size == 0 ? 1 : (t.size + big_size_ - 1) / big_size_;
+    if (t.size < small_size_) f.nstripes = 1;
+    f.digests.assign(f.nstripes, 0);
+    ++active_;
+    push({.code = io::OpCode::kOpenAt, .dir_fd = src_root_.get(), .path = f.src_path.c_str(),
+          .flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW},
+         slot, tag(slot, kOpenSrc));
+    if (opt_.write) {
+      f.tmp_path = temp_name(t.dst);
+      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
+            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+           slot, tag(slot, kOpenDst));
+    }
+  }
+
+  bool is_small(const FileState& f) const { return tasks_[f.task].size < small_size_; }
+
+  // Issues the next stripe of file `slot` if a buffer is free. Holes of sparse files are
+  // completed here without I/O.
+  void issue_next_stripe(uint32_t slot) {
+    FileState& f = files_[slot];
+    const FileTask& t = tasks_[f.task];
+    while (f.next_stripe < f.nstripes) {
+      uint64_t idx = f.next_stripe;
+      uint64_t off = idx * big_size_;
+      uint64_t len = std::min<uint64_t>(big_size_, t.size - std::min(t.size, off));
+      if (is_small(f)) len = t.size;
+      bool last = idx + 1 == f.nstripes;
+      if (f.sparse && !last && is_hole(f, off, off + len)) {
+        ++f.next_stripe;
+        f.digests[idx] = hash::fl64_zeros(len);
+        stripe_finished(slot, len);
+        if (error_ || !f.active) return;
+        continue;
+      }
+      Stripe* s;
+      uint32_t b = 0;
+      if (is_small(f)) {
+        s = &f.small;
+        s->buf = small_base_ + size_t(slot) * small_stride_;
+        s->buf_index = fixed_ ? 0 : -1;
+      } else {
+        if (free_big_.empty()) return;
+        b = free_big_.front();
+        free_big_.pop_front();
+        s = &big_[b];
+        s->buf = big_base_ + size_t(b) * big_stride_;
+        s->buf_index = fixed_ ? 1 : -1;
+      }
+      s->file_slot = slot;
+      s->index = idx;
+      s->offset = off;
+      s->len = len;
+      s->got = s->put = 0;
+      s->last = last;
+      s->read_done = false;
+      ++f.next_stripe;
+      submit_read(slot, *s, !is_small(f), b);
+      return;
+    }
+  }
+
+  bool is_hole(const FileState& f, uint64_t start, uint64_t end) const {
+    for (const auto& [a, b] : f.data)
+      if (a < end && b > start) return false;
+    return true;
+  }
+
+  void submit_read(uint32_t slot, Stripe& s, bool big, uint32_t b) {
+    uint64_t want = s.len - s.got + (s.last ? 1 : 0);
+    push({.code = io::OpCode::kRead, .fd = files_[slot].src_fd, .buf = s.buf + s.got,
+          .len = uint32_t(want), .offset = s.offset + s.got, .buf_index = s.buf_index},
+         slot, tag(slot, kRead, big, b));
+  }
+
+  void submit_write(uint32_t slot, Stripe& s, bool big, uint32_t b) {
+    push({.code = io::OpCode::kWrite, .fd = files_[slot].dst_fd, .buf = s.buf + s.put,
+          .len = uint32_t(s.len - s.put), .offset = s.offset + s.put, .buf_index = s.buf_index},
+         slot, tag(slot, kWrite, big, b));
+  }
+
+  void push(io::Op op, uint32_t slot, uint64_t user_data) {
+    op.user_data = user_data;
+    int r = eng_->push(op);
+    if (r != 0) {  // admission keeps us under capacity; a refusal is a bug, not I/O
+      fail(Error::os(-r, "queue I/O", join(job_.src_root_, files_[slot].src_path)));
+      return;
+    }
+    ++files_[slot].ops;
+  }
+
+  // ---- completions -------------------------------------------------------------------
+
+  void complete(const io::Completion& c) {
+    uint32_t slot = uint32_t(c.user_data >> 32);
+    auto kind = Kind(c.user_data & 15);
+    bool big = (c.user_data >> 4) & 1;
+    uint32_t b = uint32_t((c.user_data >> 5) & ((1u << 27) - 1));
+    FileState& f = files_[slot];
+    --f.ops;
+    int64_t res = c.res;
+    bool retry = res == -EINTR || res == -EAGAIN;
+    switch (kind) {
+      case kOpenSrc:
+        if (retry) return reopen(slot, true);
+        if (res < 0) return file_error(slot, Error::os(int(-res), "open", src_name(f)));
+        f.src_fd = int(res);
+        if (error_) return maybe_retire(slot);
+        on_src_open(slot);
+        return;
+      case kOpenDst:
+        if (retry) return reopen(slot, false);
+        if (res < 0) return file_error(slot, Error::os(int(-res), "create", dst_name(f, true)));
+        f.dst_fd = int(res);
+        f.dst_open = true;
+        if (error_) return maybe_retire(slot);
+        on_dst_open(slot);
+        return;
+      case kRead:
+        return on_read(slot, big ? big_[b] : f.small, big, b, res);
+      case kWrite:
+        return on_write(slot, big ? big_[b] : f.small, big, b, res);
+      case kCloseSrc:
+      case kCloseDst:
+        if (res < 0 && !retry)
+          file_error(slot, Error::os(int(-res), "close",
+                                     kind == kCloseSrc ? src_name(f) : dst_name(f, true)));
+        if (--f.closes == 0) finish_file(slot);
+        return;
+    }
+  }
+
+  void reopen(uint32_t slot, bool src) {
+    FileState& f = files_[slot];
+    if (error_) return maybe_retire(slot);
+    if (src)
+      push({.code = io::OpCode::kOpenAt, .dir_fd = src_root_.get(), .path = f.src_path.c_str(),
+            .flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW},
+           slot, tag(slot, kOpenSrc));
+    else
+      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
+            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+           slot, tag(slot, kOpenDst));
+  }
+
+  void on_src_open(uint32_t slot) {
+    FileState& f = files_[slot];
+    const FileTask& t = tasks_[f.task];
+    if (!is_small(f)) {
+      ::posix_fadvise(f.src_fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+      if (t.blocks * 512 < t.size) map_sparse(f);
+    }
+    if (is_small(f)) {
+      issue_next_stripe(slot);
+    } else {
+      issue_next_stripe(slot);
+      if (f.active && f.next_stripe < f.nstripes) want_big_.push_back(slot);
+    }
+  }
+
+  // Finds the data extents of a sparse source, so holes are neither read nor written.
+  void map_sparse(FileState& f) {
+    const FileTask& t = tasks_[f.task];
+    off_t pos = 0;
+    while (uint64_t(pos) < t.size) {
+      off_t d = ::lseek(f.src_fd, pos, SEEK_DATA);
+      if (d < 0) break;  // ENXIO: no data past pos (or SEEK_DATA unsupported: treat as dense)
+      off_t h = ::lseek(f.src_fd, d, SEEK_HOLE);
+      if (h < 0) h = off_t(t.size);
+      f.data.emplace_back(uint64_t(d), uint64_t(h));
+      pos = h;
+    }
+    if (errno == EINVAL && f.data.empty()) return;  // unsupported: copy densely
+    f.sparse = true;
+  }
+
+  void on_dst_open(uint32_t slot) {
+    FileState& f = files_[slot];
+    const FileTask& t = tasks_[f.task];
+    // Sizing the file first leaves the holes of a sparse source as holes.
+    if (!is_small(f) && ::ftruncate(f.dst_fd, off_t(t.size)) != 0)
+      return file_error(slot, Error::os(errno, "resize", dst_name(f, true)));
+    if (is_small(f)) {
+      if (f.small.read_done && f.small.len > 0) submit_write(slot, f.small, false, 0);
+    } else {
+      auto waiting = std::move(f.waiting_write);
+      f.waiting_write.clear();
+      for (uint32_t b : waiting) submit_write(slot, big_[b], true, b);
+    }
+    maybe_finish_stripes(slot);
+  }
+
+  void on_read(uint32_t slot, Stripe& s, bool big, uint32_t b, int64_t res) {
+    FileState& f = files_[slot];
+    if (error_) return release(slot, big, b);
+    if (res == -EINTR || res == -EAGAIN) return submit_read(slot, s, big, b);
+    if (res < 0) {
+      release(slot, big, b);
+      return file_error(slot, Error::os(int(-res), "read", src_name(f)));
+    }
+    if (res == 0 && s.got < s.len) {
+      release(slot, big, b);
+      return file_error(slot, changed(f, "is shorter than when it was listed"));
+    }
+    s.got += uint64_t(res);
+    if (s.got > s.len) {
+      release(slot, big, b);
+      return file_error(slot, changed(f, "grew while it was being copied"));
+    }
+    if (s.got < s.len) return submit_read(slot, s, big, b);
+    s.read_done = true;
+    files_[slot].digests[s.index] = hash::fl64(s.buf, s.len);
+    if (!opt_.write || s.len == 0) {
+      release(slot, big, b);
+      return stripe_finished(slot, s.len);
+    }
+    if (!f.dst_open) {
+      if (big) f.waiting_write.push_back(b);
+      return;  // written once the temporary is open
+    }
+    submit_write(slot, s, big, b);
+  }
+
+  void on_write(uint32_t slot, Stripe& s, bool big, uint32_t b, int64_t res) {
+    FileState& f = files_[slot];
+    if (error_) return release(slot, big, b);
+    if (res == -EINTR || res == -EAGAIN) return submit_write(slot, s, big, b);
+    if (res < 0) {
+      release(slot, big, b);
+      return file_error(slot, Error::os(int(-res), "write", dst_name(f, false)));
+    }
+    if (res == 0) {  // a zero-length write of a non-empty range would spin forever
+      release(slot, big, b);
+      return file_error(slot, Error::os(EIO, "write", dst_name(f, false)));
+    }
+    s.put += uint64_t(res);
+    if (s.put < s.len) return submit_write(slot, s, big, b);
+    uint64_t len = s.len;
+    release(slot, big, b);
+    stripe_finished(slot, len);
+  }
+
+  void release(uint32_t slot, bool big, uint32_t b) {
+    if (big) {
+      free_big_.push_back(b);
+      (void)slot;
+    }
+    if (error_) maybe_retire(slot);
+  }
+
+  void stripe_finished(uint32_t slot, uint64_t len) {
+    FileState& f = files_[slot];
+    ++f.stripes_done;
+    job_.bytes_done_.fetch_add(len, std::memory_order_relaxed);
+    if (!is_small(f) && f.active && f.next_stripe < f.nstripes &&
+        std::find(want_big_.begin(), want_big_.end(), slot) == want_big_.end())
+      want_big_.push_back(slot);
+    maybe_finish_stripes(slot);
+  }
+
+  // All stripes read (and written): set metadata and close.
+  void maybe_finish_stripes(uint32_t slot) {
+    FileState& f = files_[slot];
+    if (!f.active || f.closing || f.stripes_done < f.nstripes) return;
+    if (opt_.write && !f.dst_open) return;  // an empty or all-hole file: wait for the open
+    if (f.src_fd < 0) return;
+    const FileTask& t = tasks_[f.task];
+    if (opt_.write && !is_small(f)) {
+      // A big file rewritten in place keeps its size; its mtime gives it away.
+      struct stat st;
+      if (::fstat(f.src_fd, &st) == 0) {
+        int64_t m = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+        if (uint64_t(st.st_size) != t.size || m != t.mtime_ns)
+          return file_error(slot, changed(f, "was modified while it was being copied"));
+      }
+    }
+    if (opt_.write) {
+      timespec times[2];
+      times[0].tv_sec = time_t(t.mtime_ns / 1000000000);
+      times[0].tv_nsec = long(t.mtime_ns % 1000000000);
+      if (times[0].tv_nsec < 0) {
+        times[0].tv_nsec += 1000000000;
+        times[0].tv_sec -= 1;
+      }
+      times[1] = times[0];
+      if (::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
+        return file_error(slot, Error::os(errno, "set mode of", dst_name(f, true)));
+      if (::futimens(f.dst_fd, times) != 0)
+        return file_error(slot, Error::os(errno, "set times of", dst_name(f, true)));
+    }
+    f.closing = true;
+    close_fds(slot);
+  }
+
+  void close_fds(uint32_t slot) {
+    FileState& f = files_[slot];
+    f.closes = 0;
+    if (f.src_fd >= 0) {
+      push({.code = io::OpCode::kClose, .fd = f.src_fd}, slot, tag(slot, kCloseSrc));
+      f.src_fd = -1;
+      ++f.closes;
+    }
+    if (f.dst_fd >= 0) {
+      push({.code = io::OpCode::kClose, .fd = f.dst_fd}, slot, tag(slot, kCloseDst));
+      f.dst_fd = -1;
+      ++f.closes;
+    }
+    if (f.closes == 0) finish_file(slot);
+  }
+
+  // Called once both descriptors are closed. A file completed before another file's
+  // error is still renamed into place: it is whole, and the resume need not redo it.
+  void finish_file(uint32_t slot) {
+    FileState& f = files_[slot];
+    if (f.failed) return maybe_retire(slot);
+    const FileTask& t = tasks_[f.task];
+    if (opt_.write &&
+        ::renameat(dst_root_.get(), f.tmp_path.c_str(), dst_root_.get(), t.dst.c_str()) != 0)
+      return file_error(slot, Error::os(errno, "rename into place", dst_name(f, false)));
+    {
+      std::lock_guard lk(job_.mu_);
+      job_.done_.push_back(FileDone{f.task, std::move(f.digests)});
+    }
+    job_.files_done_.fetch_add(1, std::memory_order_relaxed);
+    f.active = false;
+    --active_;
+    free_files_.push_back(slot);
+  }
+
+  // ---- errors ------------------------------------------------------------------------
+
+  Error changed(const FileState& f, const std::string& what) {
+    return Error(ErrorKind::kSourceChanged, 0, "source file changed", src_name(f),
+                 "it " + what + "; stage again to pick up the new content");
+  }
+
+  std::string src_name(const FileState& f) const {
+    return join(job_.src_root_, tasks_[f.task].src);
+  }
+  std::string dst_name(const FileState& f, bool temporary) const {
+    return join(job_.dst_root_, temporary ? f.tmp_path : tasks_[f.task].dst);
+  }
+
+  void file_error(uint32_t slot, Error e) {
+    files_[slot].failed = true;
+    fail(std::move(e));
+    maybe_retire(slot);
+  }
+
+  void fail(Error e) {
+    if (!error_) error_ = std::move(e);
+  }
+
+  // After an error: once a file has nothing in flight, close its descriptors and remove
+  // its temporary, so the destination holds only complete files.
+  void maybe_retire(uint32_t slot) {
+    FileState& f = files_[slot];
+    if (!f.active || f.ops > 0) return;
+    if (f.src_fd >= 0) ::close(f.src_fd);
+    if (f.dst_fd >= 0) ::close(f.dst_fd);
+    f.src_fd = f.dst_fd = -1;
+    if (opt_.write && !f.tmp_path.empty()) ::unlinkat(dst_root_.get(), f.tmp_path.c_str(), 0);
+    f.active = false;
+    --active_;
+  }
+
+  void cleanup_after_error() {
+    for (uint32_t i = 0; i < files_.size(); ++i) {
+      files_[i].ops = 0;  // the engine has drained: nothing is in flight any more
+      maybe_retire(i);
+    }
+  }
+
+  CopyJob& job_;
+  const CopyOptions& opt_;
+  const std::vector<FileTask>& tasks_;
+  io::Engine* eng_ = nullptr;
+  UniqueFd src_root_;
+  UniqueFd dst_root_;
+  void* region_ = MAP_FAILED;
+  size_t region_size_ = 0;
+  char* small_base_ = nullptr;
+  char* big_base_ = nullptr;
+  size_t small_size_ = 0, big_size_ = 0, small_stride_ = 0, big_stride_ = 0;
+  bool fixed_ = false;
+  std::vector<FileState> files_;
+  std::deque<uint32_t> free_files_;
+  std::vector<Stripe> big_;
+  std::deque<uint32_t> free_big_;
+  std::deque<uint32_t> want_big_;
+  size_t next_task_ = 0;
+  size_t active_ = 0;
+  std::optional<Error> error_;
+};
+
+CopyJob::CopyJob(std::string src_root, std::string dst_root, std::vector<FileTask> tasks,
+                 CopyOptions options)
+    : src_root_(std::move(src_root)),
+      dst_root_(std::move(dst_root)),
+      tasks_(std::move(tasks)),
+      opt_(options) {
+  for (const auto& t : tasks_) bytes_total_ += t.size;
+}
+
+CopyJob::~CopyJob() {
+  if (thread_.joinable()) {
+    cancel();
+    thread_.join();
+  }
+}
+
+void CopyJob::run() {
+  try {
+    int err = 0;
+    auto engine = io::make_engine(opt_.engine, &err);
+    if (!engine) throw Error::os(-err, "start the I/O engine", "");
+    {
+      std::lock_guard lk(mu_);
+      engine_name_ = engine->name();
+      started_ = true;
+    }
+    cv_.notify_all();
+    Runner(*this).run(*engine);
+  } catch (const Error& e) {
+    std::lock_guard lk(mu_);
+    error_ = e;
+  } catch (const std::exception& e) {
+    std::lock_guard lk(mu_);
+    error_ = Error(ErrorKind::kOs, EIO, "internal error", dst_root_, e.what());
+  }
+  {
+    std::lock_guard lk(mu_);
+    started_ = finished_ = true;
+  }
+  cv_.notify_all();
+}
+
+void CopyJob::start() {
+  thread_ = std::thread([this] { run(); });
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return started_; });
+}
+
+bool CopyJob::wait(int timeout_ms) {
+  std::unique_lock lk(mu_);
+  if (!cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return finished_; }))
+    return false;
+  lk.unlock();
+  if (thread_.joinable()) thread_.join();
+  return true;
+}
+
+void CopyJob::rethrow() const {
+  std::lock_guard lk(mu_);
+  if (error_) throw *error_;
+}
+
+std::vector<FileDone> CopyJob::take_done() {
+  std::lock_guard lk(mu_);
+  return std::exchange(done_, {});
+}
+
+std::string CopyJob::engine_name() const {
+  std::lock_guard lk(mu_);
+  return engine_name_;
+}
+
+}  // namespace fastload::copy

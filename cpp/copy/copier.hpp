@@ -1,0 +1,109 @@
+// The copier: many files in flight, big files in stripes, digests on the way.
+//
+// One thread (the job's) drives an io::Engine. Each admitted file goes through
+//   open src (+ open a hidden temporary in the destination) -> stripes of
+//   read -> digest -> write at the same offset -> fchmod/futimens -> close -> rename
+// and up to `files_in_flight` files advance at once, so on network storage the
+// per-file round trips overlap. A file larger than the small-buffer size is split into
+// stripes read in parallel (up to `big_buffers` stripes in flight across all files), so
+// one large file on a striped file system is read at a high queue depth.
+//
+// A file appears at its final path only after every byte was written and its
+// metadata set (rename of the temporary). The last read of each file asks for one byte
+// more than expected, so a file that grew is noticed without an extra round trip.
+//
+// With write == false the job only reads and digests (verify()).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/cancel.hpp"
+#include "common/error.hpp"
+#include "io/engine.hpp"
+
+namespace fastload::copy {
+
+struct FileTask {
+  std::string src;  // relative to the source root
+  std::string dst;  // relative to the destination root (unused when !write)
+  uint64_t size = 0;
+  uint64_t blocks = 0;  // 512-byte blocks allocated in the source (sparse hint)
+  uint32_t mode = 0644;
+  int64_t mtime_ns = 0;
+};
+
+struct CopyOptions {
+  io::EngineOptions engine;
+  uint64_t stripe_size = 4u << 20;  // also the digest chunk size
+  uint64_t small_size = 256u << 10; // files below this use one small buffer
+  unsigned files_in_flight = 64;
+  unsigned big_buffers = 16;
+  bool write = true;
+};
+
+struct FileDone {
+  uint32_t index;                // into the task list
+  std::vector<uint64_t> digests; // one per stripe_size chunk (one for an empty file)
+};
+
+// Name of the hidden temporary a file is written to before it is renamed into place.
+std::string temp_name(const std::string& rel_path);
+
+class CopyJob {
+ public:
+  CopyJob(std::string src_root, std::string dst_root, std::vector<FileTask> tasks,
+          CopyOptions options);
+  ~CopyJob();
+  CopyJob(const CopyJob&) = delete;
+  CopyJob& operator=(const CopyJob&) = delete;
+
+  // Runs on a background thread. Returns once the engine exists (or failed to start,
+  // in which case the error is thrown by wait()/rethrow()).
+  void start();
+  // Waits up to timeout_ms; true once the job has finished (successfully or not).
+  bool wait(int timeout_ms);
+  // Asks the job to stop; it finishes the operations in flight and removes temporaries.
+  void cancel() { cancel_.cancel(); }
+  // Throws the job's error, if it failed.
+  void rethrow() const;
+  // Runs the whole job on the calling thread (tests, and start()'s thread).
+  void run();
+
+  std::vector<FileDone> take_done();
+  uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_relaxed); }
+  uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
+  uint64_t bytes_total() const { return bytes_total_; }
+  uint64_t files_total() const { return tasks_.size(); }
+  std::string engine_name() const;
+
+ private:
+  friend class Runner;
+  std::string src_root_;
+  std::string dst_root_;
+  std::vector<FileTask> tasks_;
+  CopyOptions opt_;
+  uint64_t bytes_total_ = 0;
+  CancelToken cancel_;
+  std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<uint64_t> files_done_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool started_ = false;
+  bool finished_ = false;
+  std::string engine_name_;
+  std::optional<Error> error_;
+  std::vector<FileDone> done_;
+  std::thread thread_;
+};
+
+}  // namespace fastload::copy

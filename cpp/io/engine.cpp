@@ -1,0 +1,94 @@
+#include "io/engine.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "io/faults.hpp"
+#include "io/pread_pool.hpp"
+#include "io/uring.hpp"
+
+namespace fastload::io {
+
+namespace {
+
+bool iequals(const std::string& a, const char* b) {
+  size_t i = 0;
+  for (; i < a.size() && b[i]; ++i) {
+    char c = a[i];
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+    if (c != b[i]) return false;
+  }
+  return i == a.size() && b[i] == '\0';
+}
+
+const char* env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+}  // namespace
+
+bool parse_kind(const std::string& text, Kind* kind) {
+  if (iequals(text, "auto")) *kind = Kind::kAuto;
+  else if (iequals(text, "uring") || iequals(text, "io_uring")) *kind = Kind::kUring;
+  else if (iequals(text, "pread")) *kind = Kind::kPread;
+  else return false;
+  return true;
+}
+
+bool uring_available() {
+  // A function-local static is initialised once, thread-safely; the answer cannot
+  // change during the life of the process (seccomp filters are never relaxed).
+  static const bool available = [] {
+    int err = 0;
+    return UringEngine::create(4, &err) != nullptr;
+  }();
+  return available;
+}
+
+std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
+  int dummy;
+  if (!err) err = &dummy;
+  Kind kind = options.kind;
+  FaultSpec faults;
+  bool inject = false;
+  if (options.honour_env) {
+    // A malformed variable is an error, not silently "auto": a test that asked for
+    // faults or a backend must not pass by running something else.
+    if (const char* e = env_value("FASTLOAD_ENGINE"); e && kind == Kind::kAuto) {
+      if (!parse_kind(e, &kind)) {
+        *err = -EINVAL;
+        return nullptr;
+      }
+    }
+    if (const char* f = env_value("FASTLOAD_FAULTS")) {
+      if (!parse_fault_spec(f, &faults)) {
+        *err = -EINVAL;
+        return nullptr;
+      }
+      inject = true;
+    }
+  }
+
+  std::unique_ptr<Engine> engine;
+  switch (kind) {
+    case Kind::kUring:
+      engine = UringEngine::create(options.depth, err);
+      break;
+    case Kind::kPread:
+      engine = PreadPool::create(options.depth, options.threads, err);
+      break;
+    case Kind::kAuto:
+      // Any io_uring failure (ENOSYS, EPERM/EACCES from seccomp or
+      // kernel.io_uring_disabled, ENOMEM from memlock accounting...) means the pool.
+      if (uring_available()) engine = UringEngine::create(options.depth, err);
+      if (!engine) engine = PreadPool::create(options.depth, options.threads, err);
+      break;
+  }
+  if (!engine) return nullptr;
+  if (inject) engine = wrap_with_faults(std::move(engine), faults);
+  *err = 0;
+  return engine;
+}
+
+}  // namespace fastload::io

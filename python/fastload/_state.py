@@ -1,0 +1,139 @@
+"""What staging keeps beside a destination: the node lock, the journal, the manifest.
+
+For a destination ``/tmp/x/imagenet`` they are ``/tmp/x/.imagenet.fastload.lock`` and the
+directory ``/tmp/x/.imagenet.fastload/`` (``manifest.json``, ``journal.jsonl``), so the
+dataset directory itself holds nothing but the data (an ``ImageFolder`` would take a
+hidden directory inside it for a class).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+MANIFEST_VERSION = 1
+
+
+def state_dir(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.fastload"
+
+
+def lock_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.fastload.lock"
+
+
+@contextlib.contextmanager
+def node_lock(dst: Path) -> Iterator[None]:
+    """Holds an exclusive fcntl lock beside ``dst`` for the duration of the block.
+
+    The lock lives in the destination's parent, which is node-local, so it serialises
+    the processes of one node; the kernel drops it when its holder dies, so a waiter
+    takes over from a killed stager. Waiting is interruptible (Ctrl-C).
+    """
+    path = lock_path(dst)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Writes to a temporary, fsyncs it, renames it over ``path`` and fsyncs the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_manifest(dst: Path) -> Optional[dict[str, Any]]:
+    path = state_dir(dst) / "manifest.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # unreadable or torn: treated as absent, the stage redoes what it must
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+        return None
+    return data
+
+
+class Journal:
+    """Files known to be complete at their final path, appended as they finish.
+
+    A record is written only after the data it describes was flushed to disk (syncfs),
+    so after a power loss every journalled file is whole; a file finished but not yet
+    journalled is simply copied again.
+    """
+
+    def __init__(self, dst: Path, chunk_size: int) -> None:
+        self.path = state_dir(dst) / "journal.jsonl"
+        self.chunk_size = chunk_size
+        self._f: Optional[Any] = None
+
+    def load(self) -> dict[str, tuple[int, int, int, str]]:
+        """path -> (size, mtime_ns, mode, digests_hex) of the previous, interrupted run."""
+        out: dict[str, tuple[int, int, int, str]] = {}
+        try:
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return out
+        if not lines:
+            return out
+        try:
+            header = json.loads(lines[0])
+        except ValueError:
+            return out
+        if not isinstance(header, dict) or header.get("chunk_size") != self.chunk_size:
+            return out
+        for line in lines[1:]:
+            try:
+                p, size, mtime, mode, digests = json.loads(line)
+            except ValueError:
+                break  # a torn last line: everything before it is good
+            out[p] = (size, mtime, mode, digests)
+        return out
+
+    def open(self, keep: dict[str, tuple[int, int, int, str]]) -> None:
+        """Starts a fresh journal holding ``keep`` (what is already known to be done)."""
+        self.path.parent.mkdir(exist_ok=True)
+        tmp = self.path.with_name("journal.jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"chunk_size": self.chunk_size}) + "\n")
+            for p, rec in keep.items():
+                f.write(json.dumps([p, *rec]) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def append(self, records: list[tuple[str, int, int, int, str]]) -> None:
+        assert self._f is not None
+        self._f.write("".join(json.dumps(list(r)) + "\n" for r in records))
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def remove(self) -> None:
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

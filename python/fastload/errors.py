@@ -1,0 +1,128 @@
+"""fastload's exceptions.
+
+They subclass the built-in exceptions a caller would catch anyway: a missing source is a
+``FileNotFoundError`` (and a :class:`StageError`), a full disk an ``OSError`` with
+``errno.ENOSPC``, a malformed archive a ``ValueError``. Native errors are turned into these
+once, at the boundary, by :func:`from_native`, keeping errno, operation and path.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import Optional
+
+__all__ = [
+    "ChecksumMismatchError",
+    "FastloadError",
+    "IndexFormatError",
+    "NotEnoughSpaceError",
+    "SourceChangedError",
+    "StageError",
+    "TarFormatError",
+    "UnsafeArchiveError",
+    "UnsupportedFileError",
+    "from_native",
+]
+
+
+class FastloadError(Exception):
+    """Base class of every error fastload raises on purpose."""
+
+
+class StageError(OSError, FastloadError):
+    """Staging failed on a path; ``errno`` and ``filename`` say why and where."""
+
+    def __str__(self) -> str:
+        if len(self.args) >= 2 and isinstance(self.args[1], str):
+            return self.args[1]
+        return super().__str__()
+
+
+class NotEnoughSpaceError(StageError):
+    """The destination's file system has less free space than the data needs."""
+
+    def __init__(self, message: str, *, path: str, needed: int, free: int) -> None:
+        super().__init__(_errno.ENOSPC, message)
+        self.filename = path
+        self.needed = needed
+        self.free = free
+
+
+class SourceChangedError(StageError):
+    """A source file changed (size or content) while it was being staged."""
+
+
+class UnsupportedFileError(StageError):
+    """A device, FIFO, socket, or symlink leaving the tree, which staging refuses."""
+
+
+class UnsafeArchiveError(StageError):
+    """An archive member would be written outside the destination."""
+
+
+class ChecksumMismatchError(StageError):
+    """The data does not match the checksum it was published with."""
+
+
+class TarFormatError(ValueError, FastloadError):
+    """A tar archive is malformed or uses a feature fastload does not support."""
+
+
+class IndexFormatError(ValueError, FastloadError):
+    """A shard index is corrupt, of an unknown version, or stale."""
+
+
+# errno -> the built-in OSError subclass Python itself would raise for it.
+_BUILTIN_FOR_ERRNO: dict[int, type[OSError]] = {
+    _errno.ENOENT: FileNotFoundError,
+    _errno.EACCES: PermissionError,
+    _errno.EPERM: PermissionError,
+    _errno.EEXIST: FileExistsError,
+    _errno.EISDIR: IsADirectoryError,
+    _errno.ENOTDIR: NotADirectoryError,
+}
+_combined: dict[tuple[type[StageError], type[OSError]], type[StageError]] = {}
+
+
+def _class_for(base: type[StageError], err: int) -> type[StageError]:
+    builtin = _BUILTIN_FOR_ERRNO.get(err)
+    if builtin is None:
+        return base
+    key = (base, builtin)
+    if key not in _combined:
+        name = builtin.__name__.replace("Error", "") + base.__name__
+        _combined[key] = type(name, (base, builtin), {"__module__": __name__})
+    return _combined[key]
+
+
+def stage_error(
+    err: int,
+    message: str,
+    path: Optional[str] = None,
+    base: type[StageError] = StageError,
+) -> StageError:
+    """Builds a StageError (or a subclass) that is also the built-in for ``err``."""
+    exc = _class_for(base, err)(err, message)
+    exc.filename = path
+    return exc
+
+
+_KINDS: dict[str, type[StageError]] = {
+    "os": StageError,
+    "source_changed": SourceChangedError,
+    "unsupported": UnsupportedFileError,
+    "unsafe": UnsafeArchiveError,
+}
+
+
+def from_native(kind: str, err: int, op: str, path: str, message: str) -> Exception:
+    """Called by the native module to turn a C++ error into the right exception."""
+    if kind == "format":
+        exc = TarFormatError(message)
+        exc.path = path  # type: ignore[attr-defined]
+        return exc
+    if kind == "no_space":
+        return NotEnoughSpaceError(message, path=path, needed=0, free=0)
+    if err <= 0:
+        err = _errno.EINVAL if kind in ("unsupported", "unsafe") else _errno.EIO
+    return stage_error(err, message, path or None, _KINDS.get(kind, StageError))

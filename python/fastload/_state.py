@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 MANIFEST_VERSION = 1
 
@@ -59,7 +59,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         os.close(dfd)
 
 
-def read_manifest(dst: Path) -> Optional[dict[str, Any]]:
+def read_manifest(dst: Path) -> dict[str, Any] | None:
     path = state_dir(dst) / "manifest.json"
     try:
         with open(path, encoding="utf-8") as f:
@@ -84,7 +84,7 @@ class Journal:
     def __init__(self, dst: Path, chunk_size: int) -> None:
         self.path = state_dir(dst) / "journal.jsonl"
         self.chunk_size = chunk_size
-        self._f: Optional[Any] = None
+        self._f: Any | None = None
 
     def load(self) -> dict[str, tuple[int, int, int, str]]:
         """path -> (size, mtime_ns, mode, digests_hex) of the previous, interrupted run."""
@@ -121,7 +121,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def append(self, records: list[tuple[str, int, int, int, str]]) -> None:
         assert self._f is not None

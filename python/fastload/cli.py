@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 from . import __version__
 from .errors import FastloadError
 from .stage import _human, stage, verify
+
+
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="show a progress bar (default: when stderr is a terminal)",
+    )
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _want_progress(args: argparse.Namespace) -> bool:
+    return sys.stderr.isatty() if args.progress is None else bool(args.progress)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,48 +32,76 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fastload {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("stage", help="copy a file or tree to node-local disk",
-                       description="Copy SRC (a file or a directory) to DST, resumably; a "
-                       "second run of an unchanged source returns at once.")
+    s = sub.add_parser(
+        "stage",
+        help="copy a file or tree to node-local disk",
+        description="Copy SRC (a file or a directory) to DST, resumably; a "
+        "second run of an unchanged source returns at once.",
+    )
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--include", action="append", default=None, metavar="GLOB",
-                   help="only paths matching GLOB (repeatable)")
-    s.add_argument("--exclude", action="append", default=None, metavar="GLOB",
-                   help="leave out paths matching GLOB (repeatable)")
+    s.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="only paths matching GLOB (repeatable)",
+    )
+    s.add_argument(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="leave out paths matching GLOB (repeatable)",
+    )
     s.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
     s.add_argument("--workers", type=int, default=None, help="files in flight (default 64)")
     s.add_argument("--stripe-size", type=int, default=None, help="bytes per stripe of big files")
-    s.add_argument("--skip-special", action="store_true",
-                   help="skip devices, FIFOs, sockets and symlinks leaving the tree")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument(
+        "--skip-special",
+        action="store_true",
+        help="skip devices, FIFOs, sockets and symlinks leaving the tree",
+    )
+    _progress_flags(s)
 
     v = sub.add_parser("verify", help="re-read a staged tree and compare it with its manifest")
     v.add_argument("dst")
     v.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
-    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _progress_flags(v)
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "stage":
-            r = stage(args.src, args.dst, include=args.include, exclude=args.exclude,
-                      engine=args.engine, workers=args.workers, stripe_size=args.stripe_size,
-                      on_special="skip" if args.skip_special else "error",
-                      progress=not args.no_progress and sys.stderr.isatty() or None)
+            r = stage(
+                args.src,
+                args.dst,
+                include=args.include,
+                exclude=args.exclude,
+                engine=args.engine,
+                workers=args.workers,
+                stripe_size=args.stripe_size,
+                on_special="skip" if args.skip_special else "error",
+                progress=_want_progress(args),
+            )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {_human(r.bytes)})")
             else:
                 rate = r.copied_bytes / r.seconds if r.seconds > 0 else 0.0
-                print(f"{r.path}: staged {r.copied_files} of {r.files} files, "
-                      f"{_human(r.copied_bytes)} in {r.seconds:.2f} s ({_human(rate)}/s, "
-                      f"engine {r.engine})")
+                print(
+                    f"{r.path}: staged {r.copied_files} of {r.files} files, "
+                    f"{_human(r.copied_bytes)} in {r.seconds:.2f} s ({_human(rate)}/s, "
+                    f"engine {r.engine})"
+                )
             return 0
         if args.command == "verify":
-            res = verify(args.dst, engine=args.engine,
-                         progress=not args.no_progress and sys.stderr.isatty() or None)
+            res = verify(
+                args.dst,
+                engine=args.engine,
+                progress=_want_progress(args),
+            )
             for p in res.mismatched:
                 print(f"differs: {p}")
             for p in res.missing:
@@ -65,8 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if res.ok:
                 print(f"{res.path}: {res.files} files verified, all match")
                 return 0
-            print(f"{res.path}: {len(res.mismatched)} differ, {len(res.missing)} missing",
-                  file=sys.stderr)
+            print(
+                f"{res.path}: {len(res.mismatched)} differ, {len(res.missing)} missing",
+                file=sys.stderr,
+            )
             return 1
     except KeyboardInterrupt:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)

@@ -9,7 +9,6 @@ once, at the boundary, by :func:`from_native`, keeping errno, operation and path
 from __future__ import annotations
 
 import errno as _errno
-from typing import Optional
 
 __all__ = [
     "ChecksumMismatchError",
@@ -98,7 +97,7 @@ def _class_for(base: type[StageError], err: int) -> type[StageError]:
 def stage_error(
     err: int,
     message: str,
-    path: Optional[str] = None,
+    path: str | None = None,
     base: type[StageError] = StageError,
 ) -> StageError:
     """Builds a StageError (or a subclass) that is also the built-in for ``err``."""

@@ -19,7 +19,7 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Union
 
 from . import _core
 from ._state import (
@@ -113,7 +113,8 @@ def _mkdir_parent(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise stage_error(
-            e.errno or errno.EIO, f"cannot create destination directory '{path}': {e.strerror}",
+            e.errno or errno.EIO,
+            f"cannot create destination directory '{path}': {e.strerror}",
             str(path),
         ) from None
 
@@ -154,11 +155,19 @@ class _Bar:
         from tqdm.auto import tqdm
 
         self._bar = tqdm(
-            total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
-            desc=desc, dynamic_ncols=True, smoothing=0.1,
+            total=total,
+            initial=initial,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=desc,
+            dynamic_ncols=True,
+            smoothing=0.1,
         )
 
-    def __call__(self, bytes_done: int, bytes_total: int, files_done: int, files_total: int) -> None:
+    def __call__(
+        self, bytes_done: int, bytes_total: int, files_done: int, files_total: int
+    ) -> None:
         self._bar.n = bytes_done
         self._bar.set_postfix_str(f"{files_done}/{files_total} files", refresh=False)
         self._bar.refresh()
@@ -167,9 +176,9 @@ class _Bar:
         self._bar.close()
 
 
-def _progress_callback(progress: Progress, desc: str, total: int, initial: int) -> tuple[
-    Optional[ProgressCallback], Optional[_Bar]
-]:
+def _progress_callback(
+    progress: Progress, desc: str, total: int, initial: int
+) -> tuple[ProgressCallback | None, _Bar | None]:
     if progress is True:
         bar = _Bar(desc, total, initial)
         return bar, bar
@@ -181,7 +190,7 @@ def _progress_callback(progress: Progress, desc: str, total: int, initial: int) 
 def _run_job(
     job: Any,
     *,
-    on_progress: Optional[ProgressCallback],
+    on_progress: ProgressCallback | None,
     base_bytes: int,
     base_files: int,
     total_bytes: int,
@@ -193,8 +202,9 @@ def _run_job(
 
     def report() -> None:
         if on_progress is not None:
-            on_progress(base_bytes + job.bytes_done, total_bytes, base_files + job.files_done,
-                        total_files)
+            on_progress(
+                base_bytes + job.bytes_done, total_bytes, base_files + job.files_done, total_files
+            )
 
     try:
         while not job.wait(_POLL_MS):
@@ -215,7 +225,7 @@ def _run_job(
     report()
 
 
-def _job_kwargs(engine: str, workers: Optional[int], stripe_size: int) -> dict[str, Any]:
+def _job_kwargs(engine: str, workers: int | None, stripe_size: int) -> dict[str, Any]:
     files_in_flight = max(1, workers or DEFAULT_FILES_IN_FLIGHT)
     big = DEFAULT_BIG_BUFFERS
     return {
@@ -236,8 +246,8 @@ def stage(
     exclude: Patterns = None,
     engine: str = "auto",
     progress: Progress = None,
-    workers: Optional[int] = None,
-    stripe_size: Optional[int] = None,
+    workers: int | None = None,
+    stripe_size: int | None = None,
     on_special: Literal["error", "skip"] = "error",
     check_source: bool = True,
 ) -> StageResult:
@@ -275,7 +285,9 @@ def stage(
         raise ValueError(f"on_special must be 'error' or 'skip', not {on_special!r}")
     stripe = int(stripe_size or DEFAULT_STRIPE)
     if not 4096 <= stripe <= 1 << 30 or stripe % 4096:
-        raise ValueError(f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}")
+        raise ValueError(
+            f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}"
+        )
     src_path = Path(os.fspath(src))
     dst_path = Path(os.fspath(dst))
     if not os.path.lexists(src_path):
@@ -283,39 +295,61 @@ def stage(
     src_abs = Path(os.path.realpath(src_path))
     is_file = src_abs.is_file()
     if not is_file and not src_abs.is_dir():
-        raise stage_error(errno.EINVAL, f"source '{src_path}' is not a regular file or a directory",
-                          str(src_path))
+        raise stage_error(
+            errno.EINVAL, f"source '{src_path}' is not a regular file or a directory", str(src_path)
+        )
     if is_file and dst_path.is_dir():
         dst_path = dst_path / src_abs.name
     dst_abs = Path(os.path.abspath(dst_path))
     dst_real = Path(os.path.realpath(dst_abs.parent)) / dst_abs.name
     if dst_real == src_abs or src_abs in dst_real.parents:
-        raise stage_error(errno.EINVAL,
-                          f"destination '{dst_path}' is inside the source '{src_path}'",
-                          str(dst_path))
+        raise stage_error(
+            errno.EINVAL,
+            f"destination '{dst_path}' is inside the source '{src_path}'",
+            str(dst_path),
+        )
     if not is_file and dst_abs.exists() and not dst_abs.is_dir():
-        raise stage_error(errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory",
-                          str(dst_path))
+        raise stage_error(
+            errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory", str(dst_path)
+        )
     _mkdir_parent(dst_abs.parent)
-    options = {"include": _patterns(include), "exclude": _patterns(exclude),
-               "on_special": on_special, "file": is_file}
+    options = {
+        "include": _patterns(include),
+        "exclude": _patterns(exclude),
+        "on_special": on_special,
+        "file": is_file,
+    }
 
     with node_lock(dst_abs):
         old = read_manifest(dst_abs)
-        same_request = (old is not None and old.get("complete") and old.get("source") == str(src_abs)
-                        and old.get("options") == options and os.path.lexists(dst_abs))
+        same_request = (
+            old is not None
+            and old.get("complete")
+            and old.get("source") == str(src_abs)
+            and old.get("options") == options
+            and os.path.lexists(dst_abs)
+        )
         if same_request and not check_source:
             assert old is not None
-            return StageResult(dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0,
-                               "none", True)
-        return _stage_locked(src_abs, dst_abs, is_file, options, old, engine, progress, workers,
-                             stripe, t0)
+            return StageResult(
+                dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
+            )
+        return _stage_locked(
+            src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0
+        )
 
 
 def _stage_locked(
-    src_abs: Path, dst_abs: Path, is_file: bool, options: dict[str, Any],
-    old: Optional[dict[str, Any]], engine: str, progress: Progress, workers: Optional[int],
-    stripe: int, t0: float,
+    src_abs: Path,
+    dst_abs: Path,
+    is_file: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    progress: Progress,
+    workers: int | None,
+    stripe: int,
+    t0: float,
 ) -> StageResult:
     threads = min(64, max(8, (workers or DEFAULT_FILES_IN_FLIGHT)))
     if is_file:
@@ -325,16 +359,25 @@ def _stage_locked(
         src_names = [src_abs.name]
     else:
         src_root, dst_root = src_abs, dst_abs
-        tree = _core.walk(str(src_abs), options["include"], options["exclude"],
-                          options["on_special"] == "skip", threads)
+        tree = _core.walk(
+            str(src_abs),
+            options["include"],
+            options["exclude"],
+            options["on_special"] == "skip",
+            threads,
+        )
         entries = tree.entries()
         src_names = [e[0] for e in entries if e[1] == _FILE]
     fingerprint = _fingerprint(str(src_abs), entries, {**options, "chunk": stripe})
     files = [e for e in entries if e[1] == _FILE]
     total_bytes = sum(e[2] for e in files)
 
-    if (old is not None and old.get("complete") and old.get("fingerprint") == fingerprint
-            and os.path.lexists(dst_abs)):
+    if (
+        old is not None
+        and old.get("complete")
+        and old.get("fingerprint") == fingerprint
+        and os.path.lexists(dst_abs)
+    ):
         return StageResult(dst_abs, len(files), total_bytes, time.monotonic() - t0, "none", True)
 
     # What is already in place: from the interrupted run's journal, or from the previous
@@ -343,14 +386,19 @@ def _stage_locked(
     known = journal.load()
     if old is not None and old.get("chunk_size") == stripe:
         for p, rec in old.get("files", {}).items():
-            known.setdefault(p, tuple(rec))  # type: ignore[arg-type]
+            known.setdefault(p, (rec[0], rec[1], rec[2], rec[3]))
     done: dict[str, tuple[int, int, int, str]] = {}
     todo: list[int] = []
     for i, e in enumerate(files):
         path, _, size, _, mode, mtime = e[0], e[1], e[2], e[3], e[4], e[5]
         rec = known.get(path)
-        if (rec is not None and rec[0] == size and rec[1] == mtime and rec[2] == mode
-                and _quick_same(dst_root / path, size, mtime)):
+        if (
+            rec is not None
+            and rec[0] == size
+            and rec[1] == mtime
+            and rec[2] == mode
+            and _quick_same(dst_root / path, size, mtime)
+        ):
             done[path] = rec
         else:
             todo.append(i)
@@ -384,11 +432,16 @@ def _stage_locked(
             d.mkdir(exist_ok=True)
             _ensure_writable(d)
     except OSError as err:
-        raise stage_error(err.errno or errno.EIO, f"cannot create directory '{err.filename}': "
-                          f"{err.strerror}", err.filename) from None
+        raise stage_error(
+            err.errno or errno.EIO,
+            f"cannot create directory '{err.filename}': {err.strerror}",
+            err.filename,
+        ) from None
 
     journal.open(done)
-    on_progress, bar = _progress_callback(progress, f"stage {src_abs.name}", total_bytes, done_bytes)
+    on_progress, bar = _progress_callback(
+        progress, f"stage {src_abs.name}", total_bytes, done_bytes
+    )
     copied_files = copied_bytes = 0
     last_sync = time.monotonic()
     pending: list[tuple[str, int, int, int, str]] = []
@@ -414,17 +467,27 @@ def _stage_locked(
     try:
         if todo:
             job = _core.CopyJob(
-                str(src_root), str(dst_root),
+                str(src_root),
+                str(dst_root),
                 [src_names[i] for i in todo] if not is_file else src_names,
                 [files[i][0] for i in todo],
-                [files[i][2] for i in todo], [files[i][3] for i in todo],
-                [files[i][4] for i in todo], [files[i][5] for i in todo],
+                [files[i][2] for i in todo],
+                [files[i][3] for i in todo],
+                [files[i][4] for i in todo],
+                [files[i][5] for i in todo],
                 **_job_kwargs(engine, workers, stripe),
             )
             job.start()
             engine_name = job.engine
-            _run_job(job, on_progress=on_progress, base_bytes=done_bytes, base_files=len(done),
-                     total_bytes=total_bytes, total_files=len(files), on_done=on_done)
+            _run_job(
+                job,
+                on_progress=on_progress,
+                base_bytes=done_bytes,
+                base_files=len(done),
+                total_bytes=total_bytes,
+                total_files=len(files),
+                on_done=on_done,
+            )
         elif on_progress is not None:
             on_progress(total_bytes, total_bytes, len(files), len(files))
         _finish_tree(src_abs, dst_abs, dst_root, entries, is_file)
@@ -453,8 +516,16 @@ def _stage_locked(
     }
     write_json_atomic(state_dir(dst_abs) / "manifest.json", manifest)
     journal.remove()
-    return StageResult(dst_abs, len(files), total_bytes, time.monotonic() - t0, engine_name, False,
-                       copied_files, copied_bytes)
+    return StageResult(
+        dst_abs,
+        len(files),
+        total_bytes,
+        time.monotonic() - t0,
+        engine_name,
+        False,
+        copied_files,
+        copied_bytes,
+    )
 
 
 def _ensure_writable(d: Path) -> None:
@@ -465,8 +536,9 @@ def _ensure_writable(d: Path) -> None:
         os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
 
 
-def _finish_tree(src_abs: Path, dst_abs: Path, dst_root: Path, entries: list[tuple[Any, ...]],
-                 is_file: bool) -> None:
+def _finish_tree(
+    src_abs: Path, dst_abs: Path, dst_root: Path, entries: list[tuple[Any, ...]], is_file: bool
+) -> None:
     """Symlinks, then directory modes and times, deepest first (so setting a directory's
     time is not undone by creating something inside it)."""
     try:
@@ -480,15 +552,19 @@ def _finish_tree(src_abs: Path, dst_abs: Path, dst_root: Path, entries: list[tup
             else:
                 if os.path.lexists(link):
                     if os.path.isdir(link) and not os.path.islink(link):
-                        raise stage_error(errno.EISDIR, f"cannot replace directory '{link}' "
-                                          "with a symbolic link", str(link))
+                        raise stage_error(
+                            errno.EISDIR,
+                            f"cannot replace directory '{link}' with a symbolic link",
+                            str(link),
+                        )
                     link.unlink()
                 os.symlink(target, link)
             os.utime(link, ns=(e[5], e[5]), follow_symlinks=False)
         if is_file:
             return
-        dirs = sorted((e for e in entries if e[1] == _DIR), key=lambda e: e[0].count("/"),
-                      reverse=True)
+        dirs = sorted(
+            (e for e in entries if e[1] == _DIR), key=lambda e: e[0].count("/"), reverse=True
+        )
         for e in dirs:
             d = dst_root / e[0]
             os.chmod(d, e[4])
@@ -499,12 +575,14 @@ def _finish_tree(src_abs: Path, dst_abs: Path, dst_root: Path, entries: list[tup
     except StageError:
         raise
     except OSError as err:
-        raise stage_error(err.errno or errno.EIO, f"cannot finish '{err.filename}': {err.strerror}",
-                          err.filename) from None
+        raise stage_error(
+            err.errno or errno.EIO, f"cannot finish '{err.filename}': {err.strerror}", err.filename
+        ) from None
 
 
-def verify(dst: PathLike, *, engine: str = "auto", workers: Optional[int] = None,
-           progress: Progress = None) -> VerifyResult:
+def verify(
+    dst: PathLike, *, engine: str = "auto", workers: int | None = None, progress: Progress = None
+) -> VerifyResult:
     """Re-reads a staged file or tree and compares every chunk with its manifest.
 
     Returns a :class:`VerifyResult` naming every file that differs or is missing.
@@ -513,8 +591,12 @@ def verify(dst: PathLike, *, engine: str = "auto", workers: Optional[int] = None
     dst_abs = Path(os.path.abspath(os.fspath(dst)))
     manifest = read_manifest(dst_abs)
     if manifest is None or not manifest.get("complete"):
-        raise stage_error(errno.ENOENT, f"'{dst}' has no fastload manifest: it was not staged "
-                          "by fastload, or its staging did not finish", str(dst))
+        raise stage_error(
+            errno.ENOENT,
+            f"'{dst}' has no fastload manifest: it was not staged "
+            "by fastload, or its staging did not finish",
+            str(dst),
+        )
     root = dst_abs.parent if manifest["kind"] == "file" else dst_abs
     stripe = int(manifest["chunk_size"])
     mismatched: list[str] = []
@@ -542,9 +624,17 @@ def verify(dst: PathLike, *, engine: str = "auto", workers: Optional[int] = None
             mismatched.append(p)
     total = sum(sizes)
     if names:
-        job = _core.CopyJob(str(root), "", names, None, sizes, [(s + 511) // 512 for s in sizes],
-                            [0o644] * len(names), [0] * len(names),
-                            **_job_kwargs(engine, workers, stripe))
+        job = _core.CopyJob(
+            str(root),
+            "",
+            names,
+            None,
+            sizes,
+            [(s + 511) // 512 for s in sizes],
+            [0o644] * len(names),
+            [0] * len(names),
+            **_job_kwargs(engine, workers, stripe),
+        )
         on_progress, bar = _progress_callback(progress, f"verify {dst_abs.name}", total, 0)
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
@@ -554,10 +644,18 @@ def verify(dst: PathLike, *, engine: str = "auto", workers: Optional[int] = None
 
         job.start()
         try:
-            _run_job(job, on_progress=on_progress, base_bytes=0, base_files=0, total_bytes=total,
-                     total_files=len(names), on_done=on_done)
+            _run_job(
+                job,
+                on_progress=on_progress,
+                base_bytes=0,
+                base_files=0,
+                total_bytes=total,
+                total_files=len(names),
+                on_done=on_done,
+            )
         finally:
             if bar is not None:
                 bar.close()
-    return VerifyResult(dst_abs, len(manifest["files"]), int(manifest["bytes"]),
-                        sorted(mismatched), sorted(missing))
+    return VerifyResult(
+        dst_abs, len(manifest["files"]), int(manifest["bytes"]), sorted(mismatched), sorted(missing)
+    )

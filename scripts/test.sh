@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Sets up everything from scratch and runs every test: lint, types, the Python suite on
+# both I/O backends, the native tests and the Python suite again under ASan+UBSan, and
+# the benchmarks once at a small size with timing off. CI (.ci/run) runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${FASTLOAD_VENV:-.venv}
+JOBS=${JOBS:-2}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "system tools (best effort: rsync and fuse3 for the peer and netsim benchmarks)"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=""
+  command -v rsync >/dev/null || missing="$missing rsync"
+  command -v fusermount3 >/dev/null || missing="$missing fuse3 libfuse3-dev pkg-config"
+  if [ -n "$missing" ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing) \
+      >/dev/null 2>&1 || echo "could not install:$missing (their benchmarks will skip)"
+  fi
+fi
+
+step "virtual environment $VENV and the package (warnings are errors)"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+FASTLOAD_WERROR=1 "$VENV/bin/python" -m pip install -q ".[test]"
+
+step "ruff and mypy"
+"$VENV/bin/python" -m ruff check python tests benchmarks
+"$VENV/bin/python" -m mypy
+
+step "pytest (every test runs on each available I/O backend)"
+# Run from tests/ so the installed package is imported, not python/fastload.
+"$VENV/bin/python" -m pytest -q tests
+
+step "native tests and the Python suite under AddressSanitizer + UndefinedBehaviorSanitizer"
+PYBIND11_DIR=$("$VENV/bin/python" -c 'import pybind11; print(pybind11.get_cmake_dir())' 2>/dev/null \
+  || { "$VENV/bin/python" -m pip install -q pybind11 && "$VENV/bin/python" -c 'import pybind11; print(pybind11.get_cmake_dir())'; })
+cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFASTLOAD_SANITIZE=ON \
+  -DFASTLOAD_WERROR=ON -DFASTLOAD_NATIVE_TESTS=ON -Dpybind11_DIR="$PYBIND11_DIR" \
+  -DPython_EXECUTABLE="$(cd "$VENV/bin" && pwd)/python" >/dev/null
+cmake --build build/asan -j"$JOBS"
+ctest --test-dir build/asan --output-on-failure
+rm -rf build/asan/pkg && mkdir -p build/asan/pkg/fastload
+cp -r python/fastload/. build/asan/pkg/fastload/
+cp build/asan/_core*.so build/asan/pkg/fastload/
+ASAN_LIB=$(gcc -print-file-name=libasan.so)
+UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
+# Python itself leaks by design at exit; leak checking is for the native tests above.
+LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=build/asan/pkg \
+  FASTLOAD_TEST_SANITIZED=1 "$VENV/bin/python" -m pytest -q -m native -p no:cacheprovider tests
+
+step "benchmarks, once, small, timing off"
+FASTLOAD_BENCH_SCALE=small "$VENV/bin/python" -m pytest -q benchmarks --benchmark-disable
+
+step "all tests passed"

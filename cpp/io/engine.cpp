@@ -1,3 +1,6 @@
+// Backend selection: the one place that knows both backends, the environment
+// switches and the fault wrapper. Everything returns -errno through *err; nothing
+// here throws (allocation failures inside the backends are caught there).
 #include "io/engine.hpp"
 
 #include <cerrno>
@@ -28,6 +31,8 @@ const char* env_value(const char* name) {
 
 }  // namespace
 
+// Case-insensitive: FASTLOAD_ENGINE=PREAD is a plain typo-class difference, not an
+// error worth failing a job for.
 bool parse_kind(const std::string& text, Kind* kind) {
   if (iequals(text, "auto")) *kind = Kind::kAuto;
   else if (iequals(text, "uring") || iequals(text, "io_uring")) *kind = Kind::kUring;
@@ -85,7 +90,9 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
       if (!engine) engine = PreadPool::create(options.depth, options.threads, err);
       break;
   }
-  if (!engine) return nullptr;
+  if (!engine) return nullptr;  // *err set by the backend
+  // The wrapper goes outermost, so faults hit the caller exactly as the backend's own
+  // completions would, whichever backend was chosen.
   if (inject) engine = wrap_with_faults(std::move(engine), faults);
   *err = 0;
   return engine;

@@ -57,6 +57,8 @@ class FaultEngine final : public Engine {
     return inner_->push(fwd);
   }
 
+  // Synthetic completions are handed out first: they are ready by construction, so the
+  // caller never waits on the inner engine for something it could already have.
   int reap(Completion* out, unsigned max, unsigned min_complete, int timeout_ms) override {
     unsigned n = 0;
     while (n < max && fake_count_ > 0) {
@@ -68,6 +70,8 @@ class FaultEngine final : public Engine {
     // must still submit what was pushed (the push() contract), just without waiting.
     const unsigned inner_min = min_complete > n ? min_complete - n : 0;
     const int r = inner_->reap(out + n, max - n, inner_min, inner_min ? timeout_ms : 0);
+    // Completions already moved to `out` must not be lost behind an inner error; the
+    // error will come again on the next reap if it persists.
     if (r < 0) return n > 0 ? static_cast<int>(n) : r;
     return static_cast<int>(n) + r;
   }
@@ -150,6 +154,9 @@ bool parse_ops(std::string_view v, uint32_t* mask) {
 
 }  // namespace
 
+// Grammar: items separated by ',', each `key=value`; blanks around either are ignored.
+// Later items override earlier ones. Every key is optional; an empty spec injects
+// nothing (ops still defaults to read+write).
 bool parse_fault_spec(const std::string& text, FaultSpec* spec) {
   FaultSpec s;
   s.ops_mask = kDefaultOps;

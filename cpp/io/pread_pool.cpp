@@ -1,3 +1,7 @@
+// The pool: the caller thread pushes into queue_ and pops from done_; workers do the
+// opposite. One mutex guards both FIFOs. That is one uncontended lock per push, pop
+// and completion, small next to the system call each operation costs; the pool is the
+// fallback, and io_uring is the fast path.
 #include "io/pread_pool.hpp"
 
 #include <pthread.h>
@@ -133,6 +137,7 @@ int PreadPool::push(const Op& op) {
     // Cannot overflow: queue_ holds a subset of the in_flight_ < depth_ operations.
     queue_.push(op);
   }
+  // Notified after unlocking, so the woken worker does not block on mu_ at once.
   work_cv_.notify_one();
   ++in_flight_;
   return 0;
@@ -151,6 +156,7 @@ int PreadPool::reap(Completion* out, unsigned max, unsigned min_complete, int ti
       done_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready);
     wait_for_ = 0;
   }
+  // Hand out what is ready even after a timeout: a timeout is not an error.
   const unsigned n = static_cast<unsigned>(std::min<size_t>(max, done_.count));
   for (unsigned i = 0; i < n; ++i) out[i] = done_.pop();
   lk.unlock();
@@ -164,6 +170,8 @@ void PreadPool::worker_loop() noexcept {
     {
       std::unique_lock lk(mu_);
       work_cv_.wait(lk, [&] { return stopping_ || queue_.count > 0; });
+      // Stopping wins over queued work: those operations were never started, and
+      // their buffers may be gone once the destructor returns.
       if (stopping_) return;
       op = queue_.pop();
     }

@@ -36,8 +36,9 @@ class PreadPool final : public Engine {
   unsigned capacity() const override { return depth_; }
   const char* name() const override { return "pread"; }
 
-  // Runs one operation with blocking system calls; exposed for the fault wrapper's
-  // tests and for callers that want a synchronous path with identical semantics.
+  // Runs one operation with blocking system calls and returns its result or -errno:
+  // what a worker does. Public for callers that want a synchronous path with exactly
+  // the pool's semantics (UINT64_MAX offset = file position, close never -EINTR).
   static int64_t execute(const Op& op) noexcept;
 
  private:

@@ -130,11 +130,12 @@ void Ring::release() noexcept {
   fd_ = -1;
 }
 
-int Ring::init(unsigned entries) {
+int Ring::init(unsigned entries, bool legacy) {
   release();
   io_uring_params p;
   int fd = -EINVAL;
   for (unsigned flags : kSetupAttempts) {
+    if (legacy && flags != IORING_SETUP_CLAMP) continue;
     std::memset(&p, 0, sizeof p);
     p.flags = flags;
     fd = sys::io_uring_setup(entries, &p);
@@ -142,7 +143,7 @@ int Ring::init(unsigned entries) {
   }
   if (fd < 0) return fd;
   fd_ = fd;
-  features_ = p.features;
+  features_ = legacy ? p.features & ~IORING_FEAT_EXT_ARG : p.features;
   setup_flags_ = p.flags;
 
   // The SQ ring ends with the index array, the CQ ring with the CQEs. With
@@ -235,6 +236,14 @@ bool Ring::needs_enter() const noexcept {
 // UringEngine: Engine operations on top of the ring.
 
 std::unique_ptr<UringEngine> UringEngine::create(unsigned depth, int* err) {
+  return create(depth, err, false);
+}
+
+std::unique_ptr<UringEngine> UringEngine::create_legacy(unsigned depth, int* err) {
+  return create(depth, err, true);
+}
+
+std::unique_ptr<UringEngine> UringEngine::create(unsigned depth, int* err, bool legacy) {
   int dummy;
   if (!err) err = &dummy;
   if (depth == 0) {
@@ -242,7 +251,7 @@ std::unique_ptr<UringEngine> UringEngine::create(unsigned depth, int* err) {
     return nullptr;
   }
   Ring ring;
-  int r = ring.init(depth);
+  int r = ring.init(depth, legacy);
   if (r == 0) r = probe_ops(ring.fd());
   if (r < 0) {
     *err = r;
@@ -373,6 +382,10 @@ unsigned UringEngine::copy_out(Completion* out, unsigned max) noexcept {
   return n;
 }
 
+// One pass is usually one io_uring_enter that both submits and waits. The loop exists
+// for the rare cases where the kernel returns before the wait was satisfied: a partial
+// submission (it skips the wait then) or a transient -EAGAIN; the deadline is
+// recomputed each time so the caller's timeout bounds the whole call.
 int UringEngine::reap(Completion* out, unsigned max, unsigned min_complete, int timeout_ms) {
   // Waiting for more than is in flight could only end by timeout.
   const unsigned wait_nr = std::min(min_complete, in_flight_);
@@ -390,10 +403,13 @@ int UringEngine::reap(Completion* out, unsigned max, unsigned min_complete, int 
       budget = static_cast<int>(remaining_ms(deadline));
       if (budget == 0) wait = false;
     }
+    // Nothing to submit, nothing to wait for, no deferred task work: the CQ as it is
+    // now is the answer, and we save the system call.
     if (to_submit == 0 && !wait && !ring_.needs_enter()) break;
 
     const int r = enter(to_submit, wait ? wait_nr : 0, wait ? budget : 0);
     if (r == -ETIME) break;
+    // A signal: return what is there so the caller can look at its cancel flag.
     if (r == -EINTR) {
       interrupted = true;
       break;

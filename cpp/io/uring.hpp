@@ -33,7 +33,8 @@ class Ring {
   // Creates a ring with at least `entries` SQ entries (clamped to the kernel maximum).
   // Tries the cheapest task-running mode first and falls back when the kernel refuses
   // a setup flag. Returns 0 or -errno (io_uring_setup's, or mmap's).
-  int init(unsigned entries);
+  // `legacy`: only the flags a 5.10 kernel knows, and IORING_FEAT_EXT_ARG masked off.
+  int init(unsigned entries, bool legacy = false);
 
   int fd() const noexcept { return fd_; }
   unsigned sq_entries() const noexcept { return sq_entries_; }
@@ -105,6 +106,11 @@ class UringEngine final : public Engine {
   // or -EINVAL for depth 0, or -EOPNOTSUPP when an opcode is missing.
   static std::unique_ptr<UringEngine> create(unsigned depth, int* err);
 
+  // For tests: behave as on a 5.10 kernel, with no optional setup flags (no
+  // COOP_TASKRUN, SUBMIT_ALL) and IORING_FEAT_EXT_ARG ignored, so timed waits take the
+  // polling path. Same contract as create().
+  static std::unique_ptr<UringEngine> create_legacy(unsigned depth, int* err);
+
   // Operations pushed but never handed to the kernel are dropped; the ones the kernel
   // owns are waited for, because it may still write into the caller's buffers.
   ~UringEngine() override;
@@ -121,6 +127,7 @@ class UringEngine final : public Engine {
 
  private:
   UringEngine(Ring ring, unsigned capacity) : ring_(std::move(ring)), capacity_(capacity) {}
+  static std::unique_ptr<UringEngine> create(unsigned depth, int* err, bool legacy);
 
   // One io_uring_enter: submits what is published, waits for `wait_nr` completions up
   // to timeout_ms (-1: none). Returns 0 or -errno; -ETIME and -EINTR mean "go on".

@@ -216,6 +216,15 @@ void errors_are_negative_errno(Engine& e, int dir_fd) {
   st.mode = STATX_SIZE;
   st.statx_buf = &stx;
   CHECK_EQ(run_one(e, st), -ENOENT);
+  // statx flags reach the kernel: AT_EMPTY_PATH stats dir_fd itself, and without it
+  // the empty path is ENOENT.
+  st.path = "";
+  st.mode = STATX_TYPE;
+  CHECK_EQ(run_one(e, st), -ENOENT);
+  std::memset(&stx, 0, sizeof stx);
+  st.flags = AT_EMPTY_PATH;
+  CHECK_EQ(run_one(e, st), 0);
+  CHECK(S_ISDIR(stx.stx_mode));
   CHECK_EQ(run_one(e, Op{}), 0);  // kNop
 }
 
@@ -632,6 +641,19 @@ int main() {
     unlink((tmpl + "/data.bin").c_str());  // the uring run writes its own copy
     conformance("uring", uring, dir_fd, data, /*fixed_supported=*/true);
     fault_injection("uring", uring, dir_fd);
+
+    // The 5.10 paths: no optional setup flags, timed waits by polling the CQ.
+    Factory legacy = [](unsigned depth) -> std::unique_ptr<Engine> {
+      int e = 0;
+      auto eng = UringEngine::create_legacy(depth, &e);
+      if (eng) {
+        CHECK_EQ(eng->ring().setup_flags(), unsigned{IORING_SETUP_CLAMP});
+        CHECK(!(eng->ring().features() & IORING_FEAT_EXT_ARG));
+      }
+      return eng;
+    };
+    unlink((tmpl + "/data.bin").c_str());
+    conformance("uring (5.10 paths)", legacy, dir_fd, data, /*fixed_supported=*/true);
   } else {
     std::fprintf(stderr, "io_uring unavailable here (%s): uring suite skipped\n",
                  std::strerror(-err));

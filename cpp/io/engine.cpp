@@ -29,6 +29,14 @@ const char* env_value(const char* name) {
   return v && *v ? v : nullptr;
 }
 
+// io_uring with as many kernel workers as the pool would have threads, so blocking
+// work (network-file-system opens and reads) keeps the same number of requests in flight.
+std::unique_ptr<Engine> make_uring(const EngineOptions& options, int* err) {
+  auto ring = UringEngine::create(options.depth, err);
+  if (ring && options.threads > 0) (void)ring->set_max_workers(options.threads, options.threads);
+  return ring;
+}
+
 }  // namespace
 
 // Case-insensitive: FASTLOAD_ENGINE=PREAD is a plain typo-class difference, not an
@@ -78,7 +86,7 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
   std::unique_ptr<Engine> engine;
   switch (kind) {
     case Kind::kUring:
-      engine = UringEngine::create(options.depth, err);
+      engine = make_uring(options, err);
       break;
     case Kind::kPread:
       engine = PreadPool::create(options.depth, options.threads, err);
@@ -86,7 +94,7 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
     case Kind::kAuto:
       // Any io_uring failure (ENOSYS, EPERM/EACCES from seccomp or
       // kernel.io_uring_disabled, ENOMEM from memlock accounting...) means the pool.
-      if (uring_available()) engine = UringEngine::create(options.depth, err);
+      if (uring_available()) engine = make_uring(options, err);
       if (!engine) engine = PreadPool::create(options.depth, options.threads, err);
       break;
   }

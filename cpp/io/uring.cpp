@@ -436,6 +436,11 @@ int UringEngine::reap(Completion* out, unsigned max, unsigned min_complete, int 
   return static_cast<int>(n);
 }
 
+int UringEngine::set_max_workers(unsigned bounded, unsigned unbounded) {
+  unsigned counts[2] = {bounded, unbounded};
+  return sys::io_uring_register(ring_.fd(), IORING_REGISTER_IOWQ_MAX_WORKERS, counts, 2);
+}
+
 int UringEngine::register_buffers(std::span<const iovec> buffers) {
   if (buffers_registered_ || in_flight_ > 0) return -EBUSY;
   if (buffers.empty()) return -EINVAL;

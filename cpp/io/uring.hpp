@@ -122,6 +122,13 @@ class UringEngine final : public Engine {
   int register_buffers(std::span<const iovec> buffers) override;
   const char* name() const override { return "uring"; }
 
+  // Caps the kernel's io-wq worker threads for this ring (5.15+), which run the
+  // operations that cannot complete inline: opens, and reads of files whose data is not
+  // cached. Reads of regular files count as "bounded" work, by default capped at
+  // 4 x CPUs, so on a 2-core node only 8 network reads would be in flight. Returns 0 or
+  // -errno (older kernels: -EINVAL; the caller then keeps the default).
+  int set_max_workers(unsigned bounded, unsigned unbounded);
+
   // For tests and diagnostics.
   const Ring& ring() const noexcept { return ring_; }
 

@@ -73,17 +73,30 @@ def read_manifest(dst: Path) -> dict[str, Any] | None:
     return data
 
 
+def boot_id() -> str:
+    """Changes at every boot: tells a crash of the process (page cache intact) from a
+    power loss or reboot (data not yet flushed may be lost)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class Journal:
     """Files known to be complete at their final path, appended as they finish.
 
     A record is written only after the data it describes was flushed to disk (syncfs),
-    so after a power loss every journalled file is whole; a file finished but not yet
-    journalled is simply copied again.
+    so after a power loss every journalled file is whole. Files renamed into place but
+    not yet journalled are trusted only if the machine has not rebooted since
+    (``same_boot``): a killed process loses nothing of what it wrote.
     """
 
     def __init__(self, dst: Path, chunk_size: int) -> None:
         self.path = state_dir(dst) / "journal.jsonl"
         self.chunk_size = chunk_size
+        self.found = False  # a journal of an interrupted run was there
+        self.same_boot = False  # ... and was written since the last boot
         self._f: Any | None = None
 
     def load(self) -> dict[str, tuple[int, int, int, str]]:
@@ -102,6 +115,8 @@ class Journal:
             return out
         if not isinstance(header, dict) or header.get("chunk_size") != self.chunk_size:
             return out
+        self.found = True
+        self.same_boot = bool(header.get("boot_id")) and header.get("boot_id") == boot_id()
         for line in lines[1:]:
             try:
                 p, size, mtime, mode, digests = json.loads(line)
@@ -115,7 +130,7 @@ class Journal:
         self.path.parent.mkdir(exist_ok=True)
         tmp = self.path.with_name("journal.jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"chunk_size": self.chunk_size}) + "\n")
+            f.write(json.dumps({"chunk_size": self.chunk_size, "boot_id": boot_id()}) + "\n")
             for p, rec in keep.items():
                 f.write(json.dumps([p, *rec]) + "\n")
             f.flush()

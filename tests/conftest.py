@@ -1,0 +1,204 @@
+"""Fixtures shared by the staging tests.
+
+The ``engine`` fixture runs every test that takes it once per I/O backend ("uring",
+"pread"): a backend this machine lacks is skipped, not failed. With ``FASTLOAD_ENGINE``
+set in the environment only that backend runs (CI runs the suite once per backend).
+
+Source trees that tests only read are built once per session; a test that changes its
+source builds its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import fastload
+import helpers
+
+ENGINES = ("uring", "pread")
+NOBODY = 65534
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_injection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults are injected only by the tests that ask for them."""
+    monkeypatch.delenv("FASTLOAD_FAULTS", raising=False)
+
+
+def _forced_engine() -> str | None:
+    forced = os.environ.get("FASTLOAD_ENGINE", "").strip().lower()
+    if forced in ("", "auto"):
+        return None
+    return "uring" if forced == "io_uring" else forced
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    forced = _forced_engine()
+    if forced is not None and forced != name:
+        pytest.skip(f"FASTLOAD_ENGINE={forced} selects another backend")
+    if name not in fastload.available_engines():
+        pytest.skip(f"the {name} engine is not available here")
+    return name
+
+
+@pytest.fixture
+def stage(engine: str) -> Callable[..., Any]:
+    """fastload.stage with the backend under test, checking that it is the one that ran."""
+
+    def run(src: Any, dst: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("engine", engine)
+        result = fastload.stage(src, dst, **kwargs)
+        if kwargs["engine"] != "auto" and not result.skipped:
+            # A skipped call runs no engine (it may report "none").
+            assert result.engine == kwargs["engine"]
+        return result
+
+    return run
+
+
+# --------------------------------------------------------------------------------------
+# Source trees (read-only, built once)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rich_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("rich") / "src"
+    helpers.build_rich_tree(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_files_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("small") / "src"
+    helpers.build_small_files(root, 3000)
+    return root
+
+
+@pytest.fixture(scope="session")
+def mixed_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2,000 small files and two 64 MiB files: long enough to interrupt, quick to copy."""
+    root = tmp_path_factory.mktemp("mixed") / "src"
+    helpers.build_small_files(root / "small", 2000, seed=7)
+    (root / "big").mkdir()
+    for i in range(2):
+        p = root / "big" / f"big{i}.bin"
+        helpers.write_patterned(p, 64 * helpers.MiB + 4097 * i, seed=100 + i)
+        helpers.set_mtime(p, 9000 + i)
+    return root
+
+
+def tree_totals(root: Path) -> tuple[int, int]:
+    files = helpers.regular_files(root)
+    return len(files), sum(files.values())
+
+
+@pytest.fixture
+def totals() -> Callable[[Path], tuple[int, int]]:
+    """(number of regular files, their total size) of a tree."""
+    return tree_totals
+
+
+# --------------------------------------------------------------------------------------
+# Small file systems, other users
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """mount a small tmpfs: ``tmpfs("8m")`` or ``tmpfs("1m", ro=True)``; needs root."""
+    mounts: list[Path] = []
+
+    def make(size: str, *, ro: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        d = tmp_path / f"tmpfs{len(mounts)}"
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)],
+            capture_output=True, text=True, check=False,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(d)
+        return d
+
+    yield make
+    for d in reversed(mounts):
+        subprocess.run(["umount", "-l", str(d)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def world_dir() -> Iterator[Path]:
+    """A directory every user can reach and write (pytest's tmp_path is root-only)."""
+    d = Path(tempfile.mkdtemp(prefix="fastload-test-", dir="/tmp"))
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# Ways to run a child whose file accesses are permission-checked (root bypasses them):
+# root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, or the user nobody.
+_DROP_DAC = "-dac_override,-dac_read_search"
+_UNPRIVILEGED = [
+    ("setpriv", {"wrapper": ["setpriv", f"--inh-caps={_DROP_DAC}",
+                             f"--bounding-set={_DROP_DAC}", "--"]}),
+    ("nobody", {"as_user": NOBODY}),
+]
+_PROBE = """
+import sys, fastload
+try:
+    open(sys.argv[1], "rb")
+except PermissionError:
+    sys.exit(0)
+sys.exit(5)
+"""
+_unprivileged_choice: dict[str, Any] = {}
+
+
+@pytest.fixture
+def unprivileged(world_dir: Path) -> dict[str, Any]:
+    """Keyword arguments for helpers.Child that make the child subject to permission
+    checks; skips when neither way works here. Use world_dir for its files (the user
+    nobody cannot reach pytest's tmp_path)."""
+    if os.geteuid() != 0:
+        pytest.skip("the permission tests switch from root to a restricted child")
+    if "kw" not in _unprivileged_choice:
+        locked = world_dir / "probe"
+        locked.write_bytes(b"x")
+        os.chmod(locked, 0)
+        _unprivileged_choice["kw"] = None
+        reasons = []
+        for name, kw in _UNPRIVILEGED:
+            popen: dict[str, Any] = {}
+            if "as_user" in kw:
+                popen = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+            try:
+                r = subprocess.run(
+                    [*kw.get("wrapper", []), sys.executable, "-c", _PROBE, str(locked)],
+                    cwd="/", capture_output=True, text=True, check=False, **popen,
+                )
+            except OSError as e:
+                reasons.append(f"{name}: {e}")
+                continue
+            if r.returncode == 0:
+                _unprivileged_choice["kw"] = kw
+                break
+            reasons.append(f"{name}: rc={r.returncode} {r.stderr.strip()[-200:]}")
+        locked.unlink()
+        _unprivileged_choice["why"] = "; ".join(reasons)
+    if _unprivileged_choice["kw"] is None:
+        pytest.skip(f"no way to run a permission-checked child: {_unprivileged_choice['why']}")
+    return dict(_unprivileged_choice["kw"])

@@ -1,0 +1,244 @@
+"""fastload.stage() failures: the exception raised, and a destination that stays resumable.
+
+Permission checks need another user than root (root bypasses them): those tests run the
+stage in a child process without that bypass (see the
+``unprivileged`` fixture). Disk-full tests mount a small tmpfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import fastload
+import helpers
+from helpers import MiB
+
+pytestmark = pytest.mark.native
+
+Stage = Callable[..., Any]
+
+
+def _names(e: BaseException) -> str:
+    """Everything an error says about where it happened."""
+    return f"{e} {getattr(e, 'filename', '')} {getattr(e, 'filename2', '')}"
+
+
+# --------------------------------------------------------------------------------------
+# Missing paths
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["top", "parent"])
+def test_missing_source(stage: Stage, tmp_path: Path, shape: str) -> None:
+    src = tmp_path / "nope" if shape == "top" else tmp_path / "no" / "such" / "dir"
+    dst = tmp_path / "dst"
+    with pytest.raises(FileNotFoundError) as info:
+        stage(src, dst)
+    e = info.value
+    assert isinstance(e, fastload.StageError)
+    assert isinstance(e, fastload.FastloadError)
+    assert e.errno == errno.ENOENT
+    assert os.fspath(e.filename) == str(src)
+    assert str(src) in str(e)
+    assert not dst.exists()
+
+
+# --------------------------------------------------------------------------------------
+# Permissions (a child without root's permission bypass)
+# --------------------------------------------------------------------------------------
+
+
+def _locked_tree(base: Path) -> Path:
+    src = base / "src"
+    helpers.build_small_files(src / "many", 50, per_dir=10)
+    helpers.write_file(src / "locked" / "secret.bin", os.urandom(50_000), mtime_index=1)
+    helpers.write_file(src / "open.bin", os.urandom(70_000), mtime_index=2)
+    helpers.make_world_readable(src)
+    return src
+
+
+@pytest.mark.parametrize("what", ["file", "dir"])
+def test_unreadable_source(engine: str, world_dir: Path, unprivileged: dict[str, Any],
+                           what: str) -> None:
+    src = _locked_tree(world_dir)
+    locked = src / "locked" / "secret.bin" if what == "file" else src / "locked"
+    os.chmod(locked, 0o000)  # root-owned: the child (root without bypass, or nobody) is locked out
+    dst = world_dir / "dst"
+    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=helpers.child_env())
+    err = child.expect_error()
+    assert err["is"]["PermissionError"], err
+    assert err["is"]["StageError"], err
+    assert err["errno"] in (errno.EACCES, errno.EPERM)
+    assert locked.name in f"{err['str']} {err['filename']}", err
+    helpers.assert_no_partial_files(src, dst)
+
+    # Fixed: the same user resumes and gets the whole tree.
+    os.chmod(locked, 0o644 if what == "file" else 0o755)
+    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=helpers.child_env())
+    res = child.expect_result()
+    helpers.assert_same_tree(src, dst)
+    assert res["files"] == 52
+
+
+def test_dst_in_unwritable_dir(engine: str, world_dir: Path, unprivileged: dict[str, Any]) -> None:
+    src = _locked_tree(world_dir)
+    parent = world_dir / "root_only"
+    parent.mkdir()
+    os.chmod(parent, 0o555)  # root-owned: the child cannot create in it
+    dst = parent / "dst"
+    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=helpers.child_env())
+    err = child.expect_error()
+    assert err["is"]["PermissionError"] and err["is"]["StageError"], err
+    assert str(parent) in f"{err['str']} {err['filename']}", err
+    assert list(parent.iterdir()) == []
+
+
+def test_dst_on_readonly_fs(stage: Stage, rich_src: Path, tmpfs: Any) -> None:
+    mnt = tmpfs("1m", ro=True)
+    dst = mnt / "dst"
+    with pytest.raises(OSError) as info:
+        stage(rich_src, dst)
+    e = info.value
+    assert isinstance(e, fastload.StageError), repr(e)
+    assert e.errno == errno.EROFS
+    assert str(mnt) in _names(e)
+
+
+# --------------------------------------------------------------------------------------
+# Destination inside the source
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["sub/dst", "dst", "."])
+def test_dst_inside_src(stage: Stage, tmp_path: Path, where: str) -> None:
+    src = tmp_path / "src"
+    helpers.write_file(src / "sub" / "a.bin", os.urandom(1000), mtime_index=1)
+    helpers.write_file(src / "b.bin", os.urandom(1000), mtime_index=2)
+    before = helpers.snapshot(src)
+    dst = src / where if where != "." else src
+    with pytest.raises(fastload.FastloadError) as info:
+        stage(src, dst)
+    e = info.value
+    assert isinstance(e, (ValueError, fastload.StageError)), repr(e)
+    text = _names(e)
+    assert str(dst) in text, text
+    assert str(src) in text.replace(str(dst), "", 1) or src == dst, text
+    assert helpers.snapshot(src) == before, "the source was changed"
+
+
+# --------------------------------------------------------------------------------------
+# Disk full
+# --------------------------------------------------------------------------------------
+
+
+def test_not_enough_space(stage: Stage, tmp_path: Path, tmpfs: Any) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        helpers.write_patterned(src / f"part{i}.bin", 4 * MiB, seed=i)
+    mnt = tmpfs("8m")
+    dst = mnt / "dst"
+    with pytest.raises(fastload.NotEnoughSpaceError) as info:
+        stage(src, dst)
+    e = info.value
+    assert isinstance(e, OSError) and isinstance(e, fastload.StageError)
+    assert e.errno == errno.ENOSPC
+    assert e.needed >= 12 * MiB
+    assert 0 < e.free <= 8 * MiB
+    msg = str(e)
+    assert helpers.mentions_size(msg, e.needed), f"needed {e.needed} not in {msg!r}"
+    assert helpers.mentions_size(msg, e.free), f"free {e.free} not in {msg!r}"
+    if dst.exists():
+        copied = helpers.regular_files(dst)
+        assert sum(copied.values()) == 0, f"copied before the space check: {copied}"
+
+    # With room, the same call succeeds.
+    assert helpers.remount_tmpfs_size(mnt, 64 * MiB) == 0
+    res = stage(src, dst)
+    helpers.assert_same_tree(src, dst)
+    assert res.bytes == 12 * MiB
+
+
+@pytest.fixture(scope="module")
+def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("enospc") / "src"
+    src.mkdir()
+    for i in range(8):
+        p = src / f"big{i}.bin"
+        helpers.write_patterned(p, 48 * MiB + i, seed=200 + i)
+        helpers.set_mtime(p, i)
+    helpers.write_file(src / "small.txt", b"small\n", mtime_index=9)
+    return src
+
+
+def test_disk_fills_up_midway(stage: Stage, eight_big_files: Path, tmpfs: Any) -> None:
+    src = eight_big_files
+    mnt = tmpfs("512m")
+    dst = mnt / "dst"
+    # Once data is being written (the space check has passed), the tmpfs's limit is
+    # lowered to what it holds: the next writes fail with ENOSPC.
+    with helpers.OnFirstWrites(mnt, lambda: helpers.shrink_tmpfs_to_used(mnt)) as watch, \
+            pytest.raises(OSError) as info:
+        stage(src, dst)
+    assert watch.fired
+    e = info.value
+    assert e.errno == errno.ENOSPC, repr(e)
+    assert not isinstance(e, fastload.NotEnoughSpaceError) or e.filename, repr(e)
+    text = _names(e)
+    names = [Path(rel).name for rel in helpers.regular_files(src)]
+    assert any(name in text for name in names), f"no file named in {text!r}"
+    helpers.assert_no_partial_files(src, dst)
+
+    assert helpers.remount_tmpfs_size(mnt, 512 * MiB) == 0
+    res = stage(src, dst)
+    helpers.assert_same_tree(src, dst)
+    assert res.skipped is False
+    assert res.copied_bytes <= res.bytes
+    assert helpers.tmp_leftovers(mnt) == []
+
+
+# --------------------------------------------------------------------------------------
+# Source changing under the copy
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["grow", "shrink"])
+def test_source_changes_during_copy(stage: Stage, tmp_path: Path, tmpfs: Any,
+                                    change: str) -> None:
+    src = tmp_path / "src"
+    helpers.build_small_files(src / "small", 100, per_dir=50)
+    big = src / "sub" / "big.bin"
+    big.parent.mkdir()
+    size = 256 * MiB
+    helpers.write_patterned(big, size, seed=5)
+    old_digest = helpers.content_digest(big)
+    mnt = tmpfs("768m")
+    dst = mnt / "dst"
+
+    def mutate() -> None:
+        if change == "grow":
+            with open(big, "ab") as f:
+                f.write(b"x" * MiB)
+        else:
+            os.truncate(big, size // 2)
+
+    with helpers.OnFirstWrites(mnt, mutate) as watch, \
+            pytest.raises(fastload.SourceChangedError) as info:
+        stage(src, dst)
+    assert watch.fired
+    e = info.value
+    assert isinstance(e, OSError)
+    assert "big.bin" in _names(e), _names(e)
+    helpers.assert_no_partial_files(src, dst, also_ok={"sub/big.bin": {old_digest}})
+
+    res = stage(src, dst)
+    helpers.assert_same_tree(src, dst)
+    assert res.bytes == sum(helpers.regular_files(src).values())

@@ -179,29 +179,31 @@ def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def test_disk_fills_up_midway(stage: Stage, eight_big_files: Path, tmpfs: Any) -> None:
+def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) -> None:
     src = eight_big_files
     mnt = tmpfs("512m")
     dst = mnt / "dst"
     # Once data is being written (the space check has passed), the tmpfs's limit is
-    # lowered to what it holds: the next writes fail with ENOSPC.
-    with helpers.OnFirstWrites(mnt, lambda: helpers.shrink_tmpfs_to_used(mnt)) as watch, \
-            pytest.raises(OSError) as info:
-        stage(src, dst)
-    assert watch.fired
-    e = info.value
-    assert e.errno == errno.ENOSPC, repr(e)
-    assert not isinstance(e, fastload.NotEnoughSpaceError) or e.filename, repr(e)
-    text = _names(e)
+    # lowered to what it holds: the next writes fail with ENOSPC. The stage runs in a
+    # child at idle priority so this process notices the first writes at once.
+    child, fired = helpers.run_child_with_trigger(
+        helpers.stage_spec(src, dst, engine=engine), mnt,
+        lambda: helpers.shrink_tmpfs_to_used(mnt))
+    assert fired, "the stage finished before the disk could be filled"
+    err = child.expect_error()
+    assert err["is"]["OSError"] and err["errno"] == errno.ENOSPC, err
+    assert err["is"]["StageError"], err
+    text = f"{err['str']} {err['filename']}"
     names = [Path(rel).name for rel in helpers.regular_files(src)]
     assert any(name in text for name in names), f"no file named in {text!r}"
     helpers.assert_no_partial_files(src, dst)
 
     assert helpers.remount_tmpfs_size(mnt, 512 * MiB) == 0
-    res = stage(src, dst)
+    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine),
+                            env=helpers.child_env()).expect_result()
     helpers.assert_same_tree(src, dst)
-    assert res.skipped is False
-    assert res.copied_bytes <= res.bytes
+    assert res["skipped"] is False
+    assert res["copied_bytes"] <= res["bytes"]
     assert helpers.tmp_leftovers(mnt) == []
 
 
@@ -211,7 +213,7 @@ def test_disk_fills_up_midway(stage: Stage, eight_big_files: Path, tmpfs: Any) -
 
 
 @pytest.mark.parametrize("change", ["grow", "shrink"])
-def test_source_changes_during_copy(stage: Stage, tmp_path: Path, tmpfs: Any,
+def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
                                     change: str) -> None:
     src = tmp_path / "src"
     helpers.build_small_files(src / "small", 100, per_dir=50)
@@ -230,15 +232,16 @@ def test_source_changes_during_copy(stage: Stage, tmp_path: Path, tmpfs: Any,
         else:
             os.truncate(big, size // 2)
 
-    with helpers.OnFirstWrites(mnt, mutate) as watch, \
-            pytest.raises(fastload.SourceChangedError) as info:
-        stage(src, dst)
-    assert watch.fired
-    e = info.value
-    assert isinstance(e, OSError)
-    assert "big.bin" in _names(e), _names(e)
+    child, fired = helpers.run_child_with_trigger(
+        helpers.stage_spec(src, dst, engine=engine), mnt, mutate)
+    assert fired, "the stage finished before the source could be changed"
+    err = child.expect_error()
+    assert err["is"]["SourceChangedError"], err
+    assert err["is"]["OSError"], err
+    assert "big.bin" in f"{err['str']} {err['filename']}", err
     helpers.assert_no_partial_files(src, dst, also_ok={"sub/big.bin": {old_digest}})
 
-    res = stage(src, dst)
+    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine),
+                            env=helpers.child_env()).expect_result()
     helpers.assert_same_tree(src, dst)
-    assert res.bytes == sum(helpers.regular_files(src).values())
+    assert res["bytes"] == sum(helpers.regular_files(src).values())

@@ -27,6 +27,7 @@ static const char* kind_name(ErrorKind k) {
     case ErrorKind::kSourceChanged: return "source_changed";
     case ErrorKind::kUnsupported: return "unsupported";
     case ErrorKind::kFormat: return "format";
+    case ErrorKind::kIndexFormat: return "index_format";
     case ErrorKind::kUnsafe: return "unsafe";
     case ErrorKind::kCancelled: return "cancelled";
   }

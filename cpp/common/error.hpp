@@ -18,6 +18,7 @@ enum class ErrorKind {
   kSourceChanged,  // a source file changed while it was being copied
   kUnsupported,    // a file type or link the caller did not allow
   kFormat,         // malformed input (archive, index)
+  kIndexFormat,    // a shard index file that is corrupt, of another version, or stale
   kUnsafe,         // input that would write outside the destination
   kCancelled,      // the caller asked to stop
 };

@@ -315,6 +315,7 @@ uint64_t fl64(const void* data, size_t len, uint64_t seed) noexcept {
 Fl64Stream::Fl64Stream(uint64_t seed) noexcept : seed_(seed) { init_acc(acc_, seed); }
 
 void Fl64Stream::update(const void* data, size_t len) noexcept {
+  if (len == 0) return;  // data may be null then: memcpy must not see it
   const auto* p = static_cast<const unsigned char*>(data);
   total_ += len;
   if (buffered_ > 0) {

@@ -145,6 +145,10 @@ void test_stream_matches_oneshot() {
   Fl64Stream empty(5);
   empty.update(nullptr, 0);
   DIGEST_CHECK(empty.digest() == fl64(nullptr, 0, 5));
+  Fl64Stream partial;
+  partial.update(data.data(), 10);
+  partial.update(nullptr, 0);  // an empty update with a partial stripe buffered
+  DIGEST_CHECK(partial.digest() == fl64(data.data(), 10));
 }
 
 void test_bit_flips() {

@@ -58,6 +58,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=None, help="files in flight (default 64)")
     s.add_argument("--stripe-size", type=int, default=None, help="bytes per stripe of big files")
     s.add_argument(
+        "--nested",
+        action="store_true",
+        help="archives: also extract member tars, each into a directory named after it",
+    )
+    s.add_argument(
+        "--no-unpack",
+        action="store_true",
+        help="archives: copy the archive file instead of extracting it",
+    )
+    s.add_argument(
+        "--checksum",
+        default=None,
+        metavar="ALGO:HEX",
+        help="published checksum of the archive or file (md5:... or sha256:...)",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
@@ -84,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 workers=args.workers,
                 stripe_size=args.stripe_size,
                 on_special="skip" if args.skip_special else "error",
+                unpack=False if args.no_unpack else ("nested" if args.nested else "auto"),
+                checksum=args.checksum,
                 progress=_want_progress(args),
             )
             if r.skipped:

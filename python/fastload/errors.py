@@ -120,6 +120,10 @@ def from_native(kind: str, err: int, op: str, path: str, message: str) -> Except
         exc = TarFormatError(message)
         exc.path = path  # type: ignore[attr-defined]
         return exc
+    if kind == "index_format":
+        iexc = IndexFormatError(message)
+        iexc.path = path  # type: ignore[attr-defined]
+        return iexc
     if kind == "no_space":
         return NotEnoughSpaceError(message, path=path, needed=0, free=0)
     if err <= 0:

@@ -1,0 +1,183 @@
+"""Helpers the benchmark modules share: scales, sources, page-cache control, fresh
+destinations per round, and the metadata report.py reads."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    name: str
+    tree_files: int
+    tree_classes: int
+    tree_mean_kb: float
+    large_count: int
+    large_bytes: int
+    netsim_files: int
+    netsim_classes: int
+    digest_bytes: int
+    rounds: int
+    """Measured rounds per case; each round gets a fresh destination."""
+
+
+SCALES = {
+    # A few hundred files and a few MiB: the whole suite in seconds.
+    "small": Scale("small", 300, 10, 8, 2, 8 << 20, 150, 5, 8 << 20, 1),
+    # ImageNet-like: 20,000 files of ~100 KB (~1.9 GiB), two 1 GiB files, and a 1,000-file
+    # tree (~100 MiB) for the network mount, where every request costs a millisecond.
+    "full": Scale("full", 20_000, 200, 100, 2, 1 << 30, 1_000, 20, 256 << 20, 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    path: Path
+    files: int
+    bytes: int
+
+
+# --- page cache ------------------------------------------------------------------------
+
+_drop_ok: bool | None = None
+
+
+def drop_caches() -> bool:
+    """Writes back dirty pages and drops the page cache, dentries and inodes (root only).
+    Returns False where that is not possible (not root, read-only /proc/sys)."""
+    global _drop_ok
+    if _drop_ok is False or os.geteuid() != 0:
+        _drop_ok = False
+        return False
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        _drop_ok = False
+        return False
+    _drop_ok = True
+    return True
+
+
+def warm(path: Path) -> None:
+    """Reads every file under ``path`` once, so it sits in the page cache."""
+    buf = bytearray(1 << 20)
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def prepare_cache(cache: str, src: Path) -> None:
+    """Per-round cache state: ``cold`` drops the page cache, ``warm`` pre-reads ``src``,
+    ``none`` leaves it (the network mount bypasses the cache on every open anyway)."""
+    if cache == "cold":
+        if not drop_caches():
+            pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
+    elif cache == "warm":
+        warm(src)
+    elif cache != "none":
+        raise ValueError(f"unknown cache state {cache!r}")
+
+
+def check_cache(cache: str) -> None:
+    """Skips a cold-cache case up front where the cache cannot be dropped."""
+    if cache == "cold" and not drop_caches():
+        pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
+
+
+class Rounds:
+    """Runs ``fn(dst)`` under pytest-benchmark with a fresh, not yet existing destination
+    per round; setup (remove the previous round's copy, flush, set the cache state) is
+    not timed."""
+
+    def __init__(self, benchmark: Any, work: Path, scale: Scale, *, sync: bool = True) -> None:
+        self.benchmark = benchmark
+        self.work = work
+        self.scale = scale
+        # Time until the copy is on disk: each round ends with syncfs() of the destination
+        # (fastload syncs before it writes its manifest; cp, rsync and copytree do not).
+        self.sync = sync
+        self.last: Path | None = None
+        self.result: Any = None
+        self._n = 0
+
+    def run(
+        self,
+        fn: Callable[[Path], Any],
+        *,
+        src: Path,
+        cache: str,
+        rounds: int | None = None,
+    ) -> Any:
+        def setup() -> tuple[tuple[Path], dict[str, Any]]:
+            self.clean()
+            self._n += 1
+            dst = self.work / f"round{self._n}" / "dst"
+            dst.parent.mkdir(parents=True)
+            syncfs(dst.parent)  # the previous round's writeback must not land in this one
+            prepare_cache(cache, src)
+            self.last = dst
+            return (dst,), {}
+
+        def target(dst: Path) -> None:
+            self.result = fn(dst)
+            if self.sync:
+                syncfs(dst.parent)
+
+        self.benchmark.pedantic(
+            target,
+            setup=setup,
+            rounds=rounds or self.scale.rounds,
+            iterations=1,
+            warmup_rounds=0,
+        )
+        return self.result
+
+    def clean(self) -> None:
+        if self.last is not None:
+            shutil.rmtree(self.last.parent, ignore_errors=True)
+            self.last = None
+
+
+_libc: Any = None
+
+
+def syncfs(path: Path) -> None:
+    """Flushes the file system holding ``path`` (only that one, unlike sync())."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+
+
+def describe(
+    benchmark: Any, *, group: str, tool: str, src: Source, cache: str, scale: Scale, **more: Any
+) -> None:
+    """Names the group and records what report.py needs to derive MB/s and files/s."""
+    benchmark.group = group
+    benchmark.extra_info.update(
+        {
+            "tool": tool,
+            "files": src.files,
+            "bytes": src.bytes,
+            "cache": cache,
+            "scale": scale.name,
+            **more,
+        }
+    )

@@ -1,0 +1,153 @@
+"""Shared benchmark machinery: the scale, the data sets, cache control, fresh destinations
+and the simulated network mount.
+
+Scale: ``--bench-scale small|full`` or ``FASTLOAD_BENCH_SCALE`` (default ``small``, what
+CI runs as a smoke test with ``--benchmark-disable``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from _harness import SCALES, Rounds, Scale, Source
+from data import imagenet_like_tree, keyed, large_files, tree_stats
+
+NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+NETSIM_LATENCY_US = ("1000", "1000")  # per metadata request, per read request
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--bench-scale",
+        choices=sorted(SCALES),
+        default=os.environ.get("FASTLOAD_BENCH_SCALE", "small"),
+        help="benchmark data size: small (CI smoke) or full (FASTLOAD_BENCH_SCALE)",
+    )
+    parser.addoption(
+        "--bench-sync",
+        choices=["on", "off"],
+        default=os.environ.get("FASTLOAD_BENCH_SYNC", "on"),
+        help="end each copy round with syncfs() of the destination, so every tool is timed "
+        "to data on disk as fastload is (FASTLOAD_BENCH_SYNC; default on)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "netsim: reads through the simulated network file system (FUSE, root)"
+    )
+
+
+@pytest.fixture(scope="session")
+def scale(pytestconfig: pytest.Config) -> Scale:
+    name = pytestconfig.getoption("--bench-scale")
+    if name not in SCALES:
+        raise pytest.UsageError(f"unknown bench scale {name!r}; expected one of {sorted(SCALES)}")
+    return SCALES[name]
+
+
+# --- data sets -------------------------------------------------------------------------
+
+
+def _source(path: Path) -> Source:
+    files, nbytes = tree_stats(path)
+    return Source(path, files, nbytes)
+
+
+@pytest.fixture(scope="session")
+def tree_src(scale: Scale) -> Source:
+    """The ImageNet-like tree of this scale."""
+    n, c, kb = scale.tree_files, scale.tree_classes, scale.tree_mean_kb
+    return _source(imagenet_like_tree(keyed("tree", n=n, c=c, kb=kb, s=0), n, c, kb, seed=0))
+
+
+@pytest.fixture(scope="session")
+def large_src(scale: Scale) -> Source:
+    """A directory of a few large files."""
+    n, size = scale.large_count, scale.large_bytes
+    return _source(large_files(keyed("large", n=n, size=size, s=0), n, size, seed=0))
+
+
+@pytest.fixture(scope="session")
+def netsim_tree_src(scale: Scale) -> Source:
+    n, c, kb = scale.netsim_files, scale.netsim_classes, scale.tree_mean_kb
+    return _source(imagenet_like_tree(keyed("tree", n=n, c=c, kb=kb, s=1), n, c, kb, seed=1))
+
+
+# --- fresh destinations ----------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh(
+    benchmark: Any, tmp_path: Path, scale: Scale, pytestconfig: pytest.Config
+) -> Iterator[Rounds]:
+    sync = pytestconfig.getoption("--bench-sync") == "on"
+    benchmark.extra_info["sync"] = sync
+    r = Rounds(benchmark, tmp_path, scale, sync=sync)
+    yield r
+    r.clean()
+
+
+# --- simulated network storage ---------------------------------------------------------
+
+
+def _netsim_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "netsim needs root"
+    if not Path("/dev/fuse").exists():
+        return "netsim needs /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "netsim needs fusermount3 (apt-get install fuse3)"
+    if not NETSIM.exists():
+        return f"netsim not found at {NETSIM}"
+    return None
+
+
+def _unmount(mnt: Path) -> None:
+    r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
+    if r.returncode != 0 and os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], Path]]:
+    """``mount(src) -> mnt``: ``src`` seen through the latency-adding FUSE file system
+    (1 ms per metadata and per read request). Mounts once per source; all are unmounted
+    at the end of the session."""
+    mounts: dict[Path, Path] = {}
+
+    def mount(src: Path) -> Path:
+        why = _netsim_unavailable()
+        if why:
+            pytest.skip(why)
+        if src in mounts:
+            return mounts[src]
+        mnt = tmp_path_factory.mktemp("netsim")
+        r = subprocess.run(
+            [str(NETSIM), "mount", str(src), str(mnt), *NETSIM_LATENCY_US],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt):
+            if time.monotonic() > deadline:
+                pytest.skip("netsim mount did not appear")
+            time.sleep(0.05)
+        mounts[src] = mnt
+        return mnt
+
+    yield mount
+    for mnt in mounts.values():
+        _unmount(mnt)

@@ -1,0 +1,256 @@
+"""Staging benchmarks: fastload side by side with the tools people use today.
+
+Each group holds fastload and its peers in one parametrisation, so report.py can turn
+one run's JSON into ratios. Every round copies into a fresh destination; every case
+checks the copy (file count and bytes), so the CI smoke run (``--benchmark-disable``,
+small scale) is also a correctness test of each path.
+
+Groups:
+  tree-warm / tree-cold   ImageNet-like tree: fastload (uring, pread), cp -r, rsync -a,
+                          shutil.copytree
+  large-warm / large-cold a few big files: fastload, cp, and a raw sequential read (dd)
+                          as the floor of what reading the source costs
+  digest                  fl64 (fastload._core) against zlib.crc32 and a plain memory copy
+  read-digest             fastload.verify (read + fl64) against dd (read only) and cksum
+  netsim-tree             the tree through a FUSE mount adding 1 ms per request
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+from _harness import Rounds, Scale, Source, check_cache, describe, prepare_cache
+from data import tree_stats
+
+CACHES = ["warm", "cold"]
+
+
+def _fastload() -> ModuleType:
+    """fastload, or a skip where it is not built/installed (a broken one still fails)."""
+    try:
+        import fastload
+    except ModuleNotFoundError as e:
+        if e.name in ("fastload", "fastload._core"):
+            pytest.skip(f"fastload is not installed ({e})")
+        raise
+    return fastload
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    run: Callable[[Path, Path], Any]
+    writes: bool = True
+    """False for read-only references (dd): no copy to check."""
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def _need(cmd: str) -> None:
+    if shutil.which(cmd) is None:
+        pytest.skip(f"{cmd} is not installed")
+
+
+def _fastload_tool(engine: str) -> Tool:
+    fl = _fastload()
+    if engine not in fl.available_engines():
+        pytest.skip(f"fastload engine {engine!r} is not available here")
+
+    def run(src: Path, dst: Path) -> Any:
+        return fl.stage(src, dst, engine=engine)
+
+    return Tool(f"fastload-{engine}", run)
+
+
+def _dd_read(src: Path, _dst: Path) -> None:
+    for dirpath, _dirs, names in os.walk(src):
+        for name in sorted(names):
+            _run(
+                ["dd", f"if={os.path.join(dirpath, name)}", "of=/dev/null", "bs=4M", "status=none"]
+            )
+
+
+def make_tool(name: str) -> Tool:
+    """The tool called ``name``, or a skip where it is missing."""
+    if name.startswith("fastload-"):
+        return _fastload_tool(name.removeprefix("fastload-"))
+    if name == "cp":
+        _need("cp")
+        return Tool("cp -r", lambda s, d: _run(["cp", "-r", f"{s}/.", str(d)]))
+    if name == "rsync":
+        _need("rsync")
+        return Tool("rsync -a", lambda s, d: _run(["rsync", "-a", f"{s}/", f"{d}/"]))
+    if name == "copytree":
+        return Tool("shutil.copytree", lambda s, d: shutil.copytree(s, d))
+    if name == "dd":
+        _need("dd")
+        return Tool("dd read", _dd_read, writes=False)
+    raise ValueError(f"unknown tool {name!r}")
+
+
+def _check_copy(tool: Tool, src: Source, dst: Path, result: Any) -> None:
+    if not tool.writes:
+        return
+    assert tree_stats(dst) == (src.files, src.bytes), f"{tool.name}: incomplete copy in {dst}"
+    if tool.name.startswith("fastload"):
+        assert not result.skipped
+        assert (result.files, result.bytes) == (src.files, src.bytes)
+
+
+def _stage_case(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    src: Source,
+    tool_name: str,
+    cache: str,
+    group: str,
+) -> None:
+    check_cache(cache)
+    tool = make_tool(tool_name)
+    describe(benchmark, group=group, tool=tool.name, src=src, cache=cache, scale=scale)
+    result = fresh.run(lambda dst: tool.run(src.path, dst), src=src.path, cache=cache)
+    if tool.name.startswith("fastload"):
+        benchmark.extra_info["engine"] = result.engine
+    assert fresh.last is not None
+    _check_copy(tool, src, fresh.last, result)
+
+
+@pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "cp", "rsync", "copytree"])
+@pytest.mark.parametrize("cache", CACHES)
+def test_tree(
+    benchmark: Any, fresh: Rounds, scale: Scale, tree_src: Source, tool: str, cache: str
+) -> None:
+    _stage_case(benchmark, fresh, scale, tree_src, tool, cache, f"tree-{cache}")
+
+
+@pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "cp", "dd"])
+@pytest.mark.parametrize("cache", CACHES)
+def test_large(
+    benchmark: Any, fresh: Rounds, scale: Scale, large_src: Source, tool: str, cache: str
+) -> None:
+    _stage_case(benchmark, fresh, scale, large_src, tool, cache, f"large-{cache}")
+
+
+@pytest.mark.netsim
+@pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "cp", "rsync"])
+def test_netsim_tree(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    netsim_tree_src: Source,
+    netsim_mount: Callable[[Path], Path],
+    tool: str,
+) -> None:
+    mnt = netsim_mount(netsim_tree_src.path)
+    src = dataclasses.replace(netsim_tree_src, path=mnt)
+    _stage_case(benchmark, fresh, scale, src, tool, "none", "netsim-tree")
+
+
+# --- digests ---------------------------------------------------------------------------
+
+
+def _digest_fn(name: str) -> Callable[[memoryview], Any]:
+    if name == "fl64":
+        core = _fastload()._core
+        if not hasattr(core, "fl64"):
+            pytest.skip("fastload._core does not expose fl64")
+        return core.fl64  # type: ignore[no-any-return]
+    if name == "crc32":
+        return zlib.crc32
+    if name == "blake2b":
+        return lambda b: hashlib.blake2b(b).digest()
+    if name == "copy":
+        # A plain memory copy into memory already faulted in: the bandwidth a digest
+        # pass competes with.
+        out = bytearray(0)
+
+        def copy(b: memoryview) -> None:
+            if len(out) != len(b):
+                out[:] = bytes(len(b))
+            out[:] = b
+
+        return copy
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["fl64", "crc32", "blake2b", "copy"])
+def test_digest(benchmark: Any, scale: Scale, name: str) -> None:
+    fn = _digest_fn(name)
+    buf = memoryview(os.urandom(scale.digest_bytes))
+    tool = {
+        "fl64": "fastload fl64",
+        "crc32": "zlib.crc32",
+        "blake2b": "hashlib.blake2b",
+        "copy": "bytearray copy",
+    }[name]
+    benchmark.group = "digest"
+    benchmark.extra_info.update(
+        {"tool": tool, "files": 1, "bytes": len(buf), "cache": "warm", "scale": scale.name}
+    )
+    fn(buf)  # warm the buffer and the code
+    benchmark.pedantic(fn, args=(buf,), rounds=max(3, scale.rounds * 5), iterations=1)
+
+
+@pytest.fixture(scope="module")
+def staged_large(large_src: Source, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The large files staged once, so verify() has a manifest to check against."""
+    fl = _fastload()
+    base = tmp_path_factory.mktemp("staged")
+    dst = base / "large"
+    fl.stage(large_src.path, dst)
+    yield dst
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("tool", ["fastload.verify", "dd", "cksum"])
+def test_read_digest(
+    request: pytest.FixtureRequest, benchmark: Any, scale: Scale, large_src: Source, tool: str
+) -> None:
+    target: Callable[[], Any]
+    if tool == "fastload.verify":
+        fl = _fastload()
+        path = request.getfixturevalue("staged_large")
+
+        def target() -> Any:
+            return fl.verify(path)
+    elif tool == "dd":
+        _need("dd")
+        path = large_src.path
+
+        def target() -> Any:
+            return _dd_read(path, path)
+    else:
+        _need("cksum")
+        path = large_src.path
+        files = sorted(str(p) for p in path.iterdir())
+
+        def target() -> Any:
+            return _run(["cksum", *files])
+
+    describe(
+        benchmark,
+        group="read-digest-warm",
+        tool=tool if tool != "dd" else "dd read",
+        src=large_src,
+        cache="warm",
+        scale=scale,
+    )
+    result = benchmark.pedantic(
+        target, setup=lambda: prepare_cache("warm", path), rounds=scale.rounds, iterations=1
+    )
+    if tool == "fastload.verify":
+        assert result.ok, result

@@ -1,0 +1,109 @@
+"""The data generators: deterministic, cached, and producing what they claim (tiny sizes)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import data
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTLOAD_BENCH_DATA", str(tmp_path / "cache"))
+
+
+def _digest_tree(root: Path) -> str:
+    h = hashlib.sha256()
+    for dirpath, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            p = Path(dirpath, name)
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_tree_is_deterministic_and_cached(tmp_path: Path) -> None:
+    a = data.imagenet_like_tree(tmp_path / "a", 40, 4, mean_kb=4, seed=3)
+    b = data.imagenet_like_tree(tmp_path / "b", 40, 4, mean_kb=4, seed=3)
+    assert _digest_tree(a) == _digest_tree(b)
+    assert data.tree_stats(a)[0] == 40
+    assert len([p for p in a.iterdir() if p.is_dir()]) == 4
+    first = next(a.rglob("*.JPEG")).read_bytes()
+    assert first.startswith(b"\xff\xd8\xff") and first.endswith(b"\xff\xd9")
+    mtime = a.stat().st_mtime_ns
+    assert data.imagenet_like_tree(a, 40, 4, mean_kb=4, seed=3) == a
+    assert a.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    c = data.imagenet_like_tree(tmp_path / "a", 40, 4, mean_kb=4, seed=4)  # new params
+    assert _digest_tree(c) != _digest_tree(b)
+
+
+def test_keyed_paths_differ_by_params() -> None:
+    assert data.keyed("tree", n=1, s=0) != data.keyed("tree", n=1, s=1)
+    assert data.keyed("tree", n=1).parent == data.cache_dir()
+
+
+def test_large_files(tmp_path: Path) -> None:
+    root = data.large_files(tmp_path / "l", 2, (1 << 20) + 5, seed=1)
+    files = sorted(root.iterdir())
+    assert [f.stat().st_size for f in files] == [(1 << 20) + 5] * 2
+    assert files[0].read_bytes() != files[1].read_bytes()
+
+
+def test_sizes_are_lognormal_around_mean() -> None:
+    sizes = data.lognormal_sizes(20_000, 100 * 1024, seed=0)
+    assert 90 * 1024 < sizes.mean() < 110 * 1024
+    assert sizes.min() >= 1024
+
+
+@pytest.mark.parametrize("fmt", ["ustar", "gnu", "pax"])
+@pytest.mark.parametrize("tool", ["python", "gnu"])
+def test_imagenet_tar(tmp_path: Path, fmt: str, tool: str) -> None:
+    if tool == "gnu" and not data._gnu_tar_available():
+        pytest.skip("GNU tar is not installed")
+    p = data.imagenet_like_tar(tmp_path / f"{tool}-{fmt}.tar", 30, 3, 2, seed=5, fmt=fmt, tool=tool)
+    with tarfile.open(p) as tf:
+        members = [m for m in tf.getmembers() if m.isfile()]
+    assert len(members) == 30
+    tree = data.imagenet_like_tree(tmp_path / "t", 30, 3, 2, seed=5)
+    assert sum(m.size for m in members) == data.tree_stats(tree)[1]
+
+
+def test_tar_of_tars(tmp_path: Path) -> None:
+    p = data.tar_of_tars(tmp_path / "tt.tar", 3, 5, 2, seed=0)
+    with tarfile.open(p) as outer:
+        inner_names = outer.getnames()
+        assert inner_names == [f"n{c:05d}.tar" for c in range(3)]
+        f = outer.extractfile(inner_names[1])
+        assert f is not None
+        with tarfile.open(fileobj=f) as inner:
+            assert len(inner.getnames()) == 5
+
+
+def test_small_record_shards(tmp_path: Path) -> None:
+    root = data.small_record_shards(tmp_path / "s", 25, 1, 10, seed=0)
+    shards = sorted(root.iterdir())
+    assert [s.name for s in shards] == [f"shard-{i:06d}.tar" for i in range(3)]
+    with tarfile.open(shards[2]) as tf:
+        names = tf.getnames()
+    assert names[:3] == ["sample00000020.jpg", "sample00000020.cls", "sample00000020.json"]
+    assert len(names) == 15
+
+
+def test_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_a: object, **_k: object) -> bytes:
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(data, "_jpeg_like", boom)
+    with pytest.raises(RuntimeError):
+        data.imagenet_like_tree(tmp_path / "x", 5, 1, 1, seed=0)
+    assert not (tmp_path / "x").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x")]
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)

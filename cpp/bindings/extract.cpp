@@ -1,0 +1,100 @@
+#include <pybind11/stl.h>
+
+#include "bindings/common.hpp"
+#include "copy/decompress.hpp"
+#include "copy/extract.hpp"
+#include "io/engine.hpp"
+
+namespace fastload::bindings {
+
+void register_extract(py::module_& m) {
+  m.def("zstd_available", &copy::zstd_available, "True when libzstd.so.1 can be loaded.");
+
+  py::class_<copy::ExtractJob>(m, "ExtractJob", "Streaming extraction of a tar archive.")
+      .def(py::init([](const py::object& dst, const py::object& name, const std::string& compression,
+                       bool nested, const std::vector<std::string>& include,
+                       const std::vector<std::string>& exclude, const py::dict& complete,
+                       const std::string& engine, unsigned threads, unsigned files_in_flight,
+                       uint64_t chunk_size) {
+             copy::ExtractOptions opt;
+             if (compression == "gzip")
+               opt.compression = copy::Compression::kGzip;
+             else if (compression == "zstd")
+               opt.compression = copy::Compression::kZstd;
+             else if (compression != "none")
+               throw py::value_error("unknown compression '" + compression + "'");
+             if (!io::parse_kind(engine, &opt.engine.kind))
+               throw py::value_error("unknown engine '" + engine + "'");
+             opt.engine.threads = threads;
+             opt.nested = nested;
+             opt.include = include;
+             opt.exclude = exclude;
+             for (auto item : complete) {
+               auto rec = item.second.cast<py::tuple>();
+               opt.complete.emplace(fs_bytes(item.first),
+                                    std::make_pair(rec[0].cast<uint64_t>(), rec[1].cast<int64_t>()));
+             }
+             opt.files_in_flight = files_in_flight;
+             opt.chunk_size = chunk_size;
+             std::string d = fs_bytes(dst), n = fs_bytes(name);
+             py::gil_scoped_release nogil;
+             return new copy::ExtractJob(d, n, std::move(opt));
+           }),
+           py::arg("dst"), py::arg("name"), py::arg("compression"), py::arg("nested"),
+           py::arg("include"), py::arg("exclude"), py::arg("complete"), py::arg("engine"),
+           py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"))
+      .def(
+          "feed",
+          [](copy::ExtractJob& j, const py::buffer& data) {
+            py::buffer_info info = data.request();
+            const char* p = static_cast<const char*>(info.ptr);
+            size_t n = size_t(info.size * info.itemsize);
+            py::gil_scoped_release nogil;
+            j.feed(p, n);
+          },
+          py::arg("data"))
+      .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
+      .def("skippable", &copy::ExtractJob::skippable)
+      .def("skipped", &copy::ExtractJob::skipped, py::arg("n"))
+      .def("cancel", &copy::ExtractJob::cancel)
+      .def("abort", &copy::ExtractJob::abort, py::call_guard<py::gil_scoped_release>())
+      .def("take_done",
+           [](copy::ExtractJob& j) {
+             auto done = j.take_done();
+             py::list out(done.size());
+             for (size_t i = 0; i < done.size(); ++i) {
+               const auto& f = done[i];
+               out[i] = py::make_tuple(
+                   fs_str(f.path), f.size, f.mode, f.mtime_ns,
+                   py::bytes(reinterpret_cast<const char*>(f.digests.data()),
+                             f.digests.size() * sizeof(uint64_t)));
+             }
+             return out;
+           })
+      .def("take_reused",
+           [](copy::ExtractJob& j) {
+             py::list out;
+             for (const auto& p : j.take_reused()) out.append(fs_str(p));
+             return out;
+           })
+      .def("links",
+           [](const copy::ExtractJob& j) {
+             py::list out;
+             for (const auto& l : j.links())
+               out.append(py::make_tuple(fs_str(l.path), fs_str(l.target), l.hard));
+             return out;
+           })
+      .def("dirs",
+           [](const copy::ExtractJob& j) {
+             py::list out;
+             for (const auto& d : j.dirs()) out.append(fs_str(d));
+             return out;
+           })
+      .def_property_readonly("bytes_in", &copy::ExtractJob::bytes_in)
+      .def_property_readonly("bytes_out", &copy::ExtractJob::bytes_out)
+      .def_property_readonly("files_done", &copy::ExtractJob::files_done)
+      .def_property_readonly("files_skipped", &copy::ExtractJob::files_skipped)
+      .def_property_readonly("engine", &copy::ExtractJob::engine_name);
+}
+
+}  // namespace fastload::bindings

@@ -1,0 +1,608 @@
+#include "copy/extract.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <unordered_set>
+
+#include "common/error.hpp"
+#include "common/unique_fd.hpp"
+#include "copy/copier.hpp"
+#include "copy/walk.hpp"
+#include "hash/digest.hpp"
+#include "tar/reader.hpp"
+
+namespace fastload::copy {
+namespace {
+
+constexpr uint32_t kNone = ~0u;
+constexpr size_t kMaxCachedDirs = 512;
+enum Kind : uint64_t { kOpen = 1, kWrite, kClose };
+
+uint64_t tag(uint32_t file, Kind kind, uint32_t slot = 0) {
+  return (uint64_t(file) << 32) | (uint64_t(slot) << 4) | kind;
+}
+
+std::pair<std::string, std::string> split(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) return {"", path};
+  return {path.substr(0, slash), path.substr(slash + 1)};
+}
+
+timespec to_timespec(int64_t ns) {
+  timespec t;
+  t.tv_sec = time_t(ns / 1000000000);
+  t.tv_nsec = long(ns % 1000000000);
+  if (t.tv_nsec < 0) {
+    t.tv_nsec += 1000000000;
+    t.tv_sec -= 1;
+  }
+  return t;
+}
+
+}  // namespace
+
+struct Level;
+
+struct ExtractJob::Impl {
+  struct File {
+    bool active = false;
+    std::string path;  // output path, relative to the destination
+    std::string base;
+    std::string tmp;   // temporary name, in the parent directory
+    int dir_fd = -1;   // our own descriptor of the parent directory
+    int fd = -1;
+    bool opened = false;
+    bool data_done = false;
+    bool closing = false;
+    uint32_t mode = 0;
+    int64_t mtime_ns = 0;
+    uint64_t appended = 0;  // bytes of data received
+    uint32_t slot = kNone;  // the slot being filled
+    size_t fill = 0;
+    uint64_t slot_offset = 0;
+    unsigned writes = 0;  // writes queued or in flight
+    std::vector<uint32_t> waiting;  // slots filled before the temporary was open
+    hash::Fl64Stream stream;
+    uint64_t chunk_fill = 0;
+    std::vector<uint64_t> digests;
+  };
+  struct Slot {
+    uint32_t file = 0;
+    size_t len = 0;
+    size_t put = 0;
+    uint64_t offset = 0;
+  };
+  struct DirMeta {
+    std::string path;
+    uint32_t mode;
+    int64_t mtime_ns;
+  };
+  struct Hardlink {
+    std::string path, target;
+  };
+  struct Symlink {
+    std::string path;
+    int64_t mtime_ns;
+  };
+
+  Impl(ExtractJob& j, std::string d, std::string n, ExtractOptions o);
+  ~Impl() { abort(); }
+
+  // ---- directories -------------------------------------------------------------------
+
+  // Opens (creating if needed) the directory `path` below the destination, one
+  // component at a time with O_NOFOLLOW from an already verified parent: no symlink,
+  // whoever made it, is ever followed.
+  int ensure_dir(const std::string& path) {
+    if (path.empty()) return root.get();
+    auto it = dir_fds.find(path);
+    if (it != dir_fds.end()) return it->second;
+    auto [parent, base] = split(path);
+    int pfd = ensure_dir(parent);
+    if (::mkdirat(pfd, base.c_str(), 0755) != 0 && errno != EEXIST)
+      throw Error::os(errno, "create directory", full(path));
+    int fd = ::openat(pfd, base.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+      int e = errno;
+      struct stat st;
+      if (::fstatat(pfd, base.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode))
+        throw unsafe(path, "a member would be written through the symbolic link '" + path + "'");
+      throw Error::os(e == ELOOP ? ENOTDIR : e, "open directory", full(path));
+    }
+    if (dir_fds.size() >= kMaxCachedDirs) drop_dir_cache();
+    dir_fds.emplace(path, fd);
+    dirs_made.insert(path);
+    return fd;
+  }
+
+  void drop_dir_cache() {
+    for (auto& [p, fd] : dir_fds) ::close(fd);
+    dir_fds.clear();
+  }
+
+  // ---- members -----------------------------------------------------------------------
+
+  void start_file(const std::string& out, const tar::Member& m, uint32_t* index) {
+    if (dirs_made.count(out))
+      throw unsafe(out, "a file member would replace the directory '" + out + "'");
+    // A path repeated in the archive: the later member wins, after the earlier is done
+    // (both would write the same temporary).
+    while (active_paths.count(out)) pump(true);
+    while (free_files.empty()) pump(true);
+    auto [parent, base] = split(out);
+    int pfd = ensure_dir(parent);
+    uint32_t i = free_files.back();
+    free_files.pop_back();
+    File& f = files[i];
+    f = File{};
+    f.active = true;
+    f.path = out;
+    f.base = base;
+    f.tmp = split(temp_name(base)).second;
+    f.mode = m.mode;
+    f.mtime_ns = m.mtime_ns;
+    f.dir_fd = ::fcntl(pfd, F_DUPFD_CLOEXEC, 0);
+    if (f.dir_fd < 0) throw Error::os(errno, "duplicate descriptor of", full(parent));
+    active_paths.insert(out);
+    ++active;
+    push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
+          .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+         tag(i, kOpen));
+    *index = i;
+  }
+
+  void append(uint32_t i, const char* p, size_t n) {
+    File& f = files[i];
+    // Chunk digests, the same as the copier's: one per chunk_size bytes of content.
+    for (size_t off = 0; off < n;) {
+      size_t take = size_t(std::min<uint64_t>(n - off, opt.chunk_size - f.chunk_fill));
+      f.stream.update(p + off, take);
+      f.chunk_fill += take;
+      off += take;
+      if (f.chunk_fill == opt.chunk_size) {
+        f.digests.push_back(f.stream.digest());
+        f.stream = hash::Fl64Stream();
+        f.chunk_fill = 0;
+      }
+    }
+    while (n > 0) {
+      if (f.slot == kNone) {
+        while (free_slots.empty()) pump(true);
+        f.slot = free_slots.back();
+        free_slots.pop_back();
+        f.fill = 0;
+        f.slot_offset = f.appended;
+      }
+      size_t take = std::min(n, opt.slot_size - f.fill);
+      std::memcpy(arena.get() + size_t(f.slot) * opt.slot_size + f.fill, p, take);
+      f.fill += take;
+      f.appended += take;
+      p += take;
+      n -= take;
+      if (f.fill == opt.slot_size) submit_slot(i);
+    }
+  }
+
+  void submit_slot(uint32_t i) {
+    File& f = files[i];
+    uint32_t s = f.slot;
+    f.slot = kNone;
+    slots[s] = Slot{i, f.fill, 0, f.slot_offset};
+    ++f.writes;
+    if (f.opened)
+      push_write(s);
+    else
+      f.waiting.push_back(s);
+  }
+
+  void push_write(uint32_t s) {
+    Slot& sl = slots[s];
+    File& f = files[sl.file];
+    push({.code = io::OpCode::kWrite, .fd = f.fd,
+          .buf = arena.get() + size_t(s) * opt.slot_size + sl.put, .len = uint32_t(sl.len - sl.put),
+          .offset = sl.offset + sl.put},
+         tag(sl.file, kWrite, s));
+  }
+
+  void end_file(uint32_t i) {
+    File& f = files[i];
+    if (f.slot != kNone) submit_slot(i);
+    if (f.chunk_fill > 0 || f.digests.empty()) f.digests.push_back(f.stream.digest());
+    f.data_done = true;
+    maybe_close(i);
+  }
+
+  void maybe_close(uint32_t i) {
+    File& f = files[i];
+    if (!f.data_done || !f.opened || f.writes > 0 || f.closing) return;
+    timespec t[2] = {to_timespec(f.mtime_ns), to_timespec(f.mtime_ns)};
+    if (::fchmod(f.fd, mode_t(f.mode & 07777)) != 0)
+      throw Error::os(errno, "set mode of", full(f.path));
+    if (::futimens(f.fd, t) != 0) throw Error::os(errno, "set times of", full(f.path));
+    f.closing = true;
+    push({.code = io::OpCode::kClose, .fd = f.fd}, tag(i, kClose));
+    f.fd = -1;
+  }
+
+  void file_closed(uint32_t i) {
+    File& f = files[i];
+    if (::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0)
+      throw Error::os(errno, "rename into place", full(f.path));
+    ::close(f.dir_fd);
+    f.dir_fd = -1;
+    done.push_back(ExtractedFile{f.path, f.appended, f.mode, f.mtime_ns, std::move(f.digests)});
+    active_paths.erase(f.path);
+    f.active = false;
+    --active;
+    free_files.push_back(i);
+    job.files_done_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  void make_symlink(const std::string& out, const std::string& target, int64_t mtime_ns) {
+    while (active_paths.count(out)) pump(true);
+    if (dirs_made.count(out))
+      throw unsafe(out, "a symbolic link member would replace the directory '" + out + "'");
+    auto [parent, base] = split(out);
+    int pfd = ensure_dir(parent);
+    if (::unlinkat(pfd, base.c_str(), 0) != 0 && errno != ENOENT)
+      throw Error::os(errno, "replace", full(out));
+    if (::symlinkat(target.c_str(), pfd, base.c_str()) != 0)
+      throw Error::os(errno, "create symbolic link", full(out));
+    timespec t[2] = {to_timespec(mtime_ns), to_timespec(mtime_ns)};
+    ::utimensat(pfd, base.c_str(), t, AT_SYMLINK_NOFOLLOW);
+    links.push_back(ExtractedLink{out, target, false});
+  }
+
+  void make_hardlinks() {
+    for (const auto& h : hardlinks) {
+      auto [tparent, tbase] = split(h.target);
+      auto [parent, base] = split(h.path);
+      int tfd = ensure_dir(tparent);
+      int pfd = ensure_dir(parent);
+      if (dirs_made.count(h.path))
+        throw unsafe(h.path, "a hard link member would replace the directory '" + h.path + "'");
+      if (::unlinkat(pfd, base.c_str(), 0) != 0 && errno != ENOENT)
+        throw Error::os(errno, "replace", full(h.path));
+      // The target was opened through verified directories and linkat does not follow
+      // a final symlink (no AT_SYMLINK_FOLLOW): the link stays inside.
+      if (::linkat(tfd, tbase.c_str(), pfd, base.c_str(), 0) != 0)
+        throw Error::os(errno, "create hard link (to '" + h.target + "')", full(h.path));
+      links.push_back(ExtractedLink{h.path, h.target, true});
+    }
+  }
+
+  void set_dir_metadata() {
+    std::stable_sort(dir_meta.begin(), dir_meta.end(), [](const DirMeta& a, const DirMeta& b) {
+      return std::count(a.path.begin(), a.path.end(), '/') >
+             std::count(b.path.begin(), b.path.end(), '/');
+    });
+    for (const auto& d : dir_meta) {
+      auto [parent, base] = split(d.path);
+      int pfd = ensure_dir(parent);
+      timespec t[2] = {to_timespec(d.mtime_ns), to_timespec(d.mtime_ns)};
+      if (::fchmodat(pfd, base.c_str(), mode_t(d.mode & 07777), 0) != 0)
+        throw Error::os(errno, "set mode of", full(d.path));
+      if (::utimensat(pfd, base.c_str(), t, AT_SYMLINK_NOFOLLOW) != 0)
+        throw Error::os(errno, "set times of", full(d.path));
+    }
+  }
+
+  void note_skipped(const std::string& out) {
+    ++job.files_skipped_;
+    reused.push_back(out);
+  }
+
+  // ---- the engine --------------------------------------------------------------------
+
+  void push(io::Op op, uint64_t user_data) {
+    while (eng->in_flight() >= eng->capacity()) pump(true);
+    op.user_data = user_data;
+    int r = eng->push(op);
+    if (r != 0) throw Error::os(-r, "queue I/O", full(""));
+  }
+
+  // Handles completions: with block, waits (in slices, so cancel is seen) for at least
+  // one when anything is in flight. Throws the first error.
+  void pump(bool block) {
+    if (job.cancelled_.load(std::memory_order_acquire))
+      throw Error(ErrorKind::kCancelled, 0, "extraction cancelled", name);
+    io::Completion cq[256];
+    int n = eng->reap(cq, 256, block && eng->in_flight() > 0 ? 1 : 0, 100);
+    if (n < 0) throw Error::os(-n, "wait for I/O", full(""));
+    for (int k = 0; k < n; ++k) complete(cq[k]);
+  }
+
+  void complete(const io::Completion& c) {
+    uint32_t i = uint32_t(c.user_data >> 32);
+    uint32_t s = uint32_t((c.user_data >> 4) & 0x0fffffff);
+    File& f = files[i];
+    bool retry = c.res == -EINTR || c.res == -EAGAIN;
+    switch (Kind(c.user_data & 15)) {
+      case kOpen:
+        if (retry) {
+          push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
+                .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+               tag(i, kOpen));
+          return;
+        }
+        if (c.res < 0) throw Error::os(int(-c.res), "create", full(f.path));
+        f.fd = int(c.res);
+        f.opened = true;
+        for (uint32_t w : f.waiting) push_write(w);
+        f.waiting.clear();
+        maybe_close(i);
+        return;
+      case kWrite: {
+        Slot& sl = slots[s];
+        if (retry) return push_write(s);
+        if (c.res < 0) throw Error::os(int(-c.res), "write", full(f.path));
+        if (c.res == 0) throw Error::os(EIO, "write", full(f.path));
+        sl.put += size_t(c.res);
+        if (sl.put < sl.len) return push_write(s);
+        job.bytes_out_.fetch_add(sl.len, std::memory_order_relaxed);
+        free_slots.push_back(s);
+        --f.writes;
+        maybe_close(i);
+        return;
+      }
+      case kClose:
+        if (c.res < 0 && !retry) throw Error::os(int(-c.res), "close", full(f.path));
+        file_closed(i);
+        return;
+    }
+  }
+
+  // After an error or cancel: let the kernel finish what it holds, then remove the
+  // temporaries, so the destination keeps only whole files.
+  void abort() noexcept {
+    if (!eng) return;
+    io::Completion cq[256];
+    while (eng->in_flight() > 0) {
+      int n = eng->reap(cq, 256, 1, 100);
+      if (n < 0) break;
+      for (int k = 0; k < n; ++k) {
+        uint32_t i = uint32_t(cq[k].user_data >> 32);
+        if (Kind(cq[k].user_data & 15) == kOpen && cq[k].res >= 0) files[i].fd = int(cq[k].res);
+        if (Kind(cq[k].user_data & 15) == kClose) files[i].fd = -1;
+      }
+    }
+    for (auto& f : files) {
+      if (!f.active) continue;
+      if (f.fd >= 0) ::close(f.fd);
+      if (f.dir_fd >= 0) {
+        ::unlinkat(f.dir_fd, f.tmp.c_str(), 0);
+        ::close(f.dir_fd);
+      }
+      f = File{};
+    }
+    drop_dir_cache();
+    eng.reset();
+  }
+
+  bool selected(const std::string& out) const {
+    if (!opt.include.empty()) {
+      bool any = false;
+      for (const auto& p : opt.include) any = any || glob_match(p, out);
+      if (!any) return false;
+    }
+    for (const auto& p : opt.exclude)
+      if (glob_match(p, out)) return false;
+    return true;
+  }
+
+  std::string full(const std::string& rel) const { return rel.empty() ? dst : dst + "/" + rel; }
+
+  Error unsafe(const std::string& member, const std::string& why) const {
+    return Error(ErrorKind::kUnsafe, 0, "refusing archive member", name + ": " + member, why);
+  }
+
+  ExtractJob& job;
+  std::string dst;
+  std::string name;
+  ExtractOptions opt;
+  std::unique_ptr<io::Engine> eng;
+  UniqueFd root;
+  std::unique_ptr<Decompressor> dec;
+  std::unique_ptr<Level> outer;
+  std::unique_ptr<char[]> arena;
+  std::vector<Slot> slots;
+  std::vector<uint32_t> free_slots;
+  std::vector<File> files;
+  std::vector<uint32_t> free_files;
+  size_t active = 0;
+  std::unordered_set<std::string> active_paths;
+  std::unordered_map<std::string, int> dir_fds;
+  std::unordered_set<std::string> dirs_made;
+  std::vector<DirMeta> dir_meta;
+  std::vector<Hardlink> hardlinks;
+  std::vector<ExtractedLink> links;
+  std::vector<ExtractedFile> done;
+  std::vector<std::string> reused;
+  bool dead = false;
+  std::string engine_name;
+};
+
+// One tar stream: the archive itself, or a member tar inside it (nested).
+struct Level final : tar::Sink {
+  Level(ExtractJob::Impl& im, std::string prefix, const std::string& name, bool inner)
+      : im_(im), prefix_(std::move(prefix)), inner_(inner), name_(name), parser(name) {}
+
+  tar::Action on_member(const tar::Member& m) override {
+    std::string rel, why;
+    if (!tar::safe_relative_path(m.path, &rel, &why)) throw im_.unsafe(m.path, why);
+    if (rel.empty()) return tar::Action::kSkip;  // "./": the root itself
+    std::string out = prefix_.empty() ? rel : prefix_ + "/" + rel;
+    switch (m.type) {
+      case tar::MemberType::kDir:
+        for (const auto& p : im_.opt.exclude)
+          if (glob_match(p, out)) return tar::Action::kSkip;
+        im_.ensure_dir(out);
+        im_.dir_meta.push_back({out, m.mode, m.mtime_ns});
+        return tar::Action::kSkip;
+      case tar::MemberType::kFile:
+        if (im_.opt.nested && !inner_ && out.size() > 4 &&
+            out.compare(out.size() - 4, 4, ".tar") == 0) {
+          std::string dir = out.substr(0, out.size() - 4);
+          im_.ensure_dir(dir);
+          im_.dir_meta.push_back({dir, 0755, m.mtime_ns});
+          child_ = std::make_unique<Level>(im_, dir, parser_name() + ":" + m.path, true);
+          current_ = kInner;
+          return tar::Action::kRead;
+        }
+        if (!im_.selected(out)) return tar::Action::kSkip;
+        if (auto it = im_.opt.complete.find(out);
+            it != im_.opt.complete.end() && it->second.first == m.size &&
+            it->second.second == m.mtime_ns) {
+          im_.note_skipped(out);
+          return tar::Action::kSkip;
+        }
+        im_.start_file(out, m, &current_);
+        return tar::Action::kRead;
+      case tar::MemberType::kSymlink:
+        if (!im_.selected(out)) return tar::Action::kSkip;
+        if (!tar::safe_link_target(rel, m.link, false, &why)) throw im_.unsafe(m.path, why);
+        im_.make_symlink(out, m.link, m.mtime_ns);
+        return tar::Action::kSkip;
+      case tar::MemberType::kHardlink: {
+        if (!im_.selected(out)) return tar::Action::kSkip;
+        std::string target;
+        if (!tar::safe_link_target(rel, m.link, true, &why) ||
+            !tar::safe_relative_path(m.link, &target, &why))
+          throw im_.unsafe(m.path, why);
+        im_.hardlinks.push_back({out, prefix_.empty() ? target : prefix_ + "/" + target});
+        return tar::Action::kSkip;
+      }
+      case tar::MemberType::kCharDev:
+      case tar::MemberType::kBlockDev:
+      case tar::MemberType::kFifo:
+        throw im_.unsafe(m.path, m.type == tar::MemberType::kFifo
+                                     ? "FIFOs are not extracted"
+                                     : "device nodes are not extracted");
+    }
+    return tar::Action::kSkip;
+  }
+
+  void on_data(const char* data, size_t n) override {
+    if (current_ == kInner)
+      child_->parser.feed(data, n, *child_);
+    else if (current_ != kNone)
+      im_.append(current_, data, n);
+  }
+
+  void on_member_end() override {
+    if (current_ == kInner) {
+      child_->parser.finish(*child_);
+      child_.reset();
+    } else if (current_ != kNone) {
+      im_.end_file(current_);
+    }
+    current_ = kNone;
+  }
+
+  std::string parser_name() const { return name_; }
+
+  static constexpr uint32_t kInner = kNone - 1;
+  ExtractJob::Impl& im_;
+  std::string prefix_;
+  bool inner_;
+  std::string name_;
+  uint32_t current_ = kNone;
+  std::unique_ptr<Level> child_;
+  tar::StreamParser parser;
+};
+
+ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptions o)
+    : job(j), dst(std::move(d)), name(std::move(n)), opt(std::move(o)) {
+  opt.slot_size = std::max<size_t>(opt.slot_size, 4096);
+  opt.slots = std::max(2u, opt.slots);
+  opt.files_in_flight = std::max(1u, opt.files_in_flight);
+  opt.chunk_size = std::max<uint64_t>(opt.chunk_size, 4096);
+  root.reset(::open(dst.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!root) throw Error::os(errno, "open directory", dst);
+  io::EngineOptions eo = opt.engine;
+  eo.depth = std::max(eo.depth, opt.files_in_flight + opt.slots + 8);
+  int err = 0;
+  eng = io::make_engine(eo, &err);
+  if (!eng) throw Error::os(-err, "start the I/O engine", "");
+  dec = make_decompressor(opt.compression, name);
+  arena.reset(new char[size_t(opt.slots) * opt.slot_size]);
+  slots.resize(opt.slots);
+  for (uint32_t s = opt.slots; s-- > 0;) free_slots.push_back(s);
+  files.resize(opt.files_in_flight);
+  for (uint32_t i = opt.files_in_flight; i-- > 0;) free_files.push_back(i);
+  outer = std::make_unique<Level>(*this, "", name, false);
+  engine_name = eng->name();
+}
+
+ExtractJob::ExtractJob(std::string dst, std::string name, ExtractOptions options) {
+  impl_ = std::make_unique<Impl>(*this, std::move(dst), std::move(name), std::move(options));
+}
+
+ExtractJob::~ExtractJob() = default;
+
+void ExtractJob::feed(const char* data, size_t n) {
+  Impl& im = *impl_;
+  if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
+  try {
+    bytes_in_.fetch_add(n, std::memory_order_relaxed);
+    im.dec->feed(data, n, [&](const char* p, size_t k) { im.outer->parser.feed(p, k, *im.outer); });
+    im.pump(false);
+  } catch (...) {
+    im.dead = true;
+    im.abort();
+    throw;
+  }
+}
+
+void ExtractJob::finish() {
+  Impl& im = *impl_;
+  if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
+  try {
+    im.dec->finish([&](const char* p, size_t k) { im.outer->parser.feed(p, k, *im.outer); });
+    im.outer->parser.finish(*im.outer);
+    while (im.active > 0) im.pump(true);
+    im.make_hardlinks();
+    im.set_dir_metadata();
+    im.abort();  // nothing in flight: just releases the engine and directories
+  } catch (...) {
+    im.dead = true;
+    im.abort();
+    throw;
+  }
+}
+
+uint64_t ExtractJob::skippable() const {
+  if (impl_->opt.compression != Compression::kNone || impl_->dead) return 0;
+  return impl_->outer->parser.skippable();
+}
+
+void ExtractJob::skipped(uint64_t n) {
+  bytes_in_.fetch_add(n, std::memory_order_relaxed);
+  impl_->outer->parser.skipped(n, *impl_->outer);
+}
+
+void ExtractJob::abort() noexcept {
+  impl_->dead = true;
+  impl_->abort();
+}
+
+std::vector<ExtractedFile> ExtractJob::take_done() { return std::exchange(impl_->done, {}); }
+
+std::vector<std::string> ExtractJob::take_reused() { return std::exchange(impl_->reused, {}); }
+
+std::vector<ExtractedLink> ExtractJob::links() const { return impl_->links; }
+
+std::vector<std::string> ExtractJob::dirs() const {
+  std::vector<std::string> out(impl_->dirs_made.begin(), impl_->dirs_made.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string ExtractJob::engine_name() const { return impl_->engine_name; }
+
+}  // namespace fastload::copy

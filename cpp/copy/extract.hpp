@@ -1,0 +1,106 @@
+// Streaming extraction of a tar archive (optionally compressed, optionally with member
+// tars extracted too) into a destination directory.
+//
+// The caller feeds the archive's bytes in order (the Python layer reads them in large
+// sequential, prefetched reads and hashes them for the published checksum). Members are
+// decoded as they arrive and their data is written with many writes in flight through
+// the I/O engine; nothing is staged to disk twice, and an inner tar ("nested") is parsed
+// from the outer one's data without ever being written.
+//
+// Safety: every member path is normalised and refused if absolute or escaping; every
+// directory is opened component by component from the destination with O_NOFOLLOW, so
+// nothing is ever written through a symlink (an archive's own, or one planted before);
+// links leaving the destination, devices and FIFOs are refused; a file never replaces a
+// directory. Files are written to hidden temporaries and renamed into place when whole.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "copy/decompress.hpp"
+#include "io/engine.hpp"
+
+namespace fastload::copy {
+
+struct ExtractOptions {
+  io::EngineOptions engine;
+  Compression compression = Compression::kNone;
+  bool nested = false;               // also extract members named *.tar into <name>/
+  std::vector<std::string> include;  // globs on output paths
+  std::vector<std::string> exclude;
+  // Output paths already complete on disk (from an interrupted run): (size, mtime_ns).
+  // Such members are skipped, not rewritten.
+  std::unordered_map<std::string, std::pair<uint64_t, int64_t>> complete;
+  unsigned files_in_flight = 64;
+  uint64_t chunk_size = 4u << 20;  // digest chunk
+  size_t slot_size = 1u << 20;     // bytes per write
+  unsigned slots = 96;
+};
+
+struct ExtractedFile {
+  std::string path;
+  uint64_t size = 0;
+  uint32_t mode = 0;
+  int64_t mtime_ns = 0;
+  std::vector<uint64_t> digests;  // one per chunk_size of content (one for an empty file)
+};
+
+struct ExtractedLink {
+  std::string path;
+  std::string target;
+  bool hard = false;
+};
+
+class ExtractJob {
+ public:
+  // dst: an existing directory. name: how errors name the archive.
+  ExtractJob(std::string dst, std::string name, ExtractOptions options);
+  ~ExtractJob();
+  ExtractJob(const ExtractJob&) = delete;
+  ExtractJob& operator=(const ExtractJob&) = delete;
+
+  // Feeds the next bytes of the (compressed) archive. Blocks while writes are pending
+  // beyond the buffer budget. Throws fastload::Error; after a throw the job is dead and
+  // its temporaries are removed.
+  void feed(const char* data, size_t n);
+  // The archive ended: waits for every write, creates hard links, sets directory
+  // modes and times. Throws like feed().
+  void finish();
+  // Bytes of raw archive the caller may seek over instead of feeding (a skipped member's
+  // data, uncompressed archives only), and the report that it did.
+  uint64_t skippable() const;
+  void skipped(uint64_t n);
+  // From any thread: makes feed()/finish() stop with Error(kCancelled).
+  void cancel() { cancelled_.store(true, std::memory_order_release); }
+  // Drops the job's temporaries after an error or cancel (also done by the destructor).
+  void abort() noexcept;
+
+  std::vector<ExtractedFile> take_done();
+  // Output paths of members skipped because they were already complete (options.complete).
+  std::vector<std::string> take_reused();
+  std::vector<ExtractedLink> links() const;
+  std::vector<std::string> dirs() const;
+  uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
+  uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
+  uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
+  uint64_t files_skipped() const { return files_skipped_; }
+  std::string engine_name() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<uint64_t> bytes_in_{0};
+  std::atomic<uint64_t> bytes_out_{0};
+  std::atomic<uint64_t> files_done_{0};
+  uint64_t files_skipped_ = 0;
+  friend struct Impl;
+};
+
+}  // namespace fastload::copy

@@ -1,0 +1,354 @@
+"""Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
+
+The archive is read once, in large positional reads kept in flight by a few threads
+(on a striped network file system each is served in parallel), hashed on the way when a
+published checksum is given, and fed to the native extractor, which decodes members as
+they arrive and writes them with many writes in flight. Skipped members of an
+uncompressed archive are seeked over, not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from . import _core
+from ._state import MANIFEST_VERSION, Journal, state_dir, write_json_atomic
+from .errors import ChecksumMismatchError, SourceChangedError, stage_error
+
+_BLOCK = 8 << 20
+_PREFETCH = 4
+_SUFFIXES = {
+    ".tar": "none",
+    ".tar.gz": "gzip",
+    ".tgz": "gzip",
+    ".tar.zst": "zstd",
+    ".tar.zstd": "zstd",
+    ".tzst": "zstd",
+}
+_PROGRESS_EVERY = 0.25
+_JOURNAL_EVERY = 1.0
+
+
+def archive_compression(path: Path) -> str | None:
+    """'none', 'gzip' or 'zstd' when ``path`` is a tar archive, by content, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    if head[:2] == b"\x1f\x8b":
+        return "gzip" if _suffix_kind(path) in (None, "gzip") else None
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd" if _suffix_kind(path) in (None, "zstd") else None
+    if len(head) == 512 and head[257:262] == b"ustar":
+        return "none"
+    if _suffix_kind(path) == "none" and (len(head) == 512 or not head.strip(b"\0")):
+        return "none"  # a v7 tar, or an empty archive: let the parser judge
+    return None
+
+
+def _suffix_kind(path: Path) -> str | None:
+    name = path.name.lower()
+    for suffix, kind in sorted(_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return kind
+    return None
+
+
+def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
+    if checksum is None:
+        return None
+    algo, sep, hexdigest = checksum.partition(":")
+    algo = algo.lower()
+    if not sep or algo not in ("md5", "sha1", "sha256", "sha512") or not hexdigest:
+        raise ValueError(f"checksum must look like 'sha256:<hex>' or 'md5:<hex>', not {checksum!r}")
+    return algo, hexdigest.lower()
+
+
+class _Prefetcher:
+    """Positional reads of an open file, ``depth`` blocks in flight, delivered in order."""
+
+    def __init__(self, fd: int, size: int, name: str, block: int = _BLOCK, depth: int = _PREFETCH):
+        self._fd, self._size, self._name, self._block = fd, size, name, block
+        self._pool = ThreadPoolExecutor(depth, thread_name_prefix="fastload-read")
+        self._depth = depth
+        self._queue: deque[tuple[int, int, Future[bytes]]] = deque()
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._queue) < self._depth and self._next < self._size:
+            n = min(self._block, self._size - self._next)
+            self._queue.append(
+                (self._next, n, self._pool.submit(os.pread, self._fd, n, self._next))
+            )
+            self._next += n
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        while self._queue:
+            off, n, fut = self._queue.popleft()
+            try:
+                data = fut.result()
+            except OSError as e:
+                raise stage_error(
+                    e.errno or errno.EIO, f"read '{self._name}': {e.strerror}", self._name
+                ) from None
+            if len(data) != n:
+                raise SourceChangedError(
+                    errno.EIO,
+                    f"source file changed: '{self._name}' is shorter than when "
+                    "staging began; stage again to pick up the new content",
+                )
+            self._fill()
+            yield off, data
+
+    def seek(self, offset: int) -> None:
+        for _, _, fut in self._queue:
+            fut.cancel()
+        self._queue.clear()
+        self._next = offset
+        self._fill()
+
+    def close(self) -> None:
+        for _, _, fut in self._queue:
+            fut.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def _python_decompressor(compression: str) -> Callable[[bytes], bytes] | None:
+    """A faster (isal) or a fallback (zstandard) decoder run in Python, if one is needed."""
+    if compression == "gzip":
+        try:
+            from isal import isal_zlib  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            return None  # zlib in the native core
+        d = isal_zlib.decompressobj(wbits=31)
+        return d.decompress  # type: ignore[no-any-return]
+    if compression == "zstd" and not _core.zstd_available():
+        try:
+            import zstandard  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise stage_error(
+                errno.ENOSYS,
+                "cannot read .tar.zst archives here: neither libzstd.so.1 nor "
+                "the 'zstandard' package is installed (pip install zstandard)",
+            ) from None
+        obj = zstandard.ZstdDecompressor().decompressobj()
+        return obj.decompress  # type: ignore[no-any-return]
+    return None
+
+
+def archive_fingerprint(src: Path, st: os.stat_result, options: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(
+        repr((str(src), st.st_size, st.st_mtime_ns, sorted(options.items()))).encode(
+            "utf-8", "surrogateescape"
+        )
+    )
+    return h.hexdigest()
+
+
+def stage_archive(
+    src: Path,
+    dst: Path,
+    *,
+    compression: str,
+    nested: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    checksum: tuple[str, str] | None,
+    engine: str,
+    on_progress: Callable[[int, int, int, int], None] | None,
+    workers: int | None,
+    stripe: int,
+    quick_same: Callable[[Path, int, int], bool],
+    check_space: Callable[[Path, int, Path], None],
+    t0: float,
+) -> dict[str, Any]:
+    """Extracts ``src`` into ``dst`` (under the node lock). Returns the summary the
+    caller turns into a StageResult."""
+    st = os.stat(src)
+    fingerprint = archive_fingerprint(src, st, {**options, "chunk": stripe, "checksum": checksum})
+    if (
+        old is not None
+        and old.get("complete")
+        and old.get("fingerprint") == fingerprint
+        and dst.is_dir()
+    ):
+        return {
+            "skipped": True,
+            "files": old["files_count"],
+            "bytes": old["bytes"],
+            "engine": "none",
+            "copied_files": 0,
+            "copied_bytes": 0,
+        }
+
+    journal = Journal(dst, stripe)
+    known = journal.load()
+    if old is not None and old.get("chunk_size") == stripe:
+        for p, rec in old.get("files", {}).items():
+            known.setdefault(p, (rec[0], rec[1], rec[2], rec[3]))
+    done: dict[str, tuple[int, int, int, str]] = {
+        p: rec for p, rec in known.items() if quick_same(dst / p, rec[0], rec[1])
+    }
+    # The archive's size bounds what an uncompressed one can hold; compressed data is
+    # at least as large once extracted, so this check can only under-estimate.
+    check_space(dst.parent, max(0, st.st_size - sum(r[0] for r in done.values())), dst)
+    try:
+        dst.mkdir(exist_ok=True)
+    except OSError as e:
+        raise stage_error(
+            e.errno or errno.EIO, f"cannot create '{dst}': {e.strerror}", str(dst)
+        ) from None
+    journal.open(done)
+
+    pydecomp = _python_decompressor(compression)
+    hasher = hashlib.new(checksum[0]) if checksum else None
+    can_seek = compression == "none" and hasher is None
+    files_in_flight = max(1, workers or 64)
+    job = _core.ExtractJob(
+        str(dst),
+        str(src),
+        "none" if pydecomp else compression,
+        nested,
+        options["include"],
+        options["exclude"],
+        {p: (r[0], r[1]) for p, r in done.items()},
+        engine,
+        min(64, max(4, files_in_flight // 2)),
+        files_in_flight,
+        stripe,
+    )
+    already = len(done)
+    reused: set[str] = set()
+    seen: set[str] = set()
+    pending: list[tuple[str, int, int, int, str]] = []
+    copied = {"files": 0, "bytes": 0}
+    last_sync = time.monotonic()
+
+    def collect(final: bool) -> None:
+        nonlocal last_sync
+        reused.update(job.take_reused())
+        for path, size, mode, mtime, digests in job.take_done():
+            rec = (size, mtime, mode, digests.hex())
+            done[path] = rec
+            seen.add(path)
+            pending.append((path, *rec))
+            copied["files"] += 1
+            copied["bytes"] += size
+        now = time.monotonic()
+        if pending and (final or now - last_sync >= _JOURNAL_EVERY):
+            _core.syncfs(str(dst))
+            journal.append(pending)
+            pending.clear()
+            last_sync = now
+
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    reader = _Prefetcher(fd, st.st_size, str(src))
+    last_report = 0.0
+    try:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for off, block in reader:
+            if hasher is not None:
+                hasher.update(block)
+            job.feed(pydecomp(block) if pydecomp else block)
+            if can_seek:
+                skip = job.skippable()
+                if skip >= _BLOCK:
+                    job.skipped(skip)
+                    reader.seek(off + len(block) + skip)
+            collect(False)
+            now = time.monotonic()
+            if on_progress is not None and now - last_report >= _PROGRESS_EVERY:
+                last_report = now
+                on_progress(job.bytes_in, st.st_size, already + copied["files"], 0)
+        if pydecomp is not None:
+            flush = getattr(pydecomp.__self__, "flush", None)  # type: ignore[attr-defined]
+            if flush is not None:
+                tail = flush()
+                if tail:
+                    job.feed(tail)
+        job.finish()
+        collect(True)
+    except BaseException:
+        job.abort()
+        with contextlib.suppress(Exception):
+            collect(True)
+        journal.close()
+        raise
+    finally:
+        reader.close()
+        os.close(fd)
+    st2 = os.stat(src)
+    if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        journal.remove()
+        raise SourceChangedError(
+            errno.EIO,
+            f"source file changed: '{src}' was modified while it was being "
+            "extracted; stage again to pick up the new content",
+        )
+    if hasher is not None and hasher.hexdigest() != checksum[1]:  # type: ignore[index]
+        journal.remove()  # nothing extracted from a corrupt archive may be trusted later
+        exc = ChecksumMismatchError(
+            errno.EIO,
+            f"checksum mismatch for '{src}': expected {checksum[0]}:{checksum[1]}, "  # type: ignore[index]
+            f"got {checksum[0]}:{hasher.hexdigest()}; the extracted data is not marked "  # type: ignore[index]
+            "complete",
+        )
+        exc.filename = str(src)
+        raise exc
+    journal.close()
+
+    done = {p: r for p, r in done.items() if p in reused or p in seen}
+    links = job.links()
+    for path, target, hard in links:
+        if hard and target in done:
+            done[path] = done[target]
+    total_bytes = sum(r[0] for r in done.values())
+    if on_progress is not None:
+        on_progress(st.st_size, st.st_size, len(done), len(done))
+    _core.syncfs(str(dst))
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "complete": True,
+        "source": str(src),
+        "options": options,
+        "fingerprint": fingerprint,
+        "kind": "tree",
+        "archive": {
+            "compression": compression,
+            "nested": nested,
+            "size": st.st_size,
+            "checksum": f"{checksum[0]}:{checksum[1]}" if checksum else None,
+        },
+        "chunk_size": stripe,
+        "digest": "fl64",
+        "files_count": len(done),
+        "bytes": total_bytes,
+        "engine": job.engine,
+        "created": time.time(),
+        "files": {p: list(done[p]) for p in sorted(done)},
+        "symlinks": {p: t for p, t, hard in links if not hard},
+        "dirs": job.dirs(),
+    }
+    write_json_atomic(state_dir(dst) / "manifest.json", manifest)
+    journal.remove()
+    return {
+        "skipped": False,
+        "files": len(done),
+        "bytes": total_bytes,
+        "engine": job.engine,
+        "copied_files": copied["files"],
+        "copied_bytes": copied["bytes"],
+    }

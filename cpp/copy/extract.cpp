@@ -67,7 +67,7 @@ struct ExtractJob::Impl {
     uint64_t slot_offset = 0;
     unsigned writes = 0;  // writes queued or in flight
     std::vector<uint32_t> waiting;  // slots filled before the temporary was open
-    hash::Fl64Stream stream;
+    hash::Fl64Stream stream = hash::Fl64Stream(0);
     uint64_t chunk_fill = 0;
     std::vector<uint64_t> digests;
   };

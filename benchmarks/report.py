@@ -1,7 +1,7 @@
 """Turns a pytest-benchmark JSON file into the Markdown tables of benchmarks/RESULTS.md.
 
     pytest benchmarks --bench-scale full --benchmark-json=bench.json
-    python benchmarks/report.py bench.json > benchmarks/RESULTS.md
+    python benchmarks/report.py bench.json [more.json ...] > benchmarks/RESULTS.md
 
 One table per group: each tool's time, throughput (from the ``bytes`` and ``files`` in
 ``extra_info``), and, for each fastload variant, the ratio to every peer in the group:
@@ -139,17 +139,31 @@ def render(data: dict[str, Any], stat: str = "median") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def merge(files: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run out of several JSON files (e.g. groups run separately): later files win
+    for a benchmark of the same full name; machine and commit facts from the last."""
+    merged: dict[str, Any] = dict(files[-1])
+    by_name: dict[str, Any] = {}
+    for data in files:
+        for b in data.get("benchmarks", []):
+            by_name[b.get("fullname", b["name"])] = b
+    merged["benchmarks"] = list(by_name.values())
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("json", type=Path, help="a file written by pytest --benchmark-json")
+    ap.add_argument("json", type=Path, nargs="+", help="file(s) written by pytest --benchmark-json")
     ap.add_argument("--stat", choices=STATS, default="median", help="statistic to compare")
     args = ap.parse_args(argv)
-    try:
-        data = json.loads(args.json.read_text())
-    except (OSError, ValueError) as e:
-        print(f"report.py: cannot read {args.json}: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write(render(data, args.stat))
+    loaded = []
+    for path in args.json:
+        try:
+            loaded.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            print(f"report.py: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    sys.stdout.write(render(merge(loaded), args.stat))
     return 0
 
 

@@ -173,7 +173,7 @@ def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.mkdir()
     for i in range(8):
         p = src / f"big{i}.bin"
-        helpers.write_patterned(p, 48 * MiB + i, seed=200 + i)
+        helpers.write_patterned(p, 16 * MiB + i, seed=200 + i)
         helpers.set_mtime(p, i)
     helpers.write_file(src / "small.txt", b"small\n", mtime_index=9)
     return src
@@ -181,7 +181,7 @@ def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) -> None:
     src = eight_big_files
-    mnt = tmpfs("512m")
+    mnt = tmpfs("192m")
     dst = mnt / "dst"
     # Once data is being written (the space check has passed), the tmpfs's limit is
     # lowered to what it holds: the next writes fail with ENOSPC. The stage runs in a
@@ -198,7 +198,7 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
     assert any(name in text for name in names), f"no file named in {text!r}"
     helpers.assert_no_partial_files(src, dst)
 
-    assert helpers.remount_tmpfs_size(mnt, 512 * MiB) == 0
+    assert helpers.remount_tmpfs_size(mnt, 192 * MiB) == 0
     res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine),
                             env=helpers.child_env()).expect_result()
     helpers.assert_same_tree(src, dst)
@@ -219,10 +219,10 @@ def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
     helpers.build_small_files(src / "small", 100, per_dir=50)
     big = src / "sub" / "big.bin"
     big.parent.mkdir()
-    size = 256 * MiB
+    size = 96 * MiB
     helpers.write_patterned(big, size, seed=5)
     old_digest = helpers.content_digest(big)
-    mnt = tmpfs("768m")
+    mnt = tmpfs("256m")
     dst = mnt / "dst"
 
     def mutate() -> None:

@@ -1,4 +1,5 @@
 #include <fcntl.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "bindings/common.hpp"
@@ -11,6 +12,18 @@ namespace fastload::bindings {
 void register_io(py::module_& m) {
   m.def("uring_available", &io::uring_available,
         "True when io_uring can be set up here (not refused by the kernel or seccomp).");
+  m.def(
+      "fs_type",
+      [](const py::object& path) {
+        std::string p = fs_bytes(path);
+        struct statfs st;
+        {
+          py::gil_scoped_release nogil;
+          if (::statfs(p.c_str(), &st) != 0) throw Error::os(errno, "statfs", p);
+        }
+        return static_cast<unsigned long>(st.f_type) & 0xffffffffUL;
+      },
+      py::arg("path"), "The file system's magic number (statfs(2) f_type).");
   m.def(
       "syncfs",
       [](const py::object& path) {

@@ -122,10 +122,16 @@ std::optional<int64_t> decode_number(const char* field, size_t len) {
     return std::nullopt;
   }
   // Octal, as POSIX writes it and Python's tarfile reads it: the field ends at the first
-  // NUL; blanks around the digits are allowed, anything else is not.
+  // NUL; white space around the digits is allowed, anything else is not.
+  const auto blank = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  // GNU tar skips one leading NUL and reads the digits after it; tarfile reads 0. Such a
+  // field would frame the archive differently for each, so it is refused.
+  if (len > 1 && field[0] == '\0')
+    for (size_t i = 1; i < len; ++i)
+      if (field[i] != '\0' && !blank(field[i])) return std::nullopt;
   std::string_view s = field_str(field, len);
-  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-  while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
+  while (!s.empty() && blank(s.front())) s.remove_prefix(1);
+  while (!s.empty() && blank(s.back())) s.remove_suffix(1);
   uint64_t v = 0;
   for (char c : s) {
     if (c < '0' || c > '7') return std::nullopt;
@@ -230,6 +236,7 @@ void HeaderDecoder::reset_pending() {
   long_name_.reset();
   long_link_.reset();
   pending_ = false;
+  member_start_.reset();
 }
 
 void HeaderDecoder::check_can_end(uint64_t offset) const {
@@ -240,6 +247,8 @@ void HeaderDecoder::check_can_end(uint64_t offset) const {
 }
 
 HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member* m) {
+  // Zero blocks are told apart before the checksum (their checksum field is empty). One
+  // may not follow extension headers: they would describe nothing.
   if (all_zero(b, kBlockSize)) {
     if (pending_)
       fail(offset, {},
@@ -253,6 +262,8 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
     if (!v) fail(offset, name_for_error(b), std::string("malformed numeric field '") + what + "'");
     return *v;
   };
+  // The size field frames what follows, so it is decoded and bounded for every kind of
+  // header before the type is looked at (a pax size replaces it only for a member).
   const int64_t raw_size = num(kSizeOff, kBigLen, "size");
   if (raw_size < 0 || static_cast<uint64_t>(raw_size) > kMaxMemberSize)
     fail(offset, name_for_error(b), "size out of range: " + std::to_string(raw_size));
@@ -271,8 +282,13 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
              std::string(gnu ? "GNU long name" : "pax") + " header of " +
                  std::to_string(header_size) + " bytes exceeds the limit of " +
                  std::to_string(cap));
+      if ((type == 'x' && local_.seen) || (type == 'L' && long_name_) || (type == 'K' && long_link_))
+        fail(offset, name_for_error(b),
+             std::string("two '") + type + "' headers for one member (readers disagree on which applies)");
+      // The caller collects header_size bytes and hands them to apply_extension().
       if (!pending_) first_offset_ = offset;
       pending_ = true;
+      if (type != 'g' && !member_start_) member_start_ = offset;
       ext_type_ = type;
       ext_offset_ = offset;
       return {Kind::kExtension, header_size};
@@ -291,6 +307,8 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
       break;
   }
 
+  // A member header. *m is written only from here on, and the pending extension state
+  // is consumed by this member alone (reset below), whatever the outcome.
   Member& out = *m;
   out = Member{};
   switch (type) {
@@ -308,6 +326,10 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
            "unsupported member type '" + printable(std::string_view(&type, 1)) + "'");
   }
 
+  // The prefix field belongs to POSIX headers; GNU headers keep times there (incremental
+  // archives). tarfile prepends it whatever the magic, GNU tar only for POSIX: refused.
+  if (!posix_magic(b) && b[kPrefixOff] != '\0')
+    fail(offset, name_for_error(b), "prefix field set in a non-POSIX header (readers disagree)");
   // Names: pax over GNU long names over the ustar fields.
   if (local_.path) out.path = *local_.path;
   else if (long_name_) out.path = *long_name_;
@@ -315,6 +337,9 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
   if (local_.linkpath) out.link = *local_.linkpath;
   else if (long_link_) out.link = *long_link_;
   else out.link = std::string(field_str(b + kLinkOff, kLinkLen));
+  if ((local_.path && long_name_ && *local_.path != *long_name_) ||
+      (local_.linkpath && long_link_ && *local_.linkpath != *long_link_))
+    fail(offset, out.path, "a pax path and a GNU long name disagree (readers differ on which applies)");
   if (local_.sparse)
     fail(offset, local_.sparse_name ? *local_.sparse_name : out.path,
          "GNU sparse members (pax GNU.sparse.*) are not supported");
@@ -362,7 +387,7 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
       break;
   }
   out.size = size;
-  out.header_offset = pending_ ? first_offset_ : offset;
+  out.header_offset = member_start_.value_or(offset);
   out.data_offset = offset + kBlockSize;
   reset_pending();
   return {Kind::kMember, size};
@@ -371,11 +396,19 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
 void HeaderDecoder::apply_extension(std::string_view data) {
   const char type = std::exchange(ext_type_, 0);
   if (type == 'L' || type == 'K') {
-    // GNU writes the name and a terminating NUL, counted in the size.
-    std::string_view v = field_str(data.data(), data.size());
-    (type == 'L' ? long_name_ : long_link_) = std::string(v);
+    // GNU writes the name and a terminating NUL, counted in the size. Without a NUL in
+    // the data, tarfile reads on into the padding while GNU tar stops at the size:
+    // refused rather than guessed.
+    const void* nul = data.empty() ? nullptr : std::memchr(data.data(), '\0', data.size());
+    if (!nul)
+      fail(ext_offset_, {},
+           std::string("GNU long ") + (type == 'L' ? "name" : "link name") +
+               " is not NUL-terminated within its size");
+    const size_t n = static_cast<size_t>(static_cast<const char*>(nul) - data.data());
+    (type == 'L' ? long_name_ : long_link_) = std::string(data.data(), n);
     return;
   }
+  if (type == 'x') local_.seen = true;
   parse_pax(data, type == 'g');
 }
 

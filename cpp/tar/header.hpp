@@ -15,6 +15,11 @@
 //    must have size 0 (GNU tar and tarfile disagree on whether data follows them, so a
 //    nonzero size is refused rather than guessed);
 //  - pax records override GNU long names, which override the ustar name and prefix;
+//    where readers disagree (tarfile lets the first of two 'x' or 'L' headers win, GNU
+//    tar the last; tarfile lets an 'L' before an 'x' win, GNU tar the pax path), the
+//    archive is refused: two 'x', 'L' or 'K' headers for one member, or a pax path
+//    (linkpath) that differs from a GNU long name (link name), a GNU long name without
+//    its NUL, or a non-POSIX header with its prefix field set (GNU incremental archives);
 //  - pax 'g' headers apply mtime, uid and gid to every later member; path and linkpath in
 //    them are ignored, size is refused (it would reframe every later member).
 #pragma once
@@ -100,6 +105,7 @@ class HeaderDecoder {
     std::optional<uint64_t> size;
     std::optional<std::optional<int64_t>> mtime_ns;
     std::optional<std::optional<uint32_t>> uid, gid;
+    bool seen = false;    // an 'x' header was read for the member
     bool sparse = false;  // a GNU.sparse.* key was seen: refused with the member's name
     std::optional<std::string> sparse_name;  // GNU.sparse.name: the real name (format 1.0)
   };
@@ -119,6 +125,9 @@ class HeaderDecoder {
   std::optional<std::string> long_name_, long_link_;
   bool pending_ = false;          // extension headers seen since the last member
   uint64_t first_offset_ = 0;     // offset of the first of them
+  // Offset of the first 'x', 'L' or 'K' header since the last member: where the member
+  // starts. A 'g' header belongs to no member (tarfile does not count it either).
+  std::optional<uint64_t> member_start_;
   char ext_type_ = 0;             // type of the extension whose data is awaited
   uint64_t ext_offset_ = 0;       // and its header's offset
 };

@@ -3,8 +3,8 @@
 // End-of-archive rules, the same in both (GNU tar's, minus its silent stop):
 //  - two zero blocks end the archive; anything after them is ignored;
 //  - one zero block followed by the end of input (or by a partial all-zero block) ends it;
-//  - one zero block followed by a non-zero block is an error: GNU tar and tarfile stop
-//    there silently, which would drop the members after it without a word;
+//  - one zero block followed by a non-zero block is an error: GNU tar stops there with a
+//    warning and tarfile silently, either way dropping the members after it;
 //  - the end of input at a header boundary ends it, unless extension headers are waiting
 //    for their member; inside a header, an extension's data or a member's data it is an
 //    error; inside the padding after a member's data it ends the archive (the member is
@@ -115,6 +115,9 @@ void StreamParser::Impl::on_block(const char* b, Sink& sink) {
   }
 }
 
+// Each step consumes a prefix of the input in the current state and may move to the
+// next state; `offset` is advanced before any sink call, so errors and skippable() see
+// the position after the bytes already taken.
 void StreamParser::Impl::consume(const char* p, size_t n, Sink& sink) {
   while (n > 0) {
     switch (state) {
@@ -156,7 +159,8 @@ void StreamParser::Impl::consume(const char* p, size_t n, Sink& sink) {
         const size_t k = static_cast<size_t>(std::min<uint64_t>(n, data_left));
         data_left -= k;
         offset += k;
-        // Zero-copy: the sink sees the caller's buffer.
+        // Zero-copy: the sink sees the caller's buffer, in pieces that follow the feed
+        // boundaries (possibly 1 byte), never past the member's end.
         if (deliver) sink.on_data(p, k);
         p += k;
         n -= k;
@@ -181,6 +185,8 @@ void StreamParser::Impl::consume(const char* p, size_t n, Sink& sink) {
   }
 }
 
+// The end of input: accepted exactly where scan_file accepts the end of the file (see
+// the rules at the top), else an error naming what was cut.
 void StreamParser::Impl::finish() {
   switch (state) {
     case State::kEnd:
@@ -247,6 +253,8 @@ void StreamParser::finish(Sink& sink) {
 
 bool StreamParser::at_end() const { return impl_->state == Impl::State::kEnd; }
 
+// Skippable bytes are those the parser would discard anyway: a skipped member's data and
+// any padding. Header and extension bytes never are, so a seek cannot desynchronise it.
 uint64_t StreamParser::skippable() const {
   const Impl& s = *impl_;
   switch (s.state) {
@@ -355,8 +363,8 @@ void scan_file(int fd, uint64_t size, const std::string& name,
   Member m;
   std::string ext;
   for (;;) {
-    if (off >= size) {  // past the end only when a member's padding was cut short
-      dec.check_can_end(off);
+    if (off >= size) {  // past the end only when padding was cut short
+      dec.check_can_end(size);
       return;
     }
     if (size - off < kBlockSize)

@@ -74,7 +74,8 @@ class StreamParser {
   // The input ended. Throws Error(kFormat) if it ended inside a member or a header;
   // a missing end-of-archive marker (two zero blocks) is accepted, as GNU tar does.
   void finish(Sink& sink);
-  // True once the end-of-archive marker was seen; later bytes are ignored.
+  // True once the end-of-archive marker was seen (or finish() accepted the end of input);
+  // later bytes are ignored.
   bool at_end() const;
   // When the source is seekable, the caller may jump over a skipped member's data
   // instead of feeding it: after on_member() returned kSkip, skippable() is the number
@@ -100,11 +101,17 @@ void scan_file(int fd, uint64_t size, const std::string& name,
 // Path safety (PEP 706's data filter is the reference; at least as strict):
 // normalises a member path ("./a//b/" -> "a/b") and refuses absolute paths, ".."
 // components, empty names and NUL bytes. Returns false and sets *why when unsafe.
+// A name for the root itself ("." or "./", as `tar -C dir .` writes) is safe and
+// normalises to "" (callers skip it). out and why may be null.
 bool safe_relative_path(std::string_view path, std::string* out, std::string* why);
 
 // A link target is safe when, resolved lexically from the directory of link_path (both
 // relative to the extraction root), it stays inside the root. Hard link targets are
 // archive paths (relative to the root, not to the link). Returns false and sets *why.
+// The check is lexical: it assumes members are created without following symlinks in
+// their parent paths, and it refuses a symlink target with ".." after a named component
+// ("d/../x": on disk ".." climbs from wherever d points) and hard link targets with any
+// "..". link_path may be given raw or normalised.
 bool safe_link_target(std::string_view link_path, std::string_view target, bool hard,
                       std::string* why);
 

@@ -53,8 +53,8 @@ bool safe_relative_path(std::string_view path, std::string* out, std::string* wh
     if (!norm.empty()) norm += '/';
     norm += c;
   }
-  // "." and "./" (what `tar -C dir .` writes first) name the extraction root itself.
-  if (norm.empty()) norm = ".";
+  // "." and "./" (what `tar -C dir .` writes first) name the extraction root itself:
+  // safe, and normalised to "".
   if (out) *out = std::move(norm);
   return true;
 }
@@ -69,12 +69,12 @@ bool safe_link_target(std::string_view link_path, std::string_view target, bool 
     // An archive path, relative to the root like a member path.
     std::string norm, reason;
     if (!safe_relative_path(target, &norm, &reason)) return refuse(why, "hard link target: " + reason);
-    if (norm == ".") return refuse(why, "hard link to the extraction root");
+    if (norm.empty()) return refuse(why, "hard link to the extraction root");
     return true;
   }
   std::string where, reason;
   if (!safe_relative_path(link_path, &where, &reason)) return refuse(why, "link path: " + reason);
-  if (where == ".") return refuse(why, "link path names the extraction root");
+  if (where.empty()) return refuse(why, "link path names the extraction root");
   // Depth of the directory holding the link: how many ".." it can take.
   const size_t depth = components(where).size() - 1;
   size_t up = 0;

@@ -36,6 +36,7 @@ inline std::string base256(uint64_t v, size_t width) {
 }
 
 inline void put(std::string& b, size_t off, std::string_view v) {
+  if (v.empty()) return;  // data() may be null
   std::memcpy(b.data() + off, v.data(), v.size());
 }
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal, Union
 
 from . import _core
 from ._archive import archive_compression, parse_checksum, stage_archive
+from ._engine import resolve_engine
 from ._state import (
     MANIFEST_VERSION,
     Journal,
@@ -226,11 +227,13 @@ def _run_job(
     report()
 
 
-def _job_kwargs(engine: str, workers: int | None, stripe_size: int) -> dict[str, Any]:
+def _job_kwargs(
+    engine: str, workers: int | None, stripe_size: int, src: Path | None = None
+) -> dict[str, Any]:
     files_in_flight = max(1, workers or DEFAULT_FILES_IN_FLIGHT)
     big = DEFAULT_BIG_BUFFERS
     return {
-        "engine": engine,
+        "engine": resolve_engine(engine, src),
         "depth": 2 * files_in_flight + big + 8,
         "threads": min(max(4, files_in_flight // 2), 64),
         "files_in_flight": files_in_flight,
@@ -640,7 +643,7 @@ def _stage_locked(
                 [files[i][3] for i in todo],
                 [files[i][4] for i in todo],
                 [files[i][5] for i in todo],
-                **_job_kwargs(engine, workers, stripe),
+                **_job_kwargs(engine, workers, stripe, src_root),
             )
             job.start()
             engine_name = job.engine

@@ -24,7 +24,9 @@ fi
 step "virtual environment $VENV and the package (warnings are errors)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-FASTLOAD_WERROR=1 "$VENV/bin/python" -m pip install -q ".[test]"
+# torch exactly as the machine provides it (a CPU build); any other spec would pull CUDA.
+"$VENV/bin/python" -m pip install -q "torch==${FASTLOAD_TORCH_VERSION:-2.13.0}"
+FASTLOAD_WERROR=1 "$VENV/bin/python" -m pip install -q ".[test,torch]"
 
 step "ruff and mypy"
 "$VENV/bin/python" -m ruff check python tests benchmarks

@@ -18,6 +18,7 @@ void register_errors(py::module_& m);
 void register_io(py::module_& m);
 void register_copy(py::module_& m);
 void register_hash(py::module_& m);
+void register_index(py::module_& m);
 void register_extract(py::module_& m);
 
 }  // namespace fastload::bindings

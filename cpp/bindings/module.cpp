@@ -6,5 +6,6 @@ PYBIND11_MODULE(_core, m) {
   fastload::bindings::register_io(m);
   fastload::bindings::register_hash(m);
   fastload::bindings::register_copy(m);
+  fastload::bindings::register_index(m);
   fastload::bindings::register_extract(m);
 }

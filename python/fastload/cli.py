@@ -84,7 +84,65 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
     _progress_flags(v)
+
+    ix = sub.add_parser(
+        "index",
+        help="index tar shards for random access, or describe an index (--info)",
+        description="Scan the tar headers of SHARDS (paths, globs, webdataset brace "
+        "ranges or directories) and write a shard index; or, with --info, describe one.",
+    )
+    ix.add_argument("shards", nargs="*", metavar="SHARDS")
+    ix.add_argument("-o", "--output", metavar="INDEX", help="the index file to write")
+    ix.add_argument("--info", metavar="INDEX", help="describe this index instead")
+    ix.add_argument(
+        "--on-duplicate",
+        choices=["error", "first"],
+        default="error",
+        help="a key seen twice: fail (default) or keep the first sample",
+    )
+    ix.add_argument("--threads", type=int, default=None, help="shards scanned at once")
     return p
+
+
+def _index_command(args: argparse.Namespace) -> int:
+    import time
+
+    from .index import ShardIndex, expand_shards
+
+    if args.info:
+        if args.shards or args.output:
+            print("fastload: error: --info takes only an index file", file=sys.stderr)
+            return 2
+        idx = ShardIndex.open(args.info, check=False)
+        info = idx.info()
+        shard_bytes = sum(s.size for s in idx.shards)
+        print(f"{info['path']}: fastload shard index, format version {info['version']}")
+        print(f"  samples  {info['samples']}")
+        print(f"  members  {info['members']}")
+        print(f"  shards   {info['shards']} ({_human(shard_bytes)})")
+        print(f"  fields   {', '.join(idx.fields)}")
+        print(f"  size     {_human(info['file_size'])}")
+        print(f"  on duplicate keys: {info['on_duplicate']}")
+        try:
+            idx.check()
+        except (FastloadError, ValueError) as e:
+            print(f"  stale: {e}")
+            return 1
+        print("  shards unchanged since indexing")
+        return 0
+    if not args.shards or not args.output:
+        print("fastload: error: index needs SHARDS and -o INDEX (or --info INDEX)", file=sys.stderr)
+        return 2
+    paths = [p for s in args.shards for p in expand_shards(s)]
+    t0 = time.perf_counter()
+    idx = ShardIndex.build(paths, args.output, on_duplicate=args.on_duplicate, threads=args.threads)
+    dt = time.perf_counter() - t0
+    total = sum(s.size for s in idx.shards)
+    print(
+        f"{idx.path}: {len(idx)} samples in {len(paths)} shards ({_human(total)}), "
+        f"fields {', '.join(idx.fields)}, in {dt:.2f} s"
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.command == "index":
+            return _index_command(args)
     except KeyboardInterrupt:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)
         return 130

@@ -1,0 +1,377 @@
+// The shard index at the boundary: build_index() (a background thread, waited on in
+// 100 ms slices so Ctrl-C cancels it), Index (an opened index and its shards) with the
+// batched fetch, and Payload, the zero-copy read-only buffer over a member's bytes.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "bindings/common.hpp"
+#include "common/error.hpp"
+#include "index/builder.hpp"
+#include "index/reader.hpp"
+
+#include <pybind11/stl.h>
+
+namespace fastload::bindings {
+namespace {
+
+using index::IndexFile;
+using index::Piece;
+using index::Shards;
+
+// A member's bytes, owned by whatever keeps them alive: a shard's mapping or a batch's
+// read buffer. Exposes a read-only 1-D buffer of unsigned bytes; numpy arrays and
+// memoryviews made from it hold a reference to it, so the memory outlives them all.
+struct Payload {
+  std::shared_ptr<const void> owner;
+  const char* data;
+  size_t size;
+};
+
+const char kEmpty[1] = {0};
+
+struct PyIndex {
+  std::shared_ptr<const IndexFile> file;
+  std::unique_ptr<Shards> shards;
+  std::vector<py::object> field_names;  // py::str per field id, reused in every dict
+};
+
+std::shared_ptr<PyIndex> open_index(const py::object& path, bool check_shards) {
+  std::string p = fs_bytes(path);
+  auto out = std::make_shared<PyIndex>();
+  {
+    py::gil_scoped_release nogil;
+    out->file = IndexFile::open(p);
+    if (check_shards) out->file->check_shards();
+    out->shards = std::make_unique<Shards>(out->file);
+  }
+  for (uint64_t f = 0; f < out->file->field_count(); ++f)
+    out->field_names.push_back(fs_str(std::string(out->file->field_name(f))));
+  return out;
+}
+
+std::vector<uint64_t> sample_indices(const PyIndex& ix, const py::handle& indices) {
+  const int64_t n = int64_t(ix.file->sample_count());
+  std::vector<uint64_t> out;
+  if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr())) {
+    out.reserve(size_t(py::len(indices)));
+  }
+  for (py::handle h : indices) {
+    Py_ssize_t i = PyNumber_AsSsize_t(h.ptr(), PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (i < 0) i += n;
+    if (i < 0 || i >= n)
+      throw py::index_error("sample index " + std::to_string(py::cast<int64_t>(h)) +
+                            " out of range for " + std::to_string(n) + " samples");
+    out.push_back(uint64_t(i));
+  }
+  return out;
+}
+
+// Field names -> a wanted-mask over field ids (nullopt: every field). Unknown names are
+// a ValueError listing what the index has.
+std::optional<std::vector<bool>> wanted_fields(const PyIndex& ix, const py::object& fields,
+                                               size_t* count) {
+  if (fields.is_none()) return std::nullopt;
+  std::vector<bool> want(ix.file->field_count(), false);
+  *count = 0;
+  for (py::handle h : fields) {
+    std::string name = fs_bytes(h);
+    bool found = false;
+    for (uint64_t f = 0; f < ix.file->field_count(); ++f)
+      if (ix.file->field_name(f) == name) {
+        if (!want[f]) ++*count;
+        want[f] = true;
+        found = true;
+        break;
+      }
+    if (!found) {
+      std::string have;
+      for (uint64_t f = 0; f < ix.file->field_count(); ++f)
+        have += (f ? ", " : "") + std::string(ix.file->field_name(f));
+      throw py::value_error("no field '" + name + "' in index '" + ix.file->path() +
+                            "' (its fields: " + have + ")");
+    }
+  }
+  return want;
+}
+
+// One call, one batch: plan (GIL released), bring the bytes in (GIL released), then
+// build the dicts. copy=false hands out Payloads; copy=true fills bytes objects (made
+// with the GIL, filled without it: nothing else can see them yet).
+py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields, bool copy,
+               const std::string& access) {
+  const bool read_mode = access == "read";
+  if (!read_mode && access != "mmap")
+    throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
+  std::vector<uint64_t> samples = sample_indices(ix, indices);
+  size_t nwanted = 0;
+  std::optional<std::vector<bool>> want = wanted_fields(ix, fields, &nwanted);
+  std::vector<Piece> pieces;
+  std::vector<std::shared_ptr<const index::Mapping>> maps;  // per piece (mmap mode)
+  std::shared_ptr<char[]> block;                            // read mode, copy=false
+  std::vector<char*> dst;                                   // read mode: per piece
+  {
+    py::gil_scoped_release nogil;
+    pieces.reserve(samples.size() * 4);
+    ix.shards->plan(samples, want ? &*want : nullptr, pieces);
+    if (!read_mode) {
+      maps.resize(pieces.size());
+      for (size_t i = 0; i < pieces.size(); ++i)
+        maps[i] = (i && pieces[i].shard == pieces[i - 1].shard)
+                      ? maps[i - 1]
+                      : ix.shards->mapping(pieces[i].shard);
+      if (!copy) ix.shards->prefault(pieces);
+    } else if (!copy) {
+      uint64_t total = 0;
+      for (const Piece& p : pieces) total += p.size;
+      block = std::shared_ptr<char[]>(new char[std::max<uint64_t>(total, 1)]);
+      dst.resize(pieces.size());
+      uint64_t at = 0;
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        dst[i] = block.get() + at;
+        at += pieces[i].size;
+      }
+      ix.shards->read(pieces, dst);
+    }
+  }
+
+  std::vector<py::object> values(pieces.size());
+  if (copy) {
+    dst.resize(pieces.size());
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      PyObject* b = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(pieces[i].size));
+      if (!b) throw py::error_already_set();
+      values[i] = py::reinterpret_steal<py::object>(b);
+      dst[i] = PyBytes_AS_STRING(b);
+    }
+    py::gil_scoped_release nogil;
+    if (read_mode) {
+      ix.shards->read(pieces, dst);
+    } else {
+      for (size_t i = 0; i < pieces.size(); ++i)
+        if (pieces[i].size) std::memcpy(dst[i], maps[i]->data() + pieces[i].offset, pieces[i].size);
+    }
+  } else {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      Payload p;
+      if (read_mode) {
+        p.owner = block;
+        p.data = pieces[i].size ? dst[i] : kEmpty;
+      } else {
+        p.owner = maps[i];
+        p.data = pieces[i].size ? maps[i]->data() + pieces[i].offset : kEmpty;
+      }
+      p.size = size_t(pieces[i].size);
+      values[i] = py::cast(std::move(p));
+    }
+  }
+
+  py::list out(samples.size());
+  size_t pi = 0;
+  const py::str key_name("__key__");
+  for (size_t k = 0; k < samples.size(); ++k) {
+    py::dict d;
+    d[key_name] = fs_str(std::string(ix.file->key(samples[k])));
+    size_t got = 0;
+    for (; pi < pieces.size() && pieces[pi].slot == k; ++pi, ++got)
+      d[ix.field_names[pieces[pi].field]] = std::move(values[pi]);
+    if (want && got != nwanted) {
+      for (py::handle h : fields)
+        if (!d.contains(h))
+          throw py::key_error("sample '" + std::string(ix.file->key(samples[k])) +
+                              "' has no field '" + fs_bytes(h) + "'");
+    }
+    out[k] = std::move(d);
+  }
+  return out;
+}
+
+py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_paths,
+                   const py::object& index_path, const std::string& on_duplicate,
+                   unsigned threads, const py::object& progress) {
+  if (py::len(open_paths) != py::len(stored_paths))
+    throw py::value_error("build_index: open_paths and stored_paths differ in length");
+  std::vector<index::ShardInput> shards(py::len(open_paths));
+  for (size_t i = 0; i < shards.size(); ++i) {
+    shards[i].open_path = fs_bytes(open_paths[i]);
+    shards[i].stored_path = fs_bytes(stored_paths[i]);
+  }
+  index::BuildOptions opt;
+  if (on_duplicate == "error") opt.on_duplicate = index::OnDuplicate::kError;
+  else if (on_duplicate == "first") opt.on_duplicate = index::OnDuplicate::kFirst;
+  else throw py::value_error("on_duplicate must be 'error' or 'first', not '" + on_duplicate + "'");
+  opt.threads = threads;
+  std::string out = fs_bytes(index_path);
+  CancelToken cancel;
+  std::atomic<uint64_t> done{0};
+  opt.cancel = &cancel;
+  opt.shards_done = &done;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  index::BuildResult result;
+  std::exception_ptr error;
+  std::thread worker([&] {
+    try {
+      result = index::build(shards, out, opt);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(mu);
+    finished = true;
+    cv.notify_all();
+  });
+  for (;;) {
+    bool over;
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock lock(mu);
+      over = cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return finished; });
+    }
+    if (over) break;
+    if (PyErr_CheckSignals() != 0) {
+      cancel.cancel();
+      {
+        py::gil_scoped_release nogil;
+        worker.join();
+      }
+      throw py::error_already_set();
+    }
+    if (!progress.is_none()) {
+      try {
+        progress(done.load(std::memory_order_relaxed), shards.size());
+      } catch (...) {
+        cancel.cancel();
+        py::gil_scoped_release nogil;
+        worker.join();
+        throw;
+      }
+    }
+  }
+  worker.join();
+  if (error) std::rethrow_exception(error);
+  py::dict d;
+  d["shards"] = result.shards;
+  d["samples"] = result.samples;
+  d["members"] = result.members;
+  d["fields"] = result.fields;
+  d["shard_bytes"] = result.shard_bytes;
+  d["duplicates_skipped"] = result.duplicates_skipped;
+  d["index_bytes"] = result.index_bytes;
+  return d;
+}
+
+}  // namespace
+
+void register_index(py::module_& m) {
+  py::class_<Payload>(m, "Payload", py::buffer_protocol(),
+                      "A read-only view of one member's bytes (zero-copy). Supports the "
+                      "buffer protocol; pickles as bytes.")
+      .def_buffer([](Payload& p) {
+        return py::buffer_info(const_cast<char*>(p.data), 1, "B", 1, {py::ssize_t(p.size)},
+                               {py::ssize_t(1)}, /*readonly=*/true);
+      })
+      .def("__len__", [](const Payload& p) { return p.size; })
+      .def("__bytes__", [](const Payload& p) { return py::bytes(p.data, p.size); })
+      .def("tobytes", [](const Payload& p) { return py::bytes(p.data, p.size); })
+      .def("__reduce__",
+           [](const Payload& p) {
+             py::object bytes_type = py::reinterpret_borrow<py::object>(
+                 reinterpret_cast<PyObject*>(&PyBytes_Type));
+             return py::make_tuple(bytes_type, py::make_tuple(py::bytes(p.data, p.size)));
+           })
+      .def("__repr__", [](const Payload& p) {
+        return "<fastload.Payload of " + std::to_string(p.size) + " bytes>";
+      });
+
+  py::class_<PyIndex, std::shared_ptr<PyIndex>>(m, "Index", "An opened shard index.")
+      .def(py::init(&open_index), py::arg("path"), py::arg("check_shards") = true)
+      .def("__len__", [](const PyIndex& ix) { return ix.file->sample_count(); })
+      .def_property_readonly("path", [](const PyIndex& ix) { return fs_str(ix.file->path()); })
+      .def_property_readonly("shard_count", [](const PyIndex& ix) { return ix.file->shard_count(); })
+      .def_property_readonly("member_count",
+                             [](const PyIndex& ix) { return ix.file->member_count(); })
+      .def_property_readonly("fields", [](const PyIndex& ix) {
+        py::list out;
+        for (const auto& f : ix.field_names) out.append(f);
+        return out;
+      })
+      .def("check_shards",
+           [](const PyIndex& ix) {
+             py::gil_scoped_release nogil;
+             ix.file->check_shards();
+           })
+      .def(
+          "shard",
+          [](const PyIndex& ix, uint64_t i) {
+            if (i >= ix.file->shard_count()) throw py::index_error("shard index out of range");
+            index::ShardRecord r = ix.file->shard(i);
+            return py::make_tuple(fs_str(std::string(ix.file->shard_path(i))),
+                                  fs_str(ix.file->shard_open_path(i)), r.size, r.mtime_ns,
+                                  r.first_sample, r.sample_count);
+          },
+          py::arg("i"),
+          "(stored path, path to open, size, mtime_ns, first sample, sample count)")
+      .def(
+          "sample",
+          [](const PyIndex& ix, uint64_t i) {
+            if (i >= ix.file->sample_count()) throw py::index_error("sample index out of range");
+            index::SampleRecord s = ix.file->sample(i);
+            py::list members;
+            for (uint32_t k = 0; k < s.member_count; ++k) {
+              index::MemberRecord r = ix.file->member(s.first_member + k);
+              members.append(py::make_tuple(ix.field_names[r.field], r.offset, r.size));
+            }
+            return py::make_tuple(fs_str(std::string(ix.file->key(i))), s.shard, members);
+          },
+          py::arg("i"), "(key, shard, [(field, offset, size), ...])")
+      .def(
+          "find",
+          [](const PyIndex& ix, const py::object& key) -> py::object {
+            std::string k = fs_bytes(key);
+            auto r = ix.file->find(k);
+            if (!r) return py::none();
+            return py::int_(*r);
+          },
+          py::arg("key"), "The position of the sample with this key, or None.")
+      .def("keys",
+           [](const PyIndex& ix) {
+             py::list out(ix.file->sample_count());
+             for (uint64_t i = 0; i < ix.file->sample_count(); ++i)
+               out[i] = fs_str(std::string(ix.file->key(i)));
+             return out;
+           })
+      .def("info",
+           [](const PyIndex& ix) {
+             const index::Header& h = ix.file->header();
+             py::dict d;
+             d["version"] = h.version;
+             d["flags"] = h.flags;
+             d["on_duplicate"] = (h.flags & index::kFlagFirstOnDuplicate) ? "first" : "error";
+             d["file_size"] = h.file_size;
+             d["shards"] = h.shard_count;
+             d["samples"] = h.sample_count;
+             d["members"] = h.member_count;
+             d["fields"] = h.field_count;
+             d["hash_slots"] = h.hash_slots;
+             d["string_size"] = h.string_size;
+             return d;
+           })
+      .def_property_readonly("engine",
+                             [](const PyIndex& ix) { return ix.shards->engine_name(); })
+      .def("fetch", &fetch, py::arg("indices"), py::arg("fields") = py::none(),
+           py::arg("copy") = false, py::arg("access") = "mmap",
+           "Samples as dicts {'__key__': key, field: Payload | bytes}, one native call.");
+
+  m.def("build_index", &run_build, py::arg("open_paths"), py::arg("stored_paths"),
+        py::arg("index_path"), py::arg("on_duplicate") = "error", py::arg("threads") = 0,
+        py::arg("progress") = py::none(),
+        "Scans tar shards (headers only, in parallel) and writes an index atomically.");
+}
+
+}  // namespace fastload::bindings

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import stat
 import subprocess
 import sys
@@ -524,13 +525,17 @@ def remount_tmpfs_size(path: Path, size: int) -> int:
     return 0 if rc == 0 else ctypes.get_errno()
 
 
-def shrink_tmpfs_to_used(mount: Path, slack: int = 256 * 1024) -> None:
-    """Lowers a tmpfs's size limit to what it holds now plus ``slack``."""
-    for _ in range(1000):
+def shrink_tmpfs_to_used(mount: Path) -> None:
+    """Lowers a tmpfs's size limit to a little above what it holds now. A remount below
+    the current use fails (EINVAL) and a copy may be filling the tmpfs fast, so the
+    headroom starts at 4 MiB and doubles until a remount succeeds."""
+    slack = MiB
+    for _ in range(20):
         st = os.statvfs(mount)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         if remount_tmpfs_size(mount, used + slack) == 0:
             return
+        slack *= 2
     raise AssertionError(f"could not shrink the tmpfs at {mount}")
 
 
@@ -544,33 +549,69 @@ def make_world_readable(root: Path) -> None:
     os.chmod(root, stat.S_IMODE(os.stat(root).st_mode) | 0o055)
 
 
-def low_priority_wrapper() -> list[str]:
-    """A command prefix that runs a child at idle CPU priority, so a watcher in this
-    process is never starved by the child's copy threads (2 cores, 30+ threads)."""
-    import shutil
+def _wait_until_settled(mount: Path) -> None:
+    """Waits until the use of ``mount`` stops changing (I/O already in the kernel when
+    the writer was stopped completes)."""
+    last = -1
+    for _ in range(200):
+        st = os.statvfs(mount)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        if used == last:
+            return
+        last = used
+        time.sleep(0.02)
 
-    if shutil.which("chrt"):
-        return ["chrt", "--idle", "0"]
-    return ["nice", "-n", "19"]
+
+def _enter_realtime() -> Any:
+    """Makes the calling thread SCHED_FIFO (needs root); returns what to restore, or None."""
+    try:
+        old = (os.sched_getscheduler(0), os.sched_getparam(0))
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(10))
+    except (OSError, AttributeError):
+        return None
+    return old
 
 
 def run_child_with_trigger(
     spec: dict[str, Any], mount: Path, action: Any, *, threshold: int = 512 * 1024,
     timeout: float = 180.0,
 ) -> tuple[Child, bool]:
-    """Runs a stage child at idle priority and, from this process, calls ``action`` once
-    as soon as the file system at ``mount`` holds ``threshold`` more bytes than before:
-    i.e. once the child passed its space check and is writing data. Returns the finished
-    child and whether the action ran before the child exited."""
+    """Runs a stage child and, from this process, calls ``action`` once as soon as the
+    file system at ``mount`` holds ``threshold`` more bytes than before: i.e. once the
+    child passed its space check and is writing data. Returns the finished child and
+    whether the action ran while the child was still running.
+
+    The watching thread runs real-time (SCHED_FIFO, polling every ~100 us) so the
+    child's copy threads cannot starve it on a small, busy machine; without the right
+    to do so it busy-polls and the child runs at a lower priority."""
     st = os.statvfs(mount)
     base = (st.f_blocks - st.f_bfree) * st.f_frsize
-    child = Child(spec, env=child_env(), wrapper=low_priority_wrapper())
+    probe = _enter_realtime()
+    if probe is not None:
+        os.sched_setscheduler(0, *probe)
+    wrapper = [] if probe is not None else ["nice", "-n", "10"]
+    child = Child(spec, env=child_env(), wrapper=wrapper)
     fired = False
     deadline = time.monotonic() + timeout
-    while child.proc.poll() is None and time.monotonic() < deadline:
-        st = os.statvfs(mount)
-        if (st.f_blocks - st.f_bfree) * st.f_frsize - base >= threshold:
-            action()
-            fired = True
-            break
+    restore = _enter_realtime()
+    try:
+        while child.proc.poll() is None and time.monotonic() < deadline:
+            st = os.statvfs(mount)
+            if (st.f_blocks - st.f_bfree) * st.f_frsize - base >= threshold:
+                # Freeze the child while acting, so the action is not a race with a
+                # copy that moves at GB/s. (A stop and continue may make some blocking
+                # system calls return EINTR: the engine must cope with that anyway.)
+                os.kill(child.proc.pid, signal.SIGSTOP)
+                try:
+                    _wait_until_settled(mount)
+                    action()
+                finally:
+                    os.kill(child.proc.pid, signal.SIGCONT)
+                fired = True
+                break
+            if restore is not None:
+                time.sleep(0.0001)
+    finally:
+        if restore is not None:
+            os.sched_setscheduler(0, *restore)
     return child.finish(timeout), fired

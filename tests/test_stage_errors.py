@@ -237,7 +237,7 @@ def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
     assert fired, "the stage finished before the source could be changed"
     err = child.expect_error()
     assert err["is"]["SourceChangedError"], err
-    assert err["is"]["OSError"], err
+    assert err["is"]["OSError"] and err["is"]["StageError"], err
     assert "big.bin" in f"{err['str']} {err['filename']}", err
     helpers.assert_no_partial_files(src, dst, also_ok={"sub/big.bin": {old_digest}})
 

@@ -15,7 +15,7 @@ void register_extract(py::module_& m) {
                        bool nested, const std::vector<std::string>& include,
                        const std::vector<std::string>& exclude, const py::dict& complete,
                        const std::string& engine, unsigned threads, unsigned files_in_flight,
-                       uint64_t chunk_size) {
+                       uint64_t chunk_size, bool adopt_existing) {
              copy::ExtractOptions opt;
              if (compression == "gzip")
                opt.compression = copy::Compression::kGzip;
@@ -36,13 +36,15 @@ void register_extract(py::module_& m) {
              }
              opt.files_in_flight = files_in_flight;
              opt.chunk_size = chunk_size;
+             opt.adopt_existing = adopt_existing;
              std::string d = fs_bytes(dst), n = fs_bytes(name);
              py::gil_scoped_release nogil;
              return new copy::ExtractJob(d, n, std::move(opt));
            }),
            py::arg("dst"), py::arg("name"), py::arg("compression"), py::arg("nested"),
            py::arg("include"), py::arg("exclude"), py::arg("complete"), py::arg("engine"),
-           py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"))
+           py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"),
+           py::arg("adopt_existing") = false)
       .def(
           "feed",
           [](copy::ExtractJob& j, const py::buffer& data) {
@@ -67,7 +69,8 @@ void register_extract(py::module_& m) {
                out[i] = py::make_tuple(
                    fs_str(f.path), f.size, f.mode, f.mtime_ns,
                    py::bytes(reinterpret_cast<const char*>(f.digests.data()),
-                             f.digests.size() * sizeof(uint64_t)));
+                             f.digests.size() * sizeof(uint64_t)),
+                   f.adopted);
              }
              return out;
            })

@@ -235,7 +235,8 @@ struct ExtractJob::Impl {
       throw Error::os(errno, "rename into place", full(f.path));
     ::close(f.dir_fd);
     f.dir_fd = -1;
-    done.push_back(ExtractedFile{f.path, f.appended, f.mode, f.mtime_ns, std::move(f.digests)});
+    done.push_back(
+        ExtractedFile{f.path, f.appended, f.mode, f.mtime_ns, std::move(f.digests), false});
     active_paths.erase(f.path);
     f.active = false;
     --active;
@@ -290,6 +291,43 @@ struct ExtractJob::Impl {
       if (::utimensat(pfd, base.c_str(), t, AT_SYMLINK_NOFOLLOW) != 0)
         throw Error::os(errno, "set times of", full(d.path));
     }
+  }
+
+  // A file a killed run renamed into place: whole if its size, mode and mtime match
+  // the member. Read back (from the page cache, usually) for its digests.
+  bool adopt(const std::string& out, const tar::Member& m) {
+    if (active_paths.count(out) || dirs_made.count(out)) return false;
+    auto [parent, base] = split(out);
+    int pfd = ensure_dir(parent);
+    struct stat st;
+    if (::fstatat(pfd, base.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        uint64_t(st.st_size) != m.size || (st.st_mode & 07777) != (m.mode & 07777) ||
+        int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec != m.mtime_ns)
+      return false;
+    UniqueFd fd(::openat(pfd, base.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    if (!fd) return false;
+    ExtractedFile f{out, m.size, m.mode, m.mtime_ns, {}, true};
+    std::vector<char> buf(size_t(std::min<uint64_t>(opt.chunk_size, 1u << 20)));
+    hash::Fl64Stream stream(0);
+    uint64_t fill = 0, pos = 0;
+    while (pos < m.size) {
+      ssize_t n = ::pread(fd.get(), buf.data(),
+                          size_t(std::min<uint64_t>(buf.size(), opt.chunk_size - fill)), off_t(pos));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      stream.update(buf.data(), size_t(n));
+      fill += uint64_t(n);
+      pos += uint64_t(n);
+      if (fill == opt.chunk_size) {
+        f.digests.push_back(stream.digest());
+        stream = hash::Fl64Stream(0);
+        fill = 0;
+      }
+    }
+    if (fill > 0 || f.digests.empty()) f.digests.push_back(stream.digest());
+    done.push_back(std::move(f));
+    note_skipped(out);
+    return true;
   }
 
   void note_skipped(const std::string& out) {
@@ -461,6 +499,7 @@ struct Level final : tar::Sink {
           im_.note_skipped(out);
           return tar::Action::kSkip;
         }
+        if (im_.opt.adopt_existing && im_.adopt(out, m)) return tar::Action::kSkip;
         im_.start_file(out, m, &current_);
         return tar::Action::kRead;
       case tar::MemberType::kSymlink:

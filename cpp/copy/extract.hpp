@@ -36,6 +36,11 @@ struct ExtractOptions {
   // Output paths already complete on disk (from an interrupted run): (size, mtime_ns).
   // Such members are skipped, not rewritten.
   std::unordered_map<std::string, std::pair<uint64_t, int64_t>> complete;
+  // Members already at their final path with the right size, mode and mtime, but not in
+  // `complete`, are read back and digested instead of rewritten. Only sound when the
+  // machine has not rebooted since they were written (a killed run, not a power loss):
+  // files are renamed into place only once whole.
+  bool adopt_existing = false;
   unsigned files_in_flight = 64;
   uint64_t chunk_size = 4u << 20;  // digest chunk
   size_t slot_size = 1u << 20;     // bytes per write
@@ -48,6 +53,7 @@ struct ExtractedFile {
   uint32_t mode = 0;
   int64_t mtime_ns = 0;
   std::vector<uint64_t> digests;  // one per chunk_size of content (one for an empty file)
+  bool adopted = false;           // already on disk from an interrupted run (adopt_existing)
 };
 
 struct ExtractedLink {

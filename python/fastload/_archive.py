@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _core
+from ._engine import resolve_engine
 from ._state import MANIFEST_VERSION, Journal, state_dir, write_json_atomic
 from .errors import ChecksumMismatchError, SourceChangedError, stage_error
 
@@ -45,10 +46,12 @@ def archive_compression(path: Path) -> str | None:
             head = f.read(512)
     except OSError:
         return None
+    # Content first: a gzip stream named .tar is still a gzip stream. A compressed file
+    # without a tar name (data.gz) is not taken for an archive.
     if head[:2] == b"\x1f\x8b":
-        return "gzip" if _suffix_kind(path) in (None, "gzip") else None
+        return "gzip" if _suffix_kind(path) is not None else None
     if head[:4] == b"\x28\xb5\x2f\xfd":
-        return "zstd" if _suffix_kind(path) in (None, "zstd") else None
+        return "zstd" if _suffix_kind(path) is not None else None
     if len(head) == 512 and head[257:262] == b"ustar":
         return "none"
     if _suffix_kind(path) == "none" and (len(head) == 512 or not head.strip(b"\0")):
@@ -224,10 +227,11 @@ def stage_archive(
         options["include"],
         options["exclude"],
         {p: (r[0], r[1]) for p, r in done.items()},
-        engine,
+        resolve_engine(engine, src),
         min(64, max(4, files_in_flight // 2)),
         files_in_flight,
         stripe,
+        journal.found and journal.same_boot,
     )
     already = len(done)
     reused: set[str] = set()
@@ -239,13 +243,14 @@ def stage_archive(
     def collect(final: bool) -> None:
         nonlocal last_sync
         reused.update(job.take_reused())
-        for path, size, mode, mtime, digests in job.take_done():
+        for path, size, mode, mtime, digests, adopted in job.take_done():
             rec = (size, mtime, mode, digests.hex())
             done[path] = rec
             seen.add(path)
             pending.append((path, *rec))
-            copied["files"] += 1
-            copied["bytes"] += size
+            if not adopted:
+                copied["files"] += 1
+                copied["bytes"] += size
         now = time.monotonic()
         if pending and (final or now - last_sync >= _JOURNAL_EVERY):
             _core.syncfs(str(dst))

@@ -1,0 +1,594 @@
+"""fastload.stage() on archives (issue 3): what an extraction leaves in the destination,
+compared with GNU tar's own extraction of the same archive (``tar -xf A -C ref
+--no-same-owner`` as root): bytes, modes, mtimes (1 s), symlink targets, hard links.
+
+Archives are made by GNU tar (gnu, posix, ustar) and Python tarfile (ustar, gnu, pax),
+plain, gzip (tar -czf, Python gzip, pigz, multi-member) and zstd (CLI, multi-frame);
+tars of tars for ``unpack="nested"``; hand-patched headers for the parser's corners.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import archive_helpers as ah
+import fastload
+import helpers
+
+pytestmark = pytest.mark.native
+
+Stage = Callable[..., Any]
+
+# (maker, format, long names) -> the portable tree for ustar, the full one otherwise.
+FORMAT_CASES = [
+    pytest.param("gnutar", "gnu", id="gnutar-gnu"),
+    pytest.param("gnutar", "posix", id="gnutar-posix"),
+    pytest.param("gnutar", "ustar", id="gnutar-ustar"),
+    pytest.param("tarfile", "ustar", id="tarfile-ustar"),
+    pytest.param("tarfile", "gnu", id="tarfile-gnu"),
+    pytest.param("tarfile", "pax", id="tarfile-pax"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# Archives, built once per session, with GNU tar's extraction beside them
+# --------------------------------------------------------------------------------------
+
+
+class Made:
+    """An archive, GNU tar's extraction of it and its explicit directories."""
+
+    def __init__(self, archive: Path, ref: Path, explicit: set[str]) -> None:
+        self.archive = archive
+        self.ref = ref
+        self.explicit = explicit
+
+
+@pytest.fixture(scope="session")
+def archive_trees(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    base = tmp_path_factory.mktemp("archive-trees")
+    return {long: ah.build_archive_tree(base / f"long-{long}", long=long)
+            for long in (True, False)}
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory: pytest.TempPathFactory,
+         archive_trees: dict[bool, Path]) -> Callable[..., Made]:
+    """``made(maker, fmt, compress=None)``: the archive of the rich tree (cached)."""
+    cache: dict[tuple[Any, ...], Made] = {}
+    base = tmp_path_factory.mktemp("archives")
+
+    def get(maker: str, fmt: str, compress: str | None = None) -> Made:
+        key = (maker, fmt, compress)
+        if key not in cache:
+            src = archive_trees[fmt != "ustar"]
+            stem = f"{maker}-{fmt}"
+            if maker == "gnutar":
+                plain = ah.gnu_create(src, base / f"{stem}.tar", fmt)
+            else:
+                plain = ah.py_create(src, base / f"{stem}.tar", fmt, pax_global=fmt == "pax")
+            archive = plain
+            if compress is not None:
+                archive = compress_archive(plain, compress, src, fmt)
+            ref = ah.gnu_extract(archive, base / f"ref-{stem}-{compress}")
+            cache[key] = Made(archive, ref, ah.explicit_dirs(archive))
+        return cache[key]
+
+    return get
+
+
+def compress_archive(plain: Path, how: str, src: Path, fmt: str) -> Path:
+    stem = plain.with_suffix("")
+    if how == "tar-czf":
+        return ah.gnu_create(src, stem.with_name(stem.name + "-czf.tar.gz"), fmt, extra=["-z"])
+    if how == "gzip-tgz":
+        return ah.gzip_file(plain, stem.with_name(stem.name + ".tgz"))
+    if how == "pigz":
+        if shutil.which("pigz") is None:
+            pytest.skip("pigz is not installed")
+        out = stem.with_name(stem.name + "-pigz.tar.gz")
+        out.write_bytes(ah.run(["pigz", "-c", "-p", "2", str(plain)]).stdout)
+        return out
+    if how == "gzip-multimember":
+        return ah.gzip_file(plain, stem.with_name(stem.name + "-multi.tar.gz"), members=3)
+    if how == "zstd":
+        return ah.zstd_file(plain, stem.with_name(stem.name + ".tar.zst"))
+    if how == "zstd-tzst":
+        return ah.zstd_file(plain, stem.with_name(stem.name + ".tzst"))
+    if how == "zstd-multiframe":
+        return ah.zstd_file(plain, stem.with_name(stem.name + "-multi.tar.zst"), frames=3)
+    if how == "gzip-named-tar":
+        out = stem.with_name(stem.name + "-gz-content.tar")
+        out.write_bytes(ah.gzip_file(plain, out.with_suffix(".tmpgz")).read_bytes())
+        out.with_suffix(".tmpgz").unlink()
+        return out
+    if how == "zstd-named-tar":
+        tmp = ah.zstd_file(plain, stem.with_name(stem.name + ".tmpzst"))
+        out = stem.with_name(stem.name + "-zst-content.tar")
+        tmp.rename(out)
+        return out
+    raise ValueError(how)
+
+
+def check_result(res: Any, m: Made, dst: Path) -> None:
+    """files/bytes are the regular files extracted; where the archive has hard links,
+    counting each link as a file or not is left open."""
+    assert res.path == dst
+    assert res.skipped is False
+    by_members = ah.member_totals(m.archive)
+    files = helpers.regular_files(m.ref)
+    by_paths = (len(files), sum(files.values()))
+    if ah.has_hardlinks(m.archive):
+        assert (res.files, res.bytes) in (by_members, by_paths), (res, by_members, by_paths)
+        # A fresh extraction copies everything; whether a hard link counts as copied
+        # (it writes no data) is open too.
+        assert res.copied_files in (res.files, by_members[0]), res
+    else:
+        assert (res.files, res.bytes) == by_members
+        assert (res.copied_files, res.copied_bytes) == (res.files, res.bytes), res
+
+
+def assert_clean_beside(dst: Path) -> None:
+    extra = {p.name for p in dst.parent.iterdir()} - {dst.name} - ah.state_names(dst)
+    assert not extra, f"left beside the destination: {sorted(extra)}"
+
+
+def extract_and_compare(stage: Stage, m: Made, tmp_path: Path, **kw: Any) -> Any:
+    dst = tmp_path / "out" / "dst"
+    dst.parent.mkdir(parents=True)
+    res = stage(m.archive, dst, **kw)
+    assert dst.is_dir() and not dst.is_symlink(), (
+        f"{m.archive.name} was not extracted: dst is not a directory ({res})")
+    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+    ah.assert_no_tmp(dst)
+    assert_clean_beside(dst)
+    check_result(res, m, dst)
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# Formats and makers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("maker", "fmt"), FORMAT_CASES)
+def test_format_matches_gnu_tar(stage: Stage, made: Callable[..., Made], tmp_path: Path,
+                                maker: str, fmt: str) -> None:
+    m = made(maker, fmt)
+    extract_and_compare(stage, m, tmp_path)
+
+
+@pytest.mark.parametrize(("maker", "fmt"), [FORMAT_CASES[0], FORMAT_CASES[5]])
+def test_format_details(stage: Stage, made: Callable[..., Made], tmp_path: Path,
+                        maker: str, fmt: str) -> None:
+    """What the comparison checks, spelled out for the long-name cases, so a failure
+    says which feature broke."""
+    m = made(maker, fmt)
+    dst = tmp_path / "dst"
+    stage(m.archive, dst)
+    deep = dst / ah.DEEP_LONG_DIR
+    assert len(str(deep.relative_to(dst)).encode()) > 255
+    assert (deep / "leaf.txt").read_bytes() == b"deep and long\n"
+    assert (dst / "long" / ah.LONG_COMPONENT).stat().st_size == 5000
+    assert (dst / ah.USTAR_PREFIX_PATH).stat().st_size == 3000
+    assert (dst / helpers.UNICODE_DIR / helpers.UNICODE_FILE).is_file()
+    assert os.readlink(dst / "links" / ("t" * 120)) == ah.LONG_LINK_TARGET
+    assert (dst / "links" / ("t" * 120)).read_bytes() == b"deep and long\n"
+    assert os.readlink(dst / "links" / "up") == ".."
+    a = os.lstat(dst / "hard" / "a.bin")
+    for rel in ["hard/b.bin", "other/c.bin", "long/" + "h" * 200 + ".hl"]:
+        assert os.lstat(dst / rel).st_ino == a.st_ino, f"{rel} is not a hard link of hard/a.bin"
+    assert os.lstat(dst / "zz" / "to_long").st_ino == os.lstat(deep / "target.bin").st_ino
+    assert oct(os.lstat(dst / "modes" / "ro_dir").st_mode & 0o7777) == oct(0o555)
+    assert (dst / "empty_dir").is_dir() and not any((dst / "empty_dir").iterdir())
+    assert (dst / "nested" / "empty" / "inner").is_dir()
+
+
+def test_gnu_tar_top_level_names(stage: Stage, archive_trees: dict[bool, Path],
+                                 tmp_path: Path) -> None:
+    """Members named without "./" (``tar -cf A -C dir a b c``)."""
+    a = ah.gnu_create(archive_trees[True], tmp_path / "in" / "top.tar", "gnu", dot=False)
+    m = Made(a, ah.gnu_extract(a, tmp_path / "ref"), ah.explicit_dirs(a))
+    extract_and_compare(stage, m, tmp_path)
+
+
+def test_into_existing_empty_dir(stage: Stage, made: Callable[..., Made], tmp_path: Path) -> None:
+    m = made("tarfile", "gnu")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    stage(m.archive, dst)
+    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+
+
+def test_verify_extracted_tree(stage: Stage, made: Callable[..., Made], tmp_path: Path) -> None:
+    m = made("gnutar", "posix")
+    dst = tmp_path / "dst"
+    res = stage(m.archive, dst)
+    v = fastload.verify(dst)
+    assert v.ok, (v.mismatched, v.missing)
+    assert v.files == res.files
+    target = dst / "sizes" / f"b{100 * 1024 + 7}"
+    st = target.stat()
+    with open(target, "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    v = fastload.verify(dst)
+    assert not v.ok
+    assert v.mismatched == [f"sizes/b{100 * 1024 + 7}"]
+
+
+def test_progress_callback(stage: Stage, made: Callable[..., Made], tmp_path: Path) -> None:
+    m = made("tarfile", "pax")
+    calls: list[tuple[int, ...]] = []
+    stage(m.archive, tmp_path / "dst", progress=lambda *a: calls.append(tuple(a)))
+    assert calls, "the progress callback was never called"
+    for c in calls:
+        assert len(c) == 4 and all(isinstance(x, int) and x >= 0 for x in c), c
+    for prev, cur in itertools.pairwise(calls):
+        assert cur[0] >= prev[0] and cur[2] >= prev[2], f"went backwards: {prev} -> {cur}"
+    assert calls[-1][0] > 0 and calls[-1][2] > 0, calls[-1]
+
+
+# --------------------------------------------------------------------------------------
+# Compression
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["tar-czf", "gzip-tgz", "pigz", "gzip-multimember"])
+def test_gzip(stage: Stage, made: Callable[..., Made], tmp_path: Path, how: str) -> None:
+    extract_and_compare(stage, made("gnutar", "gnu", how), tmp_path)
+
+
+@pytest.mark.parametrize("how", ["zstd", "zstd-tzst", "zstd-multiframe"])
+def test_zstd(stage: Stage, made: Callable[..., Made], tmp_path: Path, how: str) -> None:
+    ah.need_zstd()
+    extract_and_compare(stage, made("tarfile", "pax", how), tmp_path)
+
+
+@pytest.mark.parametrize("how", ["gzip-named-tar", "zstd-named-tar"])
+def test_compression_recognised_by_content(stage: Stage, made: Callable[..., Made],
+                                           tmp_path: Path, how: str) -> None:
+    """A ``.tar`` that holds gzip or zstd data (a common mislabelling)."""
+    if how.startswith("zstd"):
+        ah.need_zstd()
+    extract_and_compare(stage, made("tarfile", "gnu", how), tmp_path)
+
+
+def test_unpack_true_on_a_name_without_suffix(stage: Stage, made: Callable[..., Made],
+                                              tmp_path: Path) -> None:
+    m = made("tarfile", "ustar")
+    renamed = tmp_path / "in" / "dataset_archive"
+    renamed.parent.mkdir()
+    shutil.copyfile(m.archive, renamed)
+    extract_and_compare(stage, Made(renamed, m.ref, m.explicit), tmp_path, unpack=True)
+
+
+# --------------------------------------------------------------------------------------
+# unpack=False and non-archives
+# --------------------------------------------------------------------------------------
+
+
+def test_unpack_false_copies_the_archive(stage: Stage, made: Callable[..., Made],
+                                         tmp_path: Path) -> None:
+    m = made("gnutar", "gnu", "tar-czf")
+    dst = tmp_path / "copy.tar.gz"
+    res = stage(m.archive, dst, unpack=False)
+    assert dst.is_file()
+    assert dst.read_bytes() == m.archive.read_bytes()
+    assert (res.files, res.bytes) == (1, m.archive.stat().st_size)
+    into = tmp_path / "into"
+    into.mkdir()
+    res = stage(m.archive, into, unpack=False)
+    assert res.path == into / m.archive.name
+    assert (into / m.archive.name).read_bytes() == m.archive.read_bytes()
+    assert set(os.listdir(into)) - ah.state_names(into / m.archive.name) == {m.archive.name}
+
+
+def test_non_archive_is_copied_as_a_file(stage: Stage, tmp_path: Path) -> None:
+    src = tmp_path / "weights.bin"
+    helpers.write_file(src, os.urandom(70_000), mtime_index=5)
+    dst = tmp_path / "weights.copy"
+    res = stage(src, dst)
+    helpers.assert_same_file(src, dst)
+    assert (res.files, res.bytes) == (1, 70_000)
+
+
+# --------------------------------------------------------------------------------------
+# Parser corners, hand-made (each also extracted by GNU tar as the reference)
+# --------------------------------------------------------------------------------------
+
+
+def corner_archive(kind: str, path: Path) -> Path:
+    T = ah.tinfo
+    if kind == "base256-size":
+        data = os.urandom(3000)
+        path = ah.members_archive(path, [(T("b256.bin"), data), (T("after.txt"), b"after\n")])
+        buf = bytearray(path.read_bytes())
+        ah.set_base256(buf, ah.header_offsets(bytes(buf))[0][0], ah.F_SIZE, len(data))
+        path.write_bytes(buf)
+    elif kind == "base256-mtime":
+        path = ah.members_archive(path, [(T("t.txt"), b"time\n"), (T("u.txt"), b"u\n")])
+        buf = bytearray(path.read_bytes())
+        ah.set_base256(buf, ah.header_offsets(bytes(buf))[0][0], ah.F_MTIME, 1_234_567_891)
+        path.write_bytes(buf)
+    elif kind == "pax-size-overrides-header":
+        data = os.urandom(2000)
+        path = ah.members_archive(
+            path, [(T("a.bin", pax={"size": str(len(data))}), data), (T("b.txt"), b"bbb\n")],
+            fmt=tarfile.PAX_FORMAT)
+        buf = bytearray(path.read_bytes())
+        off = ah.header_offsets(bytes(buf))[0][0]
+        buf[off + ah.F_SIZE[0]:off + ah.F_SIZE[1]] = b"%011o\0" % 0
+        ah.fix_checksum(buf, off)
+        path.write_bytes(buf)
+    elif kind == "pax-mtime-fraction-and-global":
+        path = ah.members_archive(
+            path,
+            [(T("frac.txt", pax={"mtime": "1500000000.987654321"}), b"frac\n"),
+             (T("global.txt"), b"global mtime\n"),
+             (T("d", tarfile.DIRTYPE), None)],
+            fmt=tarfile.PAX_FORMAT, pax_headers={"mtime": "1234567890"})
+    elif kind == "pax-unicode-path":
+        path = ah.members_archive(
+            path, [(T("\u00e9t\u00e9/\u65e5\u672c.txt"), b"unicode\n")], fmt=tarfile.PAX_FORMAT)
+    elif kind == "dir-after-its-contents":
+        path = ah.members_archive(
+            path,
+            [(T("ro/inner/f.txt", mode=0o600), b"inside\n"),
+             (T("ro/inner", tarfile.DIRTYPE, mode=0o500), None),
+             (T("ro", tarfile.DIRTYPE, mode=0o555, mtime=1_400_000_000), None)])
+    elif kind == "same-dir-twice":
+        path = ah.members_archive(
+            path,
+            [(T("d", tarfile.DIRTYPE, mode=0o755), None), (T("d/x.txt"), b"x\n"),
+             (T("d", tarfile.DIRTYPE, mode=0o700, mtime=1_300_000_000), None)])
+    elif kind == "hardlink-to-earlier-in-ro-dir":
+        path = ah.members_archive(
+            path,
+            [(T("ro", tarfile.DIRTYPE, mode=0o555), None), (T("ro/orig.bin"), b"orig" * 300),
+             (T("copy.bin", tarfile.LNKTYPE, linkname="ro/orig.bin"), None)])
+    elif kind == "empty-archive":
+        path = ah.members_archive(path, [])
+    else:
+        raise ValueError(kind)
+    return path
+
+
+CORNERS = ["base256-size", "base256-mtime", "pax-size-overrides-header",
+           "pax-mtime-fraction-and-global", "pax-unicode-path", "dir-after-its-contents",
+           "same-dir-twice", "hardlink-to-earlier-in-ro-dir", "empty-archive"]
+
+
+@pytest.mark.parametrize("kind", CORNERS)
+def test_parser_corner(stage: Stage, tmp_path: Path, kind: str) -> None:
+    a = corner_archive(kind, tmp_path / "in" / f"{kind}.tar")
+    m = Made(a, ah.gnu_extract(a, tmp_path / "ref"), ah.explicit_dirs(a))
+    extract_and_compare(stage, m, tmp_path)
+
+
+# --------------------------------------------------------------------------------------
+# Include / exclude on a flat archive
+# --------------------------------------------------------------------------------------
+
+FLAT_FILTERS = [
+    pytest.param(["sizes/*"], None, id="include-dir-glob"),
+    pytest.param(["*.txt"], None, id="include-basename"),
+    pytest.param(["s*5*"], None, id="star-crosses-slash"),
+    pytest.param(None, ["b512", "modes/*"], id="exclude-basename-and-glob"),
+    pytest.param(["sizes/*", "*.txt"], ["b1", "top.*"], id="include-and-exclude"),
+]
+
+
+@pytest.mark.parametrize(("include", "exclude"), FLAT_FILTERS)
+def test_include_exclude(stage: Stage, made: Callable[..., Made], tmp_path: Path,
+                         include: list[str] | None, exclude: list[str] | None) -> None:
+    m = made("tarfile", "gnu")  # member names without "./"
+    ref_files = helpers.regular_files(m.ref)
+    # Hard-linked paths: whether a link member is taken when only its target is
+    # selected is open; keep them out of the expectation.
+    links = {p for g in ah.hardlink_groups(m.ref) for p in g}
+    want = ah.selected(ref_files, include, exclude)
+    assert want and want != set(ref_files), "the filter must select some, not all"
+    dst = tmp_path / "dst"
+    res = stage(m.archive, dst, include=include, exclude=exclude)
+    got = set(helpers.regular_files(dst))
+    assert got - links == want - links, (
+        f"missing {sorted(want - got - links)[:10]}, unexpected {sorted(got - want - links)[:10]}")
+    for rel in want - links:
+        assert helpers.describe(dst / rel) == helpers.describe(m.ref / rel), rel
+    if not (want & links):
+        assert (res.files, res.bytes) == (len(want), sum(ref_files[p] for p in want))
+
+
+# --------------------------------------------------------------------------------------
+# Tars of tars (unpack="nested")
+# --------------------------------------------------------------------------------------
+
+
+def _inner_files(root: Path, cls: str, n: int, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    for j in range(n):
+        helpers.write_file(root / f"{cls}_{j:04d}.JPEG",
+                           b"\xff\xd8\xff\xe0" + rng.randbytes(rng.randrange(100, 40_000)),
+                           mtime_index=seed * 100 + j)
+
+
+def build_nested(base: Path, outer: str) -> Path:
+    """An ImageNet-like tar of tars: class tars in several formats (one with a
+    subdirectory, one made by GNU tar with "./" names, one inside a directory), a plain
+    README and a labels directory beside them."""
+    work = base / "work"
+    osrc = base / "outer-src"
+    osrc.mkdir(parents=True)
+    # n0001: tarfile GNU, with a subdirectory and a symlink inside.
+    _inner_files(work / "n0001", "n0001", 6, 1)
+    _inner_files(work / "n0001" / "sub", "n0001_sub", 2, 2)
+    os.symlink("n0001_0000.JPEG", work / "n0001" / "alias.JPEG")
+    ah.py_create(work / "n0001", osrc / "n0001.tar", "gnu")
+    # n0002: GNU tar posix, "./" member names.
+    _inner_files(work / "n0002", "n0002", 5, 3)
+    ah.gnu_create(work / "n0002", osrc / "n0002.tar", "posix")
+    # n0003: tarfile ustar.
+    _inner_files(work / "n0003", "n0003", 5, 4)
+    ah.py_create(work / "n0003", osrc / "n0003.tar", "ustar")
+    # train/n0004: tarfile pax, one level down.
+    _inner_files(work / "n0004", "n0004", 4, 5)
+    (osrc / "train").mkdir()
+    ah.py_create(work / "n0004", osrc / "train" / "n0004.tar", "pax")
+    helpers.write_file(osrc / "README.txt", b"an imagenet-like archive\n", mtime_index=900)
+    helpers.write_file(osrc / "labels" / "map.txt", b"n0001 tench\nn0002 goldfish\n",
+                       mtime_index=901)
+    for p in osrc.rglob("*.tar"):
+        helpers.set_mtime(p, 950)
+    if outer == "tarfile-gnu":
+        return ah.py_create(osrc, base / "train.tar", "gnu")
+    if outer == "gnutar-posix":
+        return ah.gnu_create(osrc, base / "train.tar", "posix", dot=False)
+    if outer == "gnutar-gnu-gz":
+        return ah.gnu_create(osrc, base / "train.tar.gz", "gnu", dot=False, extra=["-z"])
+    raise ValueError(outer)
+
+
+class Nested:
+    def __init__(self, archive: Path, ref: Path, made_dirs: set[str], explicit: set[str],
+                 flat_ref: Path) -> None:
+        self.archive = archive
+        self.ref = ref
+        self.made_dirs = made_dirs
+        self.explicit = explicit
+        self.flat_ref = flat_ref
+
+
+@pytest.fixture(scope="session")
+def nested_archive(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Nested]:
+    cache: dict[str, Nested] = {}
+
+    def get(outer: str) -> Nested:
+        if outer not in cache:
+            base = tmp_path_factory.mktemp(f"nested-{outer}")
+            a = build_nested(base, outer)
+            ref, made_dirs = ah.gnu_extract_nested(a, base / "ref")
+            flat_ref = ah.gnu_extract(a, base / "flat-ref")
+            cache[outer] = Nested(a, ref, made_dirs, ah.explicit_dirs(a, nested=True), flat_ref)
+        return cache[outer]
+
+    return get
+
+
+@pytest.mark.parametrize("outer", ["tarfile-gnu", "gnutar-posix", "gnutar-gnu-gz"])
+def test_nested_matches_the_shell_loop(stage: Stage, nested_archive: Callable[[str], Nested],
+                                       tmp_path: Path, outer: str) -> None:
+    n = nested_archive(outer)
+    assert n.made_dirs == {"n0001", "n0002", "n0003", "train/n0004"}
+    dst = tmp_path / "dst"
+    res = stage(n.archive, dst, unpack="nested")
+    ah.assert_same_extraction(n.ref, dst, explicit=n.explicit, skip_meta=n.made_dirs)
+    ah.assert_no_tmp(dst)
+    files = helpers.regular_files(n.ref)
+    assert (res.files, res.bytes) == (len(files), sum(files.values()))
+    assert not list(dst.rglob("*.tar")), "an inner tar was written to disk"
+    assert fastload.verify(dst).ok
+
+
+def test_nested_off_keeps_inner_tars(stage: Stage, nested_archive: Callable[[str], Nested],
+                                     tmp_path: Path) -> None:
+    n = nested_archive("tarfile-gnu")
+    dst = tmp_path / "dst"
+    stage(n.archive, dst)  # unpack="auto": the outer archive only
+    ah.assert_same_extraction(n.flat_ref, dst, explicit=ah.explicit_dirs(n.archive))
+    assert (dst / "n0001.tar").read_bytes() == (n.flat_ref / "n0001.tar").read_bytes()
+
+
+NESTED_FILTERS = [
+    pytest.param(["n0001/*"], None, id="include-one-class"),
+    pytest.param(None, ["n0002/*", "*.txt"], id="exclude-class-and-txt"),
+    pytest.param(["*_0003.JPEG"], None, id="include-basename"),
+    pytest.param(["train/*"], None, id="star-crosses-slash"),
+    pytest.param(["n000[13]/*"], ["*sub*"], id="include-and-exclude"),
+]
+
+
+@pytest.mark.parametrize(("include", "exclude"), NESTED_FILTERS)
+def test_nested_include_exclude(stage: Stage, nested_archive: Callable[[str], Nested],
+                                tmp_path: Path, include: list[str] | None,
+                                exclude: list[str] | None) -> None:
+    """Globs apply to the output path (n0001/x.JPEG), not to the outer member
+    (n0001.tar)."""
+    n = nested_archive("tarfile-gnu")
+    ref_files = helpers.regular_files(n.ref)
+    want = ah.selected(ref_files, include, exclude)
+    assert want and want != set(ref_files), "the filter must select some, not all"
+    dst = tmp_path / "dst"
+    res = stage(n.archive, dst, unpack="nested", include=include, exclude=exclude)
+    got = set(helpers.regular_files(dst))
+    assert got == want, f"missing {sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
+    for rel in want:
+        assert helpers.describe(dst / rel) == helpers.describe(n.ref / rel), rel
+    assert (res.files, res.bytes) == (len(want), sum(ref_files[p] for p in want))
+    assert not list(dst.rglob("*.tar"))
+
+
+# --------------------------------------------------------------------------------------
+# Checksums
+# --------------------------------------------------------------------------------------
+
+
+def digest(path: Path, algo: str) -> str:
+    return f"{algo}:{hashlib.new(algo, path.read_bytes()).hexdigest()}"
+
+
+@pytest.mark.parametrize("algo", ["md5", "sha256"])
+@pytest.mark.parametrize("compress", [None, "tar-czf"])
+def test_checksum_ok(stage: Stage, made: Callable[..., Made], tmp_path: Path, algo: str,
+                     compress: str | None) -> None:
+    m = made("gnutar", "gnu", compress)
+    extract_and_compare(stage, m, tmp_path, checksum=digest(m.archive, algo))
+
+
+@pytest.mark.parametrize("algo", ["md5", "sha256"])
+def test_checksum_mismatch(stage: Stage, made: Callable[..., Made], tmp_path: Path,
+                           algo: str) -> None:
+    m = made("gnutar", "gnu", "tar-czf")
+    good = digest(m.archive, algo)
+    bad = good[:-1] + ("0" if good[-1] != "0" else "1")
+    dst = tmp_path / "dst"
+    with pytest.raises(fastload.ChecksumMismatchError) as ei:
+        stage(m.archive, dst, checksum=bad)
+    e = ei.value
+    assert isinstance(e, fastload.StageError) and isinstance(e, OSError)
+    assert m.archive.name in str(e), str(e)
+    # Not marked complete: verify() finds no complete manifest, and a re-run checks again.
+    with pytest.raises(fastload.StageError):
+        fastload.verify(dst)
+    with pytest.raises(fastload.ChecksumMismatchError):
+        stage(m.archive, dst, checksum=bad)
+    res = stage(m.archive, dst, checksum=good)
+    assert res.skipped is False
+    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+    assert fastload.verify(dst).ok
+    assert stage(m.archive, dst, checksum=good).skipped is True
+
+
+def test_result_counts_plain_members(stage: Stage, tmp_path: Path) -> None:
+    """files/bytes: the regular files extracted and their total size; directories and
+    symlinks are not files."""
+    T = ah.tinfo
+    a = ah.members_archive(tmp_path / "in" / "counts.tar", [
+        (T("d", tarfile.DIRTYPE), None), (T("d/a"), b"a" * 10), (T("d/b"), b""),
+        (T("l", tarfile.SYMTYPE, linkname="d/a"), None), (T("e", tarfile.DIRTYPE), None),
+        (T("c"), b"c" * 1000)])
+    res = stage(a, tmp_path / "dst")
+    assert (res.files, res.bytes) == (3, 1010)

@@ -1,0 +1,282 @@
+"""Archive extraction that is interrupted, repeated or raced (issue 3): a real child
+process killed (SIGKILL) or interrupted (SIGINT) midway and then resumed; a re-run of a
+complete extraction; four processes extracting one archive to one destination.
+
+The reference for every end state is GNU tar's extraction of the same archive. Kill
+moments are fractions of one uninterrupted extraction measured here first; they only
+pick when to kill, nothing asserts on them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import archive_helpers as ah
+import fastload
+import helpers
+
+pytestmark = pytest.mark.native
+
+Stage = Callable[..., Any]
+
+
+class Archive:
+    def __init__(self, path: Path, ref: Path, explicit: set[str], made_dirs: set[str],
+                 kwargs: dict[str, Any]) -> None:
+        self.path = path
+        self.ref = ref
+        self.explicit = explicit
+        self.made_dirs = made_dirs
+        self.kwargs = kwargs
+        files = helpers.regular_files(ref)
+        self.files = len(files)
+        self.bytes = sum(files.values())
+
+
+def _mixed_tree(root: Path) -> Path:
+    """1,500 small files and two 32 MiB files: long enough to interrupt, quick to make."""
+    helpers.build_small_files(root / "small", 1500, seed=3)
+    (root / "big").mkdir()
+    for i in range(2):
+        p = root / "big" / f"big{i}.bin"
+        helpers.write_patterned(p, 32 * helpers.MiB + 4097 * i, seed=200 + i)
+        helpers.set_mtime(p, 7000 + i)
+    return root
+
+
+@pytest.fixture(scope="session")
+def mixed_archive(tmp_path_factory: pytest.TempPathFactory) -> Archive:
+    base = tmp_path_factory.mktemp("resume-archive")
+    src = _mixed_tree(base / "src")
+    a = ah.gnu_create(src, base / "mixed.tar", "gnu")
+    shutil.rmtree(src)
+    ref = ah.gnu_extract(a, base / "ref")
+    return Archive(a, ref, ah.explicit_dirs(a), set(), {})
+
+
+@pytest.fixture(scope="session")
+def mixed_archive_gz(mixed_archive: Archive,
+                     tmp_path_factory: pytest.TempPathFactory) -> Archive:
+    base = tmp_path_factory.mktemp("resume-archive-gz")
+    a = ah.gzip_file(mixed_archive.path, base / "mixed.tar.gz")
+    return Archive(a, mixed_archive.ref, mixed_archive.explicit, set(), {})
+
+
+@pytest.fixture(scope="session")
+def nested_archive(tmp_path_factory: pytest.TempPathFactory) -> Archive:
+    """A tar of 12 class tars of 100 small files each, and one 32 MiB file per tar
+    in the first two."""
+    base = tmp_path_factory.mktemp("resume-nested")
+    osrc = base / "outer"
+    osrc.mkdir()
+    for c in range(12):
+        cls = base / "classes" / f"n{c:04d}"
+        helpers.build_small_files(cls, 100, per_dir=100, seed=50 + c)
+        if c < 2:
+            helpers.write_patterned(cls / "big.bin", 32 * helpers.MiB, seed=300 + c)
+        ah.py_create(cls, osrc / f"n{c:04d}.tar", "gnu")
+    a = ah.gnu_create(osrc, base / "train.tar", "gnu", dot=False)
+    shutil.rmtree(base / "classes")
+    shutil.rmtree(osrc)
+    ref, made_dirs = ah.gnu_extract_nested(a, base / "ref")
+    return Archive(a, ref, ah.explicit_dirs(a, nested=True), made_dirs, {"unpack": "nested"})
+
+
+def spec(a: Archive, dst: Path, engine: str, **more: Any) -> dict[str, Any]:
+    return helpers.stage_spec(a.path, dst, engine=engine, **a.kwargs, **more)
+
+
+_durations: dict[tuple[str, str], float] = {}
+
+
+def full_seconds(a: Archive, tmp_path: Path, engine: str) -> float:
+    """Wall time of one uninterrupted child extraction, from START to exit."""
+    key = (str(a.path), engine)
+    if key not in _durations:
+        dst = tmp_path / "calibration"
+        child = helpers.Child(spec(a, dst, engine), env=helpers.child_env())
+        assert child.wait_line("START") is not None, child.finish().stderr
+        t0 = time.monotonic()
+        child.finish()
+        _durations[key] = time.monotonic() - t0
+        res = child.expect_result()
+        assert (res["files"], res["bytes"]) == (a.files, a.bytes)
+        shutil.rmtree(dst)
+    return _durations[key]
+
+
+def interrupt_at(a: Archive, dst: Path, engine: str, delay: float, sig: int,
+                 **more: Any) -> helpers.Child:
+    child = helpers.Child({**spec(a, dst, engine), **more}, env=helpers.child_env())
+    assert child.wait_line("START") is not None, child.finish().stderr
+    time.sleep(delay)
+    child.signal(sig)
+    try:
+        return child.finish(timeout=60)
+    except AssertionError as e:
+        raise AssertionError(f"the extraction did not stop after signal {sig}: {e}") from None
+
+
+def assert_extracted(a: Archive, dst: Path) -> None:
+    ah.assert_same_extraction(a.ref, dst, explicit=a.explicit, skip_meta=a.made_dirs)
+    ah.assert_no_tmp(dst)
+
+
+def resume(a: Archive, dst: Path, engine: str) -> dict[str, Any]:
+    """In a child too: a lock left by a killed process would hang this one."""
+    res = helpers.run_child(spec(a, dst, engine), timeout=180,
+                            env=helpers.child_env()).expect_result()
+    assert_extracted(a, dst)
+    assert (res["files"], res["bytes"]) == (a.files, a.bytes)
+    assert 0 <= res["copied_files"] <= a.files
+    return res
+
+
+def kill_and_resume(a: Archive, tmp_path: Path, engine: str,
+                    fractions: tuple[float, ...]) -> list[tuple[float, int, int]]:
+    full = full_seconds(a, tmp_path, engine)
+    killed = []
+    for i, frac in enumerate(fractions):
+        dst = tmp_path / f"dst{i}"
+        child = interrupt_at(a, dst, engine, frac * full, signal.SIGKILL)
+        was_killed = child.returncode == -signal.SIGKILL
+        complete = helpers.assert_no_partial_files(a.ref, dst)
+        res = resume(a, dst, engine)
+        if was_killed:
+            killed.append((frac, complete, res["copied_files"]))
+        else:
+            assert res["skipped"] is True, res
+    assert killed, f"every extraction finished before it could be killed ({full:.2f} s)"
+    return killed
+
+
+def test_sigkill_then_resume(engine: str, mixed_archive: Archive, tmp_path: Path) -> None:
+    killed = kill_and_resume(mixed_archive, tmp_path, engine, (0.3, 0.6))
+    assert any(copied < mixed_archive.files for _, _, copied in killed), (
+        "no resume skipped a member already complete: (fraction, complete files after the "
+        f"kill, files extracted by the resume) = {killed}, files = {mixed_archive.files}")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gzip(engine: str, mixed_archive_gz: Archive,
+                                  tmp_path: Path) -> None:
+    """A gzip stream cannot be seeked; the resume still ends with GNU tar's tree."""
+    kill_and_resume(mixed_archive_gz, tmp_path, engine, (0.3, 0.6))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_nested(engine: str, nested_archive: Archive,
+                                    tmp_path: Path) -> None:
+    killed = kill_and_resume(nested_archive, tmp_path, engine, (0.3, 0.6))
+    assert any(copied < nested_archive.files for _, _, copied in killed), killed
+
+
+def test_repeated_kills_then_resume(engine: str, mixed_archive: Archive,
+                                    tmp_path: Path) -> None:
+    """Each run resumes the previous partial state and is itself killed."""
+    full = full_seconds(mixed_archive, tmp_path, engine)
+    dst = tmp_path / "dst"
+    for frac in (0.3, 0.3):
+        interrupt_at(mixed_archive, dst, engine, frac * full, signal.SIGKILL)
+        helpers.assert_no_partial_files(mixed_archive.ref, dst)
+    resume(mixed_archive, dst, engine)
+    assert fastload.verify(dst).ok
+
+
+def test_ctrl_c_stops_and_resumes(engine: str, mixed_archive: Archive, tmp_path: Path) -> None:
+    full = full_seconds(mixed_archive, tmp_path, engine)
+    for attempt, frac in enumerate((0.4, 0.2, 0.1, 0.05)):
+        dst = tmp_path / f"dst{attempt}"
+        child = interrupt_at(mixed_archive, dst, engine, frac * full, signal.SIGINT,
+                             progress=True)
+        if child.returncode != 0:
+            break
+    else:
+        pytest.fail("every extraction finished before Ctrl-C arrived")
+    assert child.result is None
+    assert child.error is None, f"Ctrl-C became another exception: {child.error}"
+    assert "KeyboardInterrupt" in child.stderr, child.stderr[-2000:]
+    helpers.assert_no_partial_files(mixed_archive.ref, dst)
+    with pytest.raises(fastload.StageError):
+        fastload.verify(dst)  # not complete
+    res = resume(mixed_archive, dst, engine)
+    assert res["skipped"] is False
+
+
+def test_second_run_is_skipped(stage: Stage, mixed_archive: Archive, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    first = stage(mixed_archive.path, dst)
+    assert (first.files, first.bytes) == (mixed_archive.files, mixed_archive.bytes)
+    assert first.copied_files == first.files and not first.skipped
+    probe = dst / "big" / "big0.bin"
+    before = os.stat(probe)
+    second = stage(mixed_archive.path, dst)
+    assert second.skipped is True
+    assert (second.files, second.bytes) == (first.files, first.bytes)
+    assert second.copied_files == 0
+    after = os.stat(probe)
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_ino, before.st_mtime_ns, before.st_ctime_ns), "the re-run rewrote files"
+    assert_extracted(mixed_archive, dst)
+
+
+def test_nested_second_run_is_skipped(stage: Stage, nested_archive: Archive,
+                                      tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    stage(nested_archive.path, dst, unpack="nested")
+    assert_extracted(nested_archive, dst)
+    assert stage(nested_archive.path, dst, unpack="nested").skipped is True
+
+
+def test_changed_archive_is_extracted_again(stage: Stage, tmp_path: Path) -> None:
+    """Same archive path, new content: not skipped; the new members are there."""
+    T = ah.tinfo
+    a = tmp_path / "in" / "data.tar"
+    ah.members_archive(a, [(T("x.txt", mtime=1_600_000_000), b"version one\n")])
+    dst = tmp_path / "dst"
+    stage(a, dst)
+    assert (dst / "x.txt").read_bytes() == b"version one\n"
+    ah.members_archive(a, [(T("x.txt", mtime=1_600_000_100), b"version two!\n"),
+                           (T("y.txt"), b"new\n")])
+    res = stage(a, dst)
+    assert res.skipped is False
+    assert (dst / "x.txt").read_bytes() == b"version two!\n"
+    assert (dst / "y.txt").read_bytes() == b"new\n"
+    assert fastload.verify(dst).ok
+
+
+@pytest.mark.parametrize("n_procs", [4])
+def test_concurrent_extractors_make_one_extraction(engine: str, mixed_archive: Archive,
+                                                   tmp_path: Path, n_procs: int) -> None:
+    dst = tmp_path / "data" / "dst"
+    dst.parent.mkdir()
+    s = {**spec(mixed_archive, dst, engine), "wait_stdin": True}
+    children = [helpers.Child(s, env=helpers.child_env(), stdin=True) for _ in range(n_procs)]
+    try:
+        for c in children:  # all imported and waiting: start them together
+            assert c.wait_line("READY") is not None, c.finish().stderr
+        for c in children:
+            c.go()
+    finally:
+        for c in children:
+            c.finish(timeout=180)
+    results = [c.expect_result() for c in children]
+    for r in results:
+        assert (r["files"], r["bytes"]) == (mixed_archive.files, mixed_archive.bytes), r
+        assert r["path"] == str(dst)
+    extractors = [r for r in results if r["copied_files"] > 0]
+    assert len(extractors) == 1, f"{len(extractors)} processes extracted: {results}"
+    assert extractors[0]["copied_files"] == mixed_archive.files
+    for r in results:
+        if r is not extractors[0]:
+            assert r["skipped"] is True or r["copied_files"] == 0, r
+    assert_extracted(mixed_archive, dst)
+    leftovers = {p.name for p in dst.parent.iterdir()} - {"dst"} - ah.state_names(dst)
+    assert not leftovers, leftovers

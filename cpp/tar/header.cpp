@@ -19,6 +19,7 @@ constexpr size_t kChksumOff = 148, kChksumLen = 8;
 constexpr size_t kTypeOff = 156;
 constexpr size_t kLinkOff = 157, kLinkLen = 100;
 constexpr size_t kMagicOff = 257;
+constexpr size_t kDevMajorOff = 329, kDevMinorOff = 337;
 constexpr size_t kPrefixOff = 345, kPrefixLen = 155;
 
 constexpr int64_t kNsPerSec = 1'000'000'000;
@@ -262,8 +263,17 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
     if (!v) fail(offset, name_for_error(b), std::string("malformed numeric field '") + what + "'");
     return *v;
   };
-  // The size field frames what follows, so it is decoded and bounded for every kind of
-  // header before the type is looked at (a pax size replaces it only for a member).
+  // Every numeric field must be well-formed in every header, extension headers included:
+  // tarfile treats a malformed one as the end of the archive and silently drops the rest,
+  // so accepting it would make the two readers see different archives.
+  const int64_t mode = num(kModeOff, kIdLen, "mode");
+  const int64_t uid = num(kUidOff, kIdLen, "uid");
+  const int64_t gid = num(kGidOff, kIdLen, "gid");
+  const int64_t mtime_s = num(kMtimeOff, kBigLen, "mtime");
+  num(kDevMajorOff, kIdLen, "devmajor");
+  num(kDevMinorOff, kIdLen, "devminor");
+  // The size field frames what follows, so it is bounded for every kind of header
+  // before the type is looked at (a pax size replaces it only for a member).
   const int64_t raw_size = num(kSizeOff, kBigLen, "size");
   if (raw_size < 0 || static_cast<uint64_t>(raw_size) > kMaxMemberSize)
     fail(offset, name_for_error(b), "size out of range: " + std::to_string(raw_size));
@@ -293,9 +303,12 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
       ext_offset_ = offset;
       return {Kind::kExtension, header_size};
     }
-    case 'V':  // a volume label names the archive, not a member
+    case 'V': {  // a volume label names the archive, not a member
+      // A pax size still frames its data (GNU tar and tarfile agree on that).
+      const uint64_t size = local_.size.value_or(header_size);
       reset_pending();
-      return {Kind::kIgnored, header_size};
+      return {Kind::kIgnored, size};
+    }
     case 'S':
       fail(offset, name_for_error(b), "GNU sparse members (type 'S') are not supported");
     case 'M':
@@ -307,8 +320,8 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
       break;
   }
 
-  // A member header. *m is written only from here on, and the pending extension state
-  // is consumed by this member alone (reset below), whatever the outcome.
+  // A member header. *m is written only from here on; the pending extension state is
+  // consumed by this member alone (reset below; an error ends the parse anyway).
   Member& out = *m;
   out = Member{};
   switch (type) {
@@ -344,25 +357,20 @@ HeaderDecoder::Step HeaderDecoder::decode(const char* b, uint64_t offset, Member
     fail(offset, local_.sparse_name ? *local_.sparse_name : out.path,
          "GNU sparse members (pax GNU.sparse.*) are not supported");
 
-  const int64_t mode = num(kModeOff, kIdLen, "mode");
   if (mode < 0) fail(offset, out.path, "negative mode");
   out.mode = static_cast<uint32_t>(mode & 07777);
 
-  // Numeric fields: the header's value is decoded (and must be well-formed) even when
-  // pax overrides it; the effective value is range-checked.
-  const auto id = [&](size_t off, const char* what, const std::optional<std::optional<uint32_t>>& local,
+  // The effective value (pax over the header) is range-checked, not the overridden one.
+  const auto id = [&](int64_t h, const char* what, const std::optional<std::optional<uint32_t>>& local,
                       const std::optional<uint32_t>& global) -> uint32_t {
-    const int64_t h = num(off, kIdLen, what);
     if (local && *local) return **local;
     if (!local && global) return *global;
     if (h < 0 || h > int64_t{std::numeric_limits<uint32_t>::max()})
       fail(offset, out.path, std::string(what) + " out of range: " + std::to_string(h));
     return static_cast<uint32_t>(h);
   };
-  out.uid = id(kUidOff, "uid", local_.uid, global_.uid);
-  out.gid = id(kGidOff, "gid", local_.gid, global_.gid);
-
-  const int64_t mtime_s = num(kMtimeOff, kBigLen, "mtime");
+  out.uid = id(uid, "uid", local_.uid, global_.uid);
+  out.gid = id(gid, "gid", local_.gid, global_.gid);
   if (local_.mtime_ns && *local_.mtime_ns) out.mtime_ns = **local_.mtime_ns;
   else if (!local_.mtime_ns && global_.mtime_ns) out.mtime_ns = *global_.mtime_ns;
   else out.mtime_ns = seconds_to_ns(mtime_s);

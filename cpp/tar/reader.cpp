@@ -6,9 +6,8 @@
 //  - one zero block followed by a non-zero block is an error: GNU tar stops there with a
 //    warning and tarfile silently, either way dropping the members after it;
 //  - the end of input at a header boundary ends it, unless extension headers are waiting
-//    for their member; inside a header, an extension's data or a member's data it is an
-//    error; inside the padding after a member's data it ends the archive (the member is
-//    complete; tarfile reads such archives too).
+//    for their member; anywhere else (inside a header, data, or the padding after data)
+//    it is an error naming what was cut, as for GNU tar and tarfile.
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,6 +56,7 @@ struct StreamParser::Impl {
   Member member;         // the current member (for on_data errors and skippable())
   bool deliver = false;  // the sink asked for the current member's data
   bool silent = false;   // the current data belongs to an ignored entry (volume label)
+  bool ext_pad = false;  // the current padding follows an extension header's data
   uint64_t data_left = 0;
   uint64_t pad_left = 0;
   std::optional<Error> error;
@@ -92,6 +92,7 @@ void StreamParser::Impl::on_block(const char* b, Sink& sink) {
       return;
     case HeaderDecoder::Kind::kExtension:
       ext.clear();
+      ext_pad = true;
       ext_left = step.data_size;
       pad_left = padded(step.data_size) - step.data_size;
       state = State::kExtension;
@@ -103,6 +104,7 @@ void StreamParser::Impl::on_block(const char* b, Sink& sink) {
     case HeaderDecoder::Kind::kIgnored:
     case HeaderDecoder::Kind::kMember:
       silent = step.kind == HeaderDecoder::Kind::kIgnored;
+      ext_pad = false;
       data_left = step.data_size;
       pad_left = padded(step.data_size) - step.data_size;
       deliver = false;
@@ -212,8 +214,10 @@ void StreamParser::Impl::finish() {
                "archive ends inside the member's data (" + std::to_string(data_left) + " of " +
                    std::to_string(member.size) + " bytes missing)");
     case State::kPadding:
-      dec.check_can_end(offset);  // an extension header's padding may be cut too
-      break;
+      if (ext_pad) dec.fail(offset, {}, "archive ends inside the padding after an extension header's data");
+      if (silent) dec.fail(offset, {}, "archive ends inside a volume label's data");
+      dec.fail(member.header_offset, member.path,
+               "archive ends inside the padding after the member's data");
     case State::kFailed:
       rethrow();
   }
@@ -363,7 +367,7 @@ void scan_file(int fd, uint64_t size, const std::string& name,
   Member m;
   std::string ext;
   for (;;) {
-    if (off >= size) {  // past the end only when padding was cut short
+    if (off == size) {
       dec.check_can_end(size);
       return;
     }
@@ -397,16 +401,21 @@ void scan_file(int fd, uint64_t size, const std::string& name,
           std::memcpy(ext.data(), file.get(data_off, ext.size(), true), ext.size());
         else
           file.read_at(data_off, ext.data(), ext.size());
-        dec.apply_extension(ext);
+        dec.apply_extension(ext);  // before the padding check, as the stream does
+        if (padded(step.data_size) > avail)
+          dec.fail(size, {}, "archive ends inside the padding after an extension header's data");
         break;
       case HeaderDecoder::Kind::kIgnored:
-        if (step.data_size > avail) dec.fail(size, {}, "archive ends inside a volume label's data");
+        if (padded(step.data_size) > avail)
+          dec.fail(size, {}, "archive ends inside a volume label's data");
         break;
       case HeaderDecoder::Kind::kMember:
         if (m.size > avail)
           dec.fail(m.header_offset, m.path,
                    "archive ends inside the member's data (" + std::to_string(m.size - avail) +
                        " of " + std::to_string(m.size) + " bytes missing)");
+        if (padded(m.size) > avail)
+          dec.fail(m.header_offset, m.path, "archive ends inside the padding after the member's data");
         if (!fn(m)) return;
         ahead = m.size < kSmall;
         break;

@@ -30,7 +30,13 @@ std::string show(const T& v) {
   if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
   else if constexpr (std::is_enum_v<T>) return std::to_string(static_cast<long long>(v));
   else if constexpr (std::is_integral_v<T> || std::is_floating_point_v<T>) return std::to_string(v);
-  else if constexpr (std::is_convertible_v<T, std::string>) return "\"" + std::string(v) + "\"";
+  else if constexpr (std::is_convertible_v<T, std::string>) {
+    // Built with += : GCC 12 at -O3 warns falsely (-Wrestrict, bug 105329) on "x" + str.
+    std::string out = "\"";
+    out += std::string(v);
+    out += '"';
+    return out;
+  }
   else return "?";
 }
 

@@ -234,99 +234,6 @@ namespace {
 
 namespace tb = fastload::tar::testing;
 
-std::vector<std::string> corpus() {
-  std::vector<std::string> c;
-  c.push_back(tb::file("a.txt", "hello") + tb::file("b/c.bin", std::string(700, 'x')) +
-              tb::end_marker());
-  c.push_back(tb::header("dir/", '5', 0) + tb::header("dir/l", '2', 0, "../a") +
-              tb::header("h", '1', 0, "dir/f") + tb::file("empty", "") + tb::end_marker());
-  c.push_back(tb::extension('L', std::string(150, 'n') + '\0') + tb::file("short", "data") +
-              tb::extension('K', std::string(120, 'k') + '\0') + tb::header("s", '2', 0) +
-              tb::end_marker());
-  c.push_back(tb::extension('g', tb::pax_record("mtime", "1.5") + tb::pax_record("uid", "3")) +
-              tb::extension('x', tb::pax_record("path", "p/\xc3\xa9") +
-                                     tb::pax_record("size", "3") +
-                                     tb::pax_record("mtime", "-2.25")) +
-              tb::header("x", '0', 0) + tb::pad("abc") + tb::file("z", "1") + tb::end_marker());
-  c.push_back(tb::header("huge", '0', uint64_t{10} << 30) + std::string(1000, 'h'));
-  c.push_back(tb::header("LABEL", 'V', 0) + tb::file("../evil", "x") +
-              tb::header("/abs", '2', 0, "/etc/passwd") + tb::end_marker());
-  c.push_back(tb::extension('x', tb::pax_record("GNU.sparse.name", "s") +
-                                     tb::pax_record("GNU.sparse.major", "1")) +
-              tb::file("s", "") + std::string(512, '\0'));
-  c.push_back(tb::file("a", "1") + tb::file("b", "22"));  // no end marker
-  c.push_back(std::string());
-  return c;
-}
-
-// Makes a header-shaped block valid again, so mutants get past the checksum.
-void fix_checksums(std::string& a) {
-  for (size_t off = 0; off + 512 <= a.size(); off += 512) {
-    std::string b = a.substr(off, 512);
-    bool zero = true;
-    for (char ch : b) zero = zero && ch == 0;
-    if (zero) continue;
-    tb::fix_checksum(b);
-    a.replace(off, 512, b);
-  }
-}
-
-std::string mutate(std::string a, const std::vector<std::string>& pool, std::mt19937_64& rng) {
-  static const char kInteresting[] = {0, '\xff', '\x80', '0', '7', '8', '/', '.', ' ', '\n', '=',
-                                      'x', 'g', 'L', 'K', '5', '1', '2', 'S', 'V'};
-  const int rounds = 1 + static_cast<int>(rng() % 6);
-  for (int r = 0; r < rounds; ++r) {
-    const size_t pos = a.empty() ? 0 : rng() % a.size();
-    switch (rng() % 9) {
-      case 0:  // bit flip
-        if (!a.empty()) a[pos] = static_cast<char>(a[pos] ^ (1 << (rng() % 8)));
-        break;
-      case 1:  // interesting byte
-        if (!a.empty()) a[pos] = kInteresting[rng() % sizeof kInteresting];
-        break;
-      case 2:  // random byte
-        if (!a.empty()) a[pos] = static_cast<char>(rng());
-        break;
-      case 3:  // truncate
-        a.resize(a.empty() ? 0 : rng() % (a.size() + 1));
-        break;
-      case 4: {  // splice a piece of another entry, overwriting or inserting
-        const std::string& o = pool[rng() % pool.size()];
-        if (o.empty()) break;
-        const size_t from = rng() % o.size();
-        const size_t len = std::min<size_t>(1 + rng() % 1024, o.size() - from);
-        if (rng() % 2) a.insert(std::min(pos, a.size()), o, from, len);
-        else a.replace(std::min(pos, a.size()), len, o, from, len);
-        break;
-      }
-      case 5: {  // a numeric field of a block rewritten with random octal digits
-        if (a.size() < 512) break;
-        const size_t blk = (rng() % (a.size() / 512)) * 512;
-        static const size_t kFields[][2] = {{100, 8}, {108, 8}, {116, 8}, {124, 12}, {136, 12}};
-        const auto& f = kFields[rng() % 5];
-        for (size_t i = 0; i < f[1]; ++i) a[blk + f[0] + i] = static_cast<char>('0' + rng() % 8);
-        if (rng() % 2) a[blk + f[0] + f[1] - 1] = '\0';
-        break;
-      }
-      case 6:  // a block repeated
-        if (a.size() >= 512) {
-          const size_t blk = (rng() % (a.size() / 512)) * 512;
-          a.insert(blk, a.substr(blk, 512));
-        }
-        break;
-      case 7:  // a type flag changed
-        if (a.size() >= 512) a[(rng() % (a.size() / 512)) * 512 + 156] = kInteresting[rng() % sizeof kInteresting];
-        break;
-      case 8:  // a whole valid entry appended
-        a += pool[rng() % pool.size()];
-        break;
-    }
-  }
-  if (rng() % 4 != 0) fix_checksums(a);
-  if (a.size() > (1 << 16)) a.resize(1 << 16);
-  return a;
-}
-
 }  // namespace
 
 int main() {
@@ -335,7 +242,7 @@ int main() {
   const char* seed_env = std::getenv("FUZZ_SEED");
   const uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10) : 1;
   std::mt19937_64 rng(seed);
-  const std::vector<std::string> base = corpus();
+  const std::vector<std::string> base = tb::sample_archives();
   std::vector<std::string> pool = base;  // grows with mutants, bounded
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(seconds);
@@ -347,7 +254,7 @@ int main() {
   }
   while (std::chrono::steady_clock::now() < deadline) {
     for (int i = 0; i < 64; ++i) {
-      std::string m = mutate(pool[rng() % pool.size()], pool, rng);
+      std::string m = tb::mutate(pool[rng() % pool.size()], pool, rng);
       std::string in = std::string(1, static_cast<char>(rng())) + m;
       run_one(reinterpret_cast<const uint8_t*>(in.data()), in.size());
       ++runs;

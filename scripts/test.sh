@@ -52,7 +52,8 @@ UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 # Python itself leaks by design at exit; leak checking is for the native tests above.
 # One backend here (the first available, io_uring where allowed) keeps CI short: the
 # pool is covered under the sanitizers by the native engine tests above.
-FIRST_ENGINE=$(cd tests && "../$VENV/bin/python" -c \
+VPY=$(cd "$VENV/bin" && pwd)/python
+FIRST_ENGINE=$(cd tests && "$VPY" -c \
   'import fastload; print(fastload.available_engines()[0])')
 FASTLOAD_ENGINE=$FIRST_ENGINE LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=build/asan/pkg \

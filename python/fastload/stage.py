@@ -17,7 +17,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
@@ -108,6 +108,20 @@ def _fingerprint(src: str, entries: list[tuple[Any, ...]], options: dict[str, An
         h.update(repr(e).encode("utf-8", "surrogateescape"))
         h.update(b"\n")
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _named_os_errors(what: str = "") -> Iterator[None]:
+    """Turns an OSError that the native core did not already name into a StageError that
+    keeps errno and names the path (``what`` says what was being done)."""
+    try:
+        yield
+    except StageError:
+        raise
+    except OSError as e:
+        raise stage_error(
+            e.errno or errno.EIO, f"{what}{e.strerror or e}: '{e.filename}'", e.filename
+        ) from e
 
 
 def _mkdir_parent(path: Path) -> None:
@@ -350,7 +364,7 @@ def stage(
     if compression is not None:
         options["unpack"] = "nested" if unpack == "nested" else True
 
-    try:
+    with _named_os_errors():
         return _stage_with_lock(
             src_abs,
             dst_abs,
@@ -365,13 +379,6 @@ def stage(
             compression,
             algo_hex,
         )
-    except StageError:
-        raise
-    except OSError as e:
-        # Anything not already named by the native core (lock, journal, manifest...).
-        raise stage_error(
-            e.errno or errno.EIO, f"{e.strerror or e}: '{e.filename}'", e.filename
-        ) from e
 
 
 def _stage_with_lock(
@@ -591,7 +598,7 @@ def _stage_locked(
 
     # Directories first, writable for us; their own modes and times are set at the end.
     dirs = [e for e in entries if e[1] == _DIR]
-    try:
+    with _named_os_errors("cannot create directory: "):
         if not is_file:
             dst_abs.mkdir(exist_ok=True)
             _ensure_writable(dst_abs)
@@ -599,12 +606,6 @@ def _stage_locked(
             d = dst_root / e[0]
             d.mkdir(exist_ok=True)
             _ensure_writable(d)
-    except OSError as err:
-        raise stage_error(
-            err.errno or errno.EIO,
-            f"cannot create directory '{err.filename}': {err.strerror}",
-            err.filename,
-        ) from None
 
     journal.open(done)
     on_progress, bar = _progress_callback(
@@ -744,7 +745,7 @@ def _finish_tree(
 ) -> None:
     """Symlinks, then directory modes and times, deepest first (so setting a directory's
     time is not undone by creating something inside it)."""
-    try:
+    with _named_os_errors("cannot finish staging: "):
         for e in entries:
             if e[1] != _LINK:
                 continue
@@ -775,12 +776,6 @@ def _finish_tree(
         st = os.stat(src_abs)
         os.chmod(dst_abs, stat.S_IMODE(st.st_mode))
         os.utime(dst_abs, ns=(st.st_mtime_ns, st.st_mtime_ns))
-    except StageError:
-        raise
-    except OSError as err:
-        raise stage_error(
-            err.errno or errno.EIO, f"cannot finish '{err.filename}': {err.strerror}", err.filename
-        ) from None
 
 
 def verify(

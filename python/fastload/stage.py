@@ -41,9 +41,9 @@ Patterns = Union[str, Sequence[str], None]
 ProgressCallback = Callable[[int, int, int, int], None]
 Progress = Union[bool, ProgressCallback, None]
 
-DEFAULT_STRIPE = 4 << 20
+DEFAULT_STRIPE = 16 << 20
 DEFAULT_FILES_IN_FLIGHT = 64
-DEFAULT_BIG_BUFFERS = 16
+DEFAULT_BIG_BUFFERS = 8
 _POLL_MS = 100
 _PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 _JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
@@ -293,7 +293,7 @@ def stage(
         progress: ``True`` for a progress bar, or ``cb(bytes_done, bytes_total,
             files_done, files_total)`` called a few times a second.
         workers: files in flight at once (default 64).
-        stripe_size: bytes per stripe of a big file, and per digest chunk (default 4 MiB).
+        stripe_size: bytes per stripe of a big file, and per digest chunk (default 16 MiB).
         on_special: what to do with devices, FIFOs, sockets and symlinks leaving the
             tree: ``"error"`` (default) or ``"skip"``.
         check_source: list the source again to see whether it changed since the last

@@ -186,8 +186,9 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
     # Once data is being written (the space check has passed), the tmpfs's limit is
     # lowered to what it holds: the next writes fail with ENOSPC. The stage runs in a
     # child at idle priority so this process notices the first writes at once.
+    # 1 MiB stripes: many writes per file, so some are still to come when the disk fills.
     child, fired = helpers.run_child_with_trigger(
-        helpers.stage_spec(src, dst, engine=engine), mnt,
+        helpers.stage_spec(src, dst, engine=engine, stripe_size=MiB), mnt,
         lambda: helpers.shrink_tmpfs_to_used(mnt))
     assert fired, "the stage finished before the disk could be filled"
     err = child.expect_error()
@@ -199,7 +200,7 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
     helpers.assert_no_partial_files(src, dst)
 
     assert helpers.remount_tmpfs_size(mnt, 192 * MiB) == 0
-    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine),
+    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine, stripe_size=MiB),
                             env=helpers.child_env()).expect_result()
     helpers.assert_same_tree(src, dst)
     assert res["skipped"] is False

@@ -20,5 +20,7 @@ void register_copy(py::module_& m);
 void register_hash(py::module_& m);
 void register_index(py::module_& m);
 void register_extract(py::module_& m);
+void register_pack(py::module_& m);
+void register_collate(py::module_& m);
 
 }  // namespace fastload::bindings

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "bindings/collate.hpp"
 #include "bindings/common.hpp"
 #include "common/error.hpp"
 #include "index/builder.hpp"
@@ -190,6 +191,117 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
   return out;
 }
 
+// The batch packed (fastload.collate's fast path): one column per field, each payload
+// copied once, from the mapping (or by the I/O engine's reads), straight into buffers
+// alloc(sizes) hands out (the contract is in collate.cpp). Columns: `fields` in order,
+// or every field the batch's samples have, in order of first appearance. A sample
+// without a column's field is a KeyError, or with allow_missing a row listed as missing.
+// Returns (keys, column names, per column the missing rows or None).
+py::tuple fetch_packed(PyIndex& ix, const py::handle& indices, const py::object& fields,
+                       const py::function& alloc, const std::string& access,
+                       bool allow_missing) {
+  const bool read_mode = access == "read";
+  if (!read_mode && access != "mmap")
+    throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
+  std::vector<uint64_t> samples = sample_indices(ix, indices);
+  size_t nwanted = 0;
+  std::optional<std::vector<bool>> want = wanted_fields(ix, fields, &nwanted);
+  const size_t rows = samples.size();
+  constexpr uint32_t kNone = UINT32_MAX;
+  std::vector<uint32_t> column_of(ix.file->field_count(), kNone);
+  std::vector<uint32_t> column_field;  // field id per column
+  if (!fields.is_none()) {
+    for (py::handle h : fields) {
+      std::string name = fs_bytes(h);
+      for (uint32_t f = 0; f < ix.file->field_count(); ++f)
+        if (ix.file->field_name(f) == name && column_of[f] == kNone) {
+          column_of[f] = uint32_t(column_field.size());
+          column_field.push_back(f);
+        }
+    }
+  }
+  std::vector<Piece> pieces;
+  std::vector<size_t> piece_at;  // per (column, row): index in pieces + 1, 0 if none
+  std::vector<uint64_t> size;    // per (column, row)
+  {
+    py::gil_scoped_release nogil;
+    pieces.reserve(rows * 4);
+    ix.shards->plan(samples, want ? &*want : nullptr, pieces);
+    if (fields.is_none())
+      for (const Piece& p : pieces)
+        if (column_of[p.field] == kNone) {
+          column_of[p.field] = uint32_t(column_field.size());
+          column_field.push_back(p.field);
+        }
+    piece_at.assign(column_field.size() * rows, 0);
+    size.assign(column_field.size() * rows, 0);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const size_t at = column_of[pieces[i].field] * rows + pieces[i].slot;
+      piece_at[at] = i + 1;  // a field twice in one sample: the last wins, as in fetch()
+      size[at] = pieces[i].size;
+    }
+  }
+  const size_t ncol = column_field.size();
+  py::list missing(ncol);
+  std::vector<uint64_t> request(2 * ncol, 0);
+  for (size_t c = 0; c < ncol; ++c) {
+    py::list absent;
+    for (size_t r = 0; r < rows; ++r) {
+      if (piece_at[c * rows + r]) {
+        request[2 * c] += size[c * rows + r];
+        continue;
+      }
+      if (!allow_missing)
+        throw py::key_error("sample '" + std::string(ix.file->key(samples[r])) +
+                            "' has no field '" + std::string(ix.file->field_name(column_field[c])) +
+                            "' (allow_missing=True gives None)");
+      absent.append(r);
+    }
+    request[2 * c + 1] = 8 * (rows + 1);
+    missing[c] = py::len(absent) ? py::object(absent) : py::none();
+  }
+
+  OutBuffers out = OutBuffers::allocate(alloc, request);
+  {
+    py::gil_scoped_release nogil;
+    std::vector<Piece> todo;  // the pieces to bring in, and where each goes
+    std::vector<char*> dst;
+    todo.reserve(pieces.size());
+    dst.reserve(pieces.size());
+    for (size_t c = 0; c < ncol; ++c) {
+      write_offsets(out.data(2 * c + 1), size.data() + c * rows, rows);
+      char* at = out.data(2 * c);
+      for (size_t r = 0; r < rows; ++r) {
+        const size_t k = piece_at[c * rows + r];
+        if (k && pieces[k - 1].size) {
+          todo.push_back(pieces[k - 1]);
+          dst.push_back(at);
+        }
+        at += size[c * rows + r];
+      }
+    }
+    if (read_mode) {
+      if (!todo.empty()) ix.shards->read(todo, dst);
+    } else {
+      std::shared_ptr<const index::Mapping> map;
+      uint32_t shard = UINT32_MAX;
+      for (size_t i = 0; i < todo.size(); ++i) {
+        if (todo[i].shard != shard) {
+          shard = todo[i].shard;
+          map = ix.shards->mapping(shard);
+        }
+        std::memcpy(dst[i], map->data() + todo[i].offset, todo[i].size);
+      }
+    }
+  }
+
+  py::list keys(rows);
+  for (size_t r = 0; r < rows; ++r) keys[r] = fs_str(std::string(ix.file->key(samples[r])));
+  py::list names(ncol);
+  for (size_t c = 0; c < ncol; ++c) names[c] = ix.field_names[column_field[c]];
+  return py::make_tuple(keys, names, missing);
+}
+
 py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_paths,
                    const py::object& index_path, const std::string& on_duplicate,
                    unsigned threads, const py::object& progress) {
@@ -366,7 +478,11 @@ void register_index(py::module_& m) {
                              [](const PyIndex& ix) { return ix.shards->engine_name(); })
       .def("fetch", &fetch, py::arg("indices"), py::arg("fields") = py::none(),
            py::arg("copy") = false, py::arg("access") = "mmap",
-           "Samples as dicts {'__key__': key, field: Payload | bytes}, one native call.");
+           "Samples as dicts {'__key__': key, field: Payload | bytes}, one native call.")
+      .def("fetch_packed", &fetch_packed, py::arg("indices"), py::arg("fields"),
+           py::arg("alloc"), py::arg("access") = "mmap", py::arg("allow_missing") = false,
+           "The samples packed, one column per field, into buffers from alloc(sizes) "
+           "(see fastload._core.pack_payloads); returns (keys, column names, missing rows).");
 
   m.def("build_index", &run_build, py::arg("open_paths"), py::arg("stored_paths"),
         py::arg("index_path"), py::arg("on_duplicate") = "error", py::arg("threads") = 0,

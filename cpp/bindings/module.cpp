@@ -8,4 +8,6 @@ PYBIND11_MODULE(_core, m) {
   fastload::bindings::register_copy(m);
   fastload::bindings::register_index(m);
   fastload::bindings::register_extract(m);
+  fastload::bindings::register_pack(m);
+  fastload::bindings::register_collate(m);
 }

@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from . import env
 from .errors import (
     ChecksumMismatchError,
     FastloadError,
@@ -14,10 +15,12 @@ from .errors import (
     UnsupportedFileError,
 )
 from .index import ShardIndex
+from .resolve import resolve
 from .stage import StageResult, VerifyResult, available_engines, stage, verify
+from .writer import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports it (and torch) on first use
-    from .data import ShardIndexDataset
+    from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset, collate
 
 __version__ = "0.1.0"
 
@@ -26,8 +29,12 @@ __all__ = [
     "FastloadError",
     "IndexFormatError",
     "NotEnoughSpaceError",
+    "PackResult",
+    "PackedBatch",
     "ShardIndex",
     "ShardIndexDataset",
+    "ShardIterableDataset",
+    "ShardWriter",
     "SourceChangedError",
     "StageError",
     "StageResult",
@@ -37,16 +44,30 @@ __all__ = [
     "VerifyResult",
     "__version__",
     "available_engines",
+    "collate",
+    "env",
+    "pack",
+    "pack_dataset",
+    "register_encoder",
+    "resolve",
     "stage",
     "verify",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # ShardIndexDataset needs torch: imported on first use, so `import fastload` never
+    # The datasets need torch: imported on first use, so `import fastload` never
     # imports torch.
     if name == "ShardIndexDataset":
         from .data import ShardIndexDataset
 
         return ShardIndexDataset
+    if name == "ShardIterableDataset":
+        from .data import ShardIterableDataset
+
+        return ShardIterableDataset
+    if name in ("collate", "PackedBatch"):
+        from . import data
+
+        return getattr(data, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

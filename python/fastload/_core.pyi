@@ -2,8 +2,10 @@
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Union
+from typing import Any, Union
 
+import numpy as np
+import numpy.typing as npt
 from typing_extensions import Buffer
 
 _Path = Union[str, bytes, os.PathLike[str]]
@@ -136,6 +138,14 @@ class Index:
         copy: bool = False,
         access: str = "mmap",
     ) -> list[dict[str, Payload | bytes | str]]: ...
+    def fetch_packed(
+        self,
+        indices: Iterable[int],
+        fields: Sequence[str] | None,
+        alloc: Callable[[list[int]], Sequence[Buffer]],
+        access: str = "mmap",
+        allow_missing: bool = False,
+    ) -> tuple[list[str], list[str], list[list[int] | None]]: ...
 
 def build_index(
     open_paths: Sequence[_Path],
@@ -145,3 +155,56 @@ def build_index(
     threads: int = 0,
     progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, int]: ...
+
+# --- packing (cpp/bindings/pack.cpp) ---
+
+def tar_member_bytes(name_lens: npt.ArrayLike, sizes: npt.ArrayLike) -> npt.NDArray[np.uint64]: ...
+def tar_header(name: _Path, size: int) -> bytes: ...
+
+class ShardFile:
+    def __init__(self, final_path: _Path, tmp_path: _Path) -> None: ...
+    def add_sample(self, key: str, fields: Sequence[tuple[str, Buffer]]) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def members(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+    def commit(self, sync: bool = True) -> None: ...
+    def abort(self) -> None: ...
+
+def list_archive(
+    path: _Path, nested: bool, threads: int = 0
+) -> tuple[list[str], npt.NDArray[np.uint64], npt.NDArray[np.uint64], dict[str, Any]]: ...
+def pack_run(
+    root: _Path | None,
+    sources: bytes,
+    src_offsets: npt.ArrayLike,
+    m_src: npt.ArrayLike,
+    m_off: npt.ArrayLike,
+    m_size: npt.ArrayLike,
+    m_name: npt.ArrayLike,
+    m_name_len: npt.ArrayLike,
+    m_first: npt.ArrayLike,
+    names: bytes,
+    inline_data: bytes,
+    whole_files: bool,
+    shard_first: npt.ArrayLike,
+    final_paths: Sequence[_Path],
+    tmp_paths: Sequence[_Path],
+    mode: str,
+    threads: int = 0,
+    sync: bool = True,
+    max_open: int = 256,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, int]: ...
+
+# --- packed batches (cpp/bindings/collate.cpp) ---
+
+def pack_payloads(
+    columns: Sequence[Sequence[Buffer | None]],
+    alloc: Callable[[list[int]], Sequence[Buffer]],
+    names: Sequence[str] = (),
+    keys: Sequence[str] = (),
+    allow_missing: bool = False,
+) -> list[list[int] | None]: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -101,6 +102,37 @@ def _parser() -> argparse.ArgumentParser:
         help="a key seen twice: fail (default) or keep the first sample",
     )
     ix.add_argument("--threads", type=int, default=None, help="shards scanned at once")
+
+    pk = sub.add_parser(
+        "pack",
+        help="pack a tree, a tar or a tar of tars into indexed tar shards",
+        description="Pack SRC (a directory tree: each file KEY.FIELD, ImageFolder class "
+        "folders giving a 'cls' field; a tar; or a tar of tars such as ImageNet's train "
+        "tar, read in one pass) into tar shards in OUT, with an index.",
+    )
+    pk.add_argument("src")
+    pk.add_argument("out")
+    pk.add_argument("--shuffle", action="store_true", help="a full random permutation")
+    pk.add_argument("--seed", type=int, default=0, help="of the permutation (default 0)")
+    pk.add_argument("--max-size", default="1GB", help="bytes per shard (default 1GB)")
+    pk.add_argument("--max-count", type=int, default=None, help="samples per shard")
+    pk.add_argument("--workers", type=int, default=None, help="threads reading and writing")
+    pk.add_argument("--pattern", default="shard-{:06d}.tar", help="shard file names")
+    pk.add_argument("--task-index", type=int, default=0, help="this task (SLURM array)")
+    pk.add_argument("--num-tasks", type=int, default=1, help="tasks sharing the pack")
+    pk.add_argument(
+        "--classes", action=argparse.BooleanOptionalAction, default=None,
+        help="add a 'cls' field per class folder (default: for ImageFolder layouts)",
+    )  # fmt: skip
+    _progress_flags(pk)
+
+    e = sub.add_parser(
+        "env",
+        help="show the detected environment, this process's rank and the data paths",
+        description="Show which environment fastload detects here (mila, drac, slurm, "
+        "local, or a site plug-in), this process's node and rank, and where data goes.",
+    )
+    e.add_argument("--json", action="store_true", help="print it as JSON")
     return p
 
 
@@ -130,6 +162,8 @@ def _index_command(args: argparse.Namespace) -> int:
             return 1
         print("  shards unchanged since indexing")
         return 0
+    if not args.output and len(args.shards) == 1 and os.path.isdir(args.shards[0]):
+        args.output = os.path.join(args.shards[0], "index.fidx")  # a pack's folder
     if not args.shards or not args.output:
         print("fastload: error: index needs SHARDS and -o INDEX (or --info INDEX)", file=sys.stderr)
         return 2
@@ -192,6 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         if args.command == "index":
             return _index_command(args)
+        if args.command == "pack":
+            from ._pack import pack_command
+
+            return pack_command(args, _want_progress(args))
+        if args.command == "env":
+            from .env.report import env_command
+
+            return env_command(args.json)
     except KeyboardInterrupt:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)
         return 130

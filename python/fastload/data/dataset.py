@@ -4,42 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
-from ..errors import IndexFormatError
-from ..index import ShardIndex, Shards, default_index_path, expand_shards
+from ..index import ShardIndex
+from ._fetch import Source, check_access, check_fields, fetch, index_of
+from .collate import fetch_packed
 
 __all__ = ["ShardIndexDataset"]
-
-_MAGIC = b"\x89FLIDX\r\n"
-_ACCESS = ("mmap", "read")
-
-Source = Union[ShardIndex, Shards]
-
-
-def _is_index_file(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(_MAGIC)) == _MAGIC
-    except (IsADirectoryError, FileNotFoundError):
-        return False
-
-
-def _index_of(source: Source) -> ShardIndex:
-    """A ShardIndex for a source: itself, the index file it names, or the cached index
-    of the shards it names (built on first use, reused while no shard changes)."""
-    if isinstance(source, ShardIndex):
-        return source
-    if isinstance(source, (str, os.PathLike)) and _is_index_file(os.fspath(source)):
-        return ShardIndex.open(source)
-    paths = expand_shards(source)
-    cached = default_index_path(paths)
-    try:
-        return ShardIndex.open(cached)
-    except (FileNotFoundError, IndexFormatError):
-        return ShardIndex.build(paths, cached)
 
 
 # Where torch is not installed mypy sees Dataset as Any; the ignore covers that case.
@@ -60,6 +33,13 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
     I/O engine, for shards on network storage where a page fault costs a round trip;
     ``"mmap"`` (default) maps shards, best on local disk.
 
+    ``packed=True``: ``__getitems__`` returns a :class:`~fastload.PackedBatch` read from
+    the index straight into one block per field (shared memory in a DataLoader worker),
+    with ``DataLoader(ds, batch_size=B, collate_fn=fastload.collate)`` (which passes a
+    PackedBatch through); ``ds[i]`` is still a dict. ``transform`` and ``copy`` do not
+    apply to packed batches (decode them after the DataLoader, or in a ``collate_fn``
+    wrapping ``fastload.collate``).
+
     Pickling carries the index's path, not its mapping: every ``DataLoader`` worker
     (fork or spawn) reopens the index on first use. Payloads pickle as ``bytes``.
     """
@@ -72,21 +52,16 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         transform: Callable[[dict[str, Any]], Any] | None = None,
         copy: bool = False,
         access: str = "mmap",
+        packed: bool = False,
     ) -> None:
-        if access not in _ACCESS:
-            raise ValueError(f"access must be 'mmap' or 'read', not {access!r}")
-        if isinstance(fields, str):
-            fields = [fields]
-        index = _index_of(source)
-        if fields is not None:
-            have = set(index.fields)
-            missing = [f for f in fields if f not in have]
-            if missing:
-                raise ValueError(
-                    f"no field {missing[0]!r} in index {os.fspath(index.path)!r} "
-                    f"(its fields: {', '.join(index.fields)})"
-                )
-            fields = list(dict.fromkeys(fields))
+        check_access(access)
+        if packed and (transform is not None or copy):
+            raise ValueError(
+                "packed=True returns PackedBatches: transform and copy apply to dicts only "
+                "(transform the packed batch in a collate_fn instead)"
+            )
+        index = index_of(source)
+        fields = check_fields(index, fields)
         self._index: ShardIndex | None = index
         self._pid = os.getpid()
         self._path = index.path
@@ -95,6 +70,7 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         self.transform = transform
         self.copy = copy
         self.access = access
+        self.packed = packed
 
     @property
     def index(self) -> ShardIndex:
@@ -110,11 +86,13 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         return self._len
 
     def __getitem__(self, i: int) -> Any:
-        sample = self.index._native.fetch([i], self.fields, self.copy, self.access)[0]
+        sample = fetch(self.index, [i], self.fields, self.copy, self.access)[0]
         return sample if self.transform is None else self.transform(sample)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        batch: list[Any] = self.index._native.fetch(indices, self.fields, self.copy, self.access)
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        if self.packed:
+            return fetch_packed(self.index, indices, self.fields, self.access)
+        batch = fetch(self.index, indices, self.fields, self.copy, self.access)
         if self.transform is not None:
             t = self.transform
             batch = [t(s) for s in batch]
@@ -130,6 +108,7 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.setdefault("packed", False)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:

@@ -1,0 +1,247 @@
+"""Packing benchmarks: a folder of files into shards, fastload side by side with the peers.
+
+Data (from the page cache; each round writes a fresh output folder and ends with
+syncfs(), so every tool is timed to data on disk):
+  tree   the ImageNet-like tree of the scale (class folders of ~100 KB JPEG-like files;
+         full: 20,000 files)
+  3kb    a class tree of 3 KB files (full: 200,000 files in 1,000 classes)
+  tot    a tar of tars, ImageNet's train layout (one tar per class; full: 400 x 100 files
+         of ~100 KB, the extraction benchmark's archive), packed without extracting it
+
+Each sample is the file plus its class index. ``shuffle``: a full random permutation of
+the samples (fastload computes it; the peers get the file list shuffled, which is what a
+full shuffle costs them: every file read at random). ``ordered``: in key order.
+
+Tools (a peer that is not installed is skipped):
+  fastload          fastload.pack(tree, out) (native threads, default count)
+  fastload-1thread  the same on one thread
+  webdataset        webdataset.ShardWriter, files read in Python (a tar of tars: streamed
+                    with tarfile, ordered only: a full shuffle of a stream needs it
+                    extracted or held in memory first)
+  litdata           litdata.optimize(), its default workers
+  mosaicml          streaming.MDSWriter
+
+Groups ``pack-DATA-ORDER``; report.py derives samples/s ("files/s") and MB/s from the
+samples and source bytes recorded in ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import tarfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+from _harness import Rounds, Scale, Source, describe
+from data import imagenet_like_tree, keyed, tar_of_tars, tree_stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    small_files: int
+    small_classes: int
+    max_size: str
+    tot_inner: int
+    tot_per: int
+    tot_kb: float
+
+
+PLANS = {
+    "small": Plan(2_000, 20, "1MB", 10, 30, 8),
+    "full": Plan(200_000, 1_000, "100MB", 400, 100, 100),
+}
+TOOLS = ["fastload", "fastload-1thread", "webdataset", "litdata", "mosaicml"]
+SEED = 0
+
+
+def _fastload() -> ModuleType:
+    try:
+        import fastload
+    except ModuleNotFoundError as e:
+        if e.name in ("fastload", "fastload._core"):
+            pytest.skip(f"fastload is not installed ({e})")
+        raise
+    return fastload
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    name: str
+    source: Source
+    files: list[tuple[str, str, int]]  # (relative path, key, class) in key order; a tar
+    # of tars: empty (read as a stream)
+
+
+def _data(name: str, root: Path) -> Data:
+    files, nbytes = tree_stats(root)
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    index = {c: i for i, c in enumerate(classes)}
+    listing = []
+    for c in classes:
+        for f in sorted(os.listdir(root / c)):
+            listing.append((f"{c}/{f}", f"{c}/{f.split('.', 1)[0]}", index[c]))
+    return Data(name, Source(root, files, nbytes), listing)
+
+
+def _tot(plan: Plan) -> Data:
+    inner, per, kb = plan.tot_inner, plan.tot_per, plan.tot_kb
+    path = tar_of_tars(keyed("xtot", inner=inner, per=per, kb=kb, s=0) / "train.tar", inner,
+                       per, kb, seed=0, fmt="gnu")  # fmt: skip
+    return Data("tot", Source(path, inner * per, path.stat().st_size), [])
+
+
+@pytest.fixture(scope="session", params=["tree", "3kb", "tot"])
+def data(request: pytest.FixtureRequest, scale: Scale, tree_src: Source) -> Data:
+    if request.param == "tree":
+        return _data("tree", tree_src.path)
+    plan = PLANS[scale.name]
+    if request.param == "tot":
+        return _tot(plan)
+    n, c = plan.small_files, plan.small_classes
+    root = imagenet_like_tree(keyed("tree", n=n, c=c, kb=3, s=0), n, c, 3, seed=0)
+    return _data("3kb", root)
+
+
+def _ordered(d: Data, shuffle: bool) -> list[tuple[str, str, int]]:
+    files = list(d.files)
+    if shuffle:
+        random.Random(SEED).shuffle(files)
+    return files
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# --- the tools ----------------------------------------------------------------------------
+
+
+def _run_fastload(d: Data, shuffle: bool, max_size: str, threads: int | None) -> Callable[
+    [Path], int
+]:
+    fl = _fastload()
+
+    def run(dst: Path) -> int:
+        r = fl.pack(d.source.path, dst, shuffle=shuffle, seed=SEED, max_size=max_size,
+                    workers=threads)  # fmt: skip
+        return int(r.samples)
+
+    return run
+
+
+def _run_webdataset(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
+    wds = pytest.importorskip("webdataset")
+    fl = _fastload()
+    limit = fl.writer.parse_size(max_size)
+    if d.name == "tot":
+        if shuffle:
+            pytest.skip("webdataset cannot fully shuffle a stream without extracting it")
+        return _webdataset_stream(wds, d, limit)
+
+    def run(dst: Path) -> int:
+        dst.mkdir()
+        n = 0
+        with wds.ShardWriter(str(dst / "shard-%06d.tar"), maxcount=10**9, maxsize=limit,
+                             verbose=0) as w:  # fmt: skip
+            for rel, key, cls in _ordered(d, shuffle):
+                ext = rel.rsplit(".", 1)[1]
+                w.write({"__key__": key, ext: _read(d.source.path / rel), "cls": cls})
+                n += 1
+        return n
+
+    return run
+
+
+def _webdataset_stream(wds: ModuleType, d: Data, limit: int) -> Callable[[Path], int]:
+    """A tar of tars, read as a stream with tarfile: each member tar is a class."""
+
+    def run(dst: Path) -> int:
+        dst.mkdir()
+        n = 0
+        with (
+            tarfile.open(d.source.path, "r|") as outer,
+            wds.ShardWriter(str(dst / "shard-%06d.tar"), maxcount=10**9, maxsize=limit,
+                            verbose=0) as w,
+        ):  # fmt: skip
+            for cls, m in enumerate(outer):
+                f = outer.extractfile(m)
+                assert f is not None
+                with tarfile.open(fileobj=f, mode="r|") as inner:
+                    for im in inner:
+                        g = inner.extractfile(im)
+                        assert g is not None
+                        key, ext = im.name.split(".", 1)
+                        w.write({"__key__": f"{m.name[:-4]}/{key}", ext: g.read(), "cls": cls})
+                        n += 1
+        return n
+
+    return run
+
+
+def _run_litdata(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
+    ld = pytest.importorskip("litdata")
+    root = d.source.path
+
+    def load(item: tuple[str, str, int]) -> dict[str, Any]:
+        rel, key, cls = item
+        return {"key": key, "data": _read(root / rel), "cls": cls}
+
+    def run(dst: Path) -> int:
+        files = _ordered(d, shuffle)
+        ld.optimize(fn=load, inputs=files, output_dir=str(dst), chunk_bytes=max_size,
+                    num_workers=os.cpu_count() or 1, reorder_files=False)  # fmt: skip
+        return len(files)
+
+    return run
+
+
+def _run_mosaicml(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
+    streaming = pytest.importorskip("streaming")
+    fl = _fastload()
+    limit = fl.writer.parse_size(max_size)
+    columns = {"key": "str", "data": "bytes", "cls": "int"}
+
+    def run(dst: Path) -> int:
+        n = 0
+        with streaming.MDSWriter(out=str(dst), columns=columns, size_limit=limit) as w:
+            for rel, key, cls in _ordered(d, shuffle):
+                w.write({"key": key, "data": _read(d.source.path / rel), "cls": cls})
+                n += 1
+        return n
+
+    return run
+
+
+def _runner(tool: str, d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
+    if d.name == "tot" and tool in ("litdata", "mosaicml"):
+        pytest.skip(f"{tool} has no tar reader here")
+    if tool == "fastload":
+        return _run_fastload(d, shuffle, max_size, None)
+    if tool == "fastload-1thread":
+        return _run_fastload(d, shuffle, max_size, 1)
+    if tool == "webdataset":
+        return _run_webdataset(d, shuffle, max_size)
+    if tool == "litdata":
+        return _run_litdata(d, shuffle, max_size)
+    if tool == "mosaicml":
+        return _run_mosaicml(d, shuffle, max_size)
+    raise ValueError(tool)
+
+
+@pytest.mark.parametrize("order", ["shuffle", "ordered"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_pack(
+    benchmark: Any, fresh: Rounds, tool: str, order: str, data: Data, scale: Scale
+) -> None:
+    plan = PLANS[scale.name]
+    run = _runner(tool, data, order == "shuffle", plan.max_size)
+    describe(benchmark, group=f"pack-{data.name}-{order}", tool=tool, src=data.source,
+             cache="warm", scale=scale, max_size=plan.max_size)  # fmt: skip
+    n = fresh.run(run, src=data.source.path, cache="warm")
+    assert n == data.source.files

@@ -1,0 +1,541 @@
+"""Packed batches: a batch of samples as one contiguous uint8 tensor per field plus an
+int64 offsets tensor, so a DataLoader worker hands it to the main process through
+shared memory (torch passes a tensor's storage by file descriptor) instead of pickling
+every payload as ``bytes`` through a pipe.
+
+:func:`collate` packs a list of sample dicts (what the datasets' batched fetch returns)
+with one native copy per payload, the GIL released; in a DataLoader worker the tensors
+are allocated in shared memory up front (one segment per batch), so nothing is copied
+again on the way to the main process. :class:`PackedBatch` is what comes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Union
+
+import torch
+from torch.utils.data import get_worker_info
+
+from .. import _core
+from ..index import ShardIndex
+
+__all__ = ["PackedBatch", "PackedField", "collate", "fetch_packed"]
+
+_ALIGN = 64  # each field's payload block starts on a cache line (and an int64 boundary)
+
+Value = Union["PackedField", torch.Tensor]
+
+
+# --- allocation ------------------------------------------------------------------------
+
+
+def _shared(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` in shared memory (not initialised). Allocating it
+    there directly (what torch's default_collate does in workers) beats the two
+    alternatives: ``torch.empty(n).share_memory_()`` writes every page twice, and a
+    private tensor is copied into shared memory by the DataLoader's pickler."""
+    try:
+        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]
+    except AttributeError:  # pragma: no cover - torch without the private allocator
+        t: torch.Tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        t.share_memory_()  # type: ignore[no-untyped-call]
+        return t[:nbytes]
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+
+
+class _Arena:
+    """The ``alloc`` callback of the native packers: one block (shared memory in a
+    DataLoader worker, ordinary memory elsewhere) cut into the requested pieces, each
+    aligned; ``pieces`` keeps the tensors, ``views`` is what the native side fills."""
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self.pieces: list[torch.Tensor] = []
+
+    def __call__(self, sizes: list[int]) -> list[memoryview]:
+        starts = []
+        at = 0
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // _ALIGN) * _ALIGN
+        block = _shared(at) if self.shared else torch.empty(at, dtype=torch.uint8)
+        self.pieces = [block[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        return [p.numpy().data for p in self.pieces]
+
+
+def _in_worker() -> bool:
+    return get_worker_info() is not None
+
+
+# --- pickling ------------------------------------------------------------------------
+#
+# A batch's tensors are views of a few storages (usually one: the block collate
+# allocated). Pickled naively, each view would carry its whole storage again, and through
+# torch's multiprocessing pickler each would be one more file descriptor handed over. So
+# every distinct storage travels once, as one uint8 tensor (a shared-memory handle
+# through the DataLoader), and each tensor as its place in one of them. Small private
+# storages (labels, masks) travel inline as bytes: cheaper than a descriptor.
+
+_INLINE = 64 << 10
+
+_Spec = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _ship(tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[_Spec]]:
+    """(storages, per tensor (storage number, offset, shape, stride, dtype))."""
+    bases: list[Any] = []
+    seen: dict[tuple[str, int], int] = {}
+    specs: list[_Spec] = []
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        k = seen.get(key)
+        if k is None:
+            k = seen[key] = len(bases)
+            base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+            if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
+                bases.append(base.numpy().tobytes())
+            else:
+                bases.append(base)
+        specs.append((k, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype))
+    return bases, specs
+
+
+def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
+    storages = [
+        b.untyped_storage() if not isinstance(b, bytes)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage() if b
+        else torch.empty(0, dtype=torch.uint8).untyped_storage()
+        for b in bases
+    ]
+    out = []
+    for k, offset, shape, stride, dtype in specs:
+        st = storages[k]
+        out.append(torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride))
+    return out
+
+
+# --- the packed types ------------------------------------------------------------------
+
+
+class PackedField:
+    """One field of a :class:`PackedBatch`: the payloads of every sample back to back in
+    ``data`` (uint8, 1-D), sample ``i`` at ``data[offsets[i]:offsets[i + 1]]``;
+    ``present`` (bool, or ``None`` when every sample has the field) marks the samples
+    that have it (``collate(..., allow_missing=True)``).
+
+    ``field[i]`` is a zero-copy uint8 tensor view (``None`` for a missing payload) that
+    keeps the block alive after the batch is gone; ``field.buffer(i)`` the same as a
+    memoryview; ``field.tolist()`` copies out ``bytes``.
+    """
+
+    __slots__ = ("_bounds", "data", "offsets", "present")
+
+    def __init__(
+        self, data: torch.Tensor, offsets: torch.Tensor, present: torch.Tensor | None = None
+    ) -> None:
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise ValueError(
+                f"data must be a 1-D uint8 tensor, not {data.dtype} {tuple(data.shape)}"
+            )
+        if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+            raise ValueError("offsets must be a non-empty 1-D int64 tensor")
+        self.data = data
+        self.offsets = offsets
+        self.present = present
+        self._bounds: list[int] | None = None
+
+    def _b(self) -> list[int]:
+        if self._bounds is None:
+            self._bounds = self.offsets.tolist()
+        return self._bounds
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def _check(self, i: int) -> int:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for a batch of {n}")
+        return i
+
+    def missing(self, i: int) -> bool:
+        return self.present is not None and not bool(self.present[self._check(i)])
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        i = self._check(i)
+        if self.present is not None and not bool(self.present[i]):
+            return None
+        b = self._b()
+        return self.data[b[i] : b[i + 1]]
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def buffer(self, i: int) -> memoryview | None:
+        """Sample ``i``'s payload as a read-only memoryview, zero-copy (``None`` if it
+        has none); it keeps the block alive."""
+        t = self[i]
+        return None if t is None else t.numpy().data.toreadonly()
+
+    def to_bytes(self, i: int) -> bytes | None:
+        t = self[i]
+        return None if t is None else t.numpy().tobytes()
+
+    def tolist(self) -> list[bytes | None]:
+        """Every payload as ``bytes`` (``None`` where missing): one copy each."""
+        mv = self.data.numpy().data
+        b = self._b()
+        out: list[bytes | None] = [mv[b[i] : b[i + 1]].tobytes() for i in range(len(self))]
+        if self.present is not None:
+            for i in torch.nonzero(~self.present).flatten().tolist():
+                out[i] = None
+        return out
+
+    def sizes(self) -> torch.Tensor:
+        """The payload sizes (int64, 0 where missing)."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self._b()[-1]
+
+    def uniform_size(self) -> int | None:
+        """The size every payload has, or ``None`` if they differ or one is missing."""
+        if self.present is not None and not bool(self.present.all()):
+            return None
+        n = len(self)
+        if n == 0:
+            return 0
+        size = self.nbytes // n
+        return size if size * n == self.nbytes and bool((self.sizes() == size).all()) else None
+
+    def stacked(self) -> torch.Tensor:
+        """The payloads as a ``(len, size)`` uint8 tensor, zero-copy (``.view(dtype)``
+        reinterprets it); ``ValueError`` unless every payload has the same size."""
+        size = self.uniform_size()
+        if size is None:
+            raise ValueError("stacked() needs payloads of one size, all present")
+        return self.data[: size * len(self)].view(len(self), size)
+
+    def ints(self) -> torch.Tensor:
+        """The payloads read as decimal integers (``b"417"``: class labels such as a
+        webdataset ``.cls``), an int64 tensor; ``ValueError`` naming the sample for one
+        that is not."""
+        if self.present is not None and not bool(self.present.all()):
+            raise ValueError("ints() needs every sample to have the field")
+        text = self.data.numpy().tobytes().decode("ascii", errors="replace")
+        b = self._b()
+        try:
+            values = [int(text[b[i] : b[i + 1]]) for i in range(len(self))]
+        except ValueError:
+            bad = next(i for i in range(len(self)) if not _is_int(text[b[i] : b[i + 1]]))
+            raise ValueError(
+                f"payload {bad} ({text[b[bad] : b[bad + 1]][:40]!r}) is not a decimal integer"
+            ) from None
+        return torch.tensor(values, dtype=torch.int64)
+
+    def pin_memory(self, device: Any = None) -> PackedField:
+        """The field with its payload block and offsets in pinned memory (one block
+        each)."""
+        pin: Callable[[torch.Tensor], torch.Tensor] = (
+            (lambda t: t.pin_memory()) if device is None else (lambda t: t.pin_memory(device))
+        )
+        present = None if self.present is None else pin(self.present)
+        return PackedField(pin(self.data), pin(self.offsets), present)
+
+    def to(self, device: Any, non_blocking: bool = False) -> PackedField:
+        """The field on ``device`` (one transfer for the block, one for the offsets)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        present = None if self.present is None else move(self.present)
+        return PackedField(move(self.data), move(self.offsets), present)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.offsets] + ([] if self.present is None else [self.present])
+
+    @classmethod
+    def _of(cls, tensors: Sequence[torch.Tensor]) -> PackedField:
+        return cls(tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None)
+
+    def __getstate__(self) -> tuple[list[Any], list[_Spec]]:
+        return _ship(self._tensors())
+
+    def __setstate__(self, state: tuple[list[Any], list[_Spec]]) -> None:
+        t = _land(*state)
+        self.data, self.offsets = t[0], t[1]
+        self.present = t[2] if len(t) > 2 else None
+        self._bounds = None
+
+    def __repr__(self) -> str:
+        return f"PackedField({len(self)} payloads, {self.nbytes} bytes)"
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+    except ValueError:
+        return False
+    return True
+
+
+class PackedBatch:
+    """A batch of samples packed for the trip from a DataLoader worker: per field a
+    :class:`PackedField` (one payload block and its offsets) or, for fields packed with
+    ``stack``/``ints``, an ordinary tensor with one row per sample.
+
+    ``len(batch)`` samples; ``batch.keys`` their keys (also ``batch["__key__"]``);
+    ``batch.fields`` the field names; ``batch["jpg"]`` a field (``batch["jpg"][i]`` a
+    zero-copy view); ``batch.to_samples()`` the batch as a list of dicts of ``bytes``.
+    ``pin_memory()`` (what ``DataLoader(pin_memory=True)`` calls) pins one block per
+    field; ``to(device)`` moves them. Pickling carries tensors only (and the keys), so
+    torch moves the blocks between processes through shared memory.
+    """
+
+    __slots__ = ("_fields", "keys", "meta")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        fields: Mapping[str, Value],
+        meta: Mapping[str, list[Any]] | None = None,
+    ) -> None:
+        self.keys: list[str] = list(keys)
+        self._fields: dict[str, Value] = dict(fields)
+        self.meta: dict[str, list[Any]] = dict(meta or {})
+        n = len(self.keys)
+        for name, v in self._fields.items():
+            if len(v) != n:
+                raise ValueError(f"field {name!r} has {len(v)} rows for {n} keys")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self._fields)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields or name == "__key__" or name in self.meta
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._fields[name]
+        except KeyError:
+            if name == "__key__":
+                return self.keys
+            if name in self.meta:
+                return self.meta[name]
+            raise KeyError(
+                f"no field {name!r} in this batch (its fields: {', '.join(self._fields)})"
+            ) from None
+
+    def items(self) -> Iterable[tuple[str, Value]]:
+        return self._fields.items()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (tensor bytes for stacked fields)."""
+        return sum(
+            v.nbytes if isinstance(v, PackedField) else v.numel() * v.element_size()
+            for v in self._fields.values()
+        )
+
+    def to_samples(self) -> list[dict[str, Any]]:
+        """The batch as a list of sample dicts: ``"__key__"``, then ``bytes`` (or
+        ``None``) per packed field and a row (a tensor, or an int for ``ints`` fields)
+        per stacked one."""
+        out: list[dict[str, Any]] = [{"__key__": k} for k in self.keys]
+        for name, rows in self.meta.items():
+            for d, v in zip(out, rows, strict=True):
+                d[name] = v
+        for name, v in self._fields.items():
+            # bytes per payload; ints for an int64 column; rows of a stacked one
+            values: list[Any]
+            if isinstance(v, PackedField):
+                values = v.tolist()
+            else:
+                values = v.tolist() if v.dim() == 1 else list(v.unbind(0))
+            for d, x in zip(out, values, strict=True):
+                if x is not None:
+                    d[name] = x
+        return out
+
+    def _map(self, f: Callable[[Value], Value]) -> PackedBatch:
+        return PackedBatch(self.keys, {k: f(v) for k, v in self._fields.items()}, self.meta)
+
+    def pin_memory(self, device: Any = None) -> PackedBatch:
+        """The batch with each field's block in pinned (page-locked) memory."""
+
+        def pin(v: Value) -> Value:
+            if isinstance(v, PackedField):
+                return v.pin_memory(device)
+            return v.pin_memory() if device is None else v.pin_memory(device)
+
+        return self._map(pin)
+
+    def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
+        """The batch on ``device``: one transfer per block."""
+        return self._map(lambda v: v.to(device, non_blocking=non_blocking))
+
+    def __getstate__(self) -> dict[str, Any]:
+        tensors: list[torch.Tensor] = []
+        layout: list[tuple[str, int]] = []  # per field: its name and tensor count (0: plain)
+        for name, v in self._fields.items():
+            ts = v._tensors() if isinstance(v, PackedField) else [v]
+            layout.append((name, len(ts) if isinstance(v, PackedField) else 0))
+            tensors += ts
+        bases, specs = _ship(tensors)
+        return {"keys": self.keys, "meta": self.meta, "layout": layout, "bases": bases,
+                "specs": specs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.keys = state["keys"]
+        self.meta = state["meta"]
+        tensors = _land(state["bases"], state["specs"])
+        self._fields = {}
+        at = 0
+        for name, count in state["layout"]:
+            if count == 0:
+                self._fields[name] = tensors[at]
+                at += 1
+            else:
+                self._fields[name] = PackedField._of(tensors[at : at + count])
+                at += count
+
+    def __repr__(self) -> str:
+        return f"PackedBatch({len(self)} samples, fields={self.fields}, {self.nbytes} bytes)"
+
+
+# --- packing ---------------------------------------------------------------------------
+
+
+def _field_of(block: torch.Tensor, offsets: torch.Tensor, missing: list[int] | None,
+              n: int) -> PackedField:
+    present = None
+    if missing is not None:
+        present = torch.ones(n, dtype=torch.bool)
+        present[missing] = False
+    return PackedField(block, offsets.view(torch.int64), present)
+
+
+def _finish(
+    batch: PackedBatch, stack: Iterable[str] | str, ints: Iterable[str] | str
+) -> PackedBatch:
+    for name in [stack] if isinstance(stack, str) else stack:
+        f = batch._fields.get(name)
+        if isinstance(f, PackedField):
+            try:
+                batch._fields[name] = f.stacked()
+            except ValueError:
+                raise ValueError(
+                    f"stack: field {name!r} has payloads of different sizes (or missing ones); "
+                    f"sizes seen: {sorted(set(f.sizes().tolist()))[:8]}"
+                ) from None
+    for name in [ints] if isinstance(ints, str) else ints:
+        f = batch._fields.get(name)
+        if isinstance(f, PackedField):
+            try:
+                batch._fields[name] = f.ints()
+            except ValueError as e:
+                raise ValueError(f"ints: field {name!r}: {e}") from None
+    return batch
+
+
+def collate(
+    samples: Sequence[Mapping[str, Any]] | PackedBatch,
+    *,
+    fields: Sequence[str] | None = None,
+    allow_missing: bool = False,
+    stack: Iterable[str] | str = (),
+    ints: Iterable[str] | str = (),
+) -> PackedBatch:
+    """Packs a list of samples (dicts of bytes-like payloads: fastload ``Payload``,
+    ``bytes``, numpy arrays, any buffer) into a :class:`PackedBatch`: per field one
+    uint8 tensor, each payload copied into it once in native code with the GIL released.
+    In a DataLoader worker the tensors live in shared memory, so they reach the main
+    process without another copy. A ``PackedBatch`` is returned as it is (so this can be
+    both a dataset's and the DataLoader's ``collate_fn``).
+
+    ``fields``: the fields to pack, in order (default: every field of the samples, in
+    order of first appearance); a sample without one is a ``KeyError`` naming the sample
+    and the field, unless ``allow_missing`` (its view is then ``None``). ``"__key__"``
+    gives ``batch.keys``; other ``"__...__"`` entries are kept as lists in
+    ``batch.meta``. A field whose values are Python ints (a transform decoded them)
+    becomes an int64 tensor. ``stack``: fields whose payloads all have one size, given
+    as ``(len, size)`` uint8 tensors; ``ints``: fields of decimal text (``.cls``)
+    given as int64 tensors. Use ``functools.partial`` to set these for a DataLoader.
+    """
+    if isinstance(samples, PackedBatch):
+        return samples
+    if isinstance(samples, Mapping):
+        raise TypeError("collate takes a list of samples (dicts), not one sample")
+    n = len(samples)
+    keys = [s.get("__key__", "") for s in samples]
+    if fields is None:
+        names = list(dict.fromkeys(k for s in samples for k in s if not k.startswith("__")))
+        meta_names = list(
+            dict.fromkeys(k for s in samples for k in s if k.startswith("__") and k != "__key__")
+        )
+    else:
+        names = list(dict.fromkeys([fields] if isinstance(fields, str) else fields))
+        meta_names = []
+    meta = {m: [s.get(m) for s in samples] for m in meta_names}
+    columns = [[s.get(f) for s in samples] for f in names]
+
+    out: dict[str, Value] = {}
+    packed_names: list[str] = []
+    packed_cols: list[list[Any]] = []
+    for name, col in zip(names, columns, strict=True):
+        first = next((v for v in col if v is not None), None)
+        if isinstance(first, int) and not isinstance(first, bool):
+            out[name] = _int_column(name, col, keys)
+        else:
+            packed_names.append(name)
+            packed_cols.append(col)
+    arena = _Arena(_in_worker())
+    missing = _core.pack_payloads(packed_cols, arena, packed_names, keys, allow_missing)
+    for c, name in enumerate(packed_names):
+        block, offsets = arena.pieces[2 * c], arena.pieces[2 * c + 1]
+        out[name] = _field_of(block, offsets, missing[c], n)
+    batch = PackedBatch(keys, {f: out[f] for f in names}, meta)
+    return _finish(batch, stack, ints)
+
+
+def _int_column(name: str, col: list[Any], keys: list[str]) -> torch.Tensor:
+    for k, v in zip(keys, col, strict=True):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(
+                f"field {name!r} of sample {k!r} is a {type(v).__name__} where the other "
+                "samples have ints"
+            )
+    return torch.tensor(col, dtype=torch.int64)
+
+
+def fetch_packed(
+    index: ShardIndex,
+    indices: Sequence[int],
+    fields: Sequence[str] | None,
+    access: str = "mmap",
+    *,
+    allow_missing: bool = False,
+) -> PackedBatch:
+    """The samples at ``indices`` read from the index straight into a
+    :class:`PackedBatch` (shared memory in a DataLoader worker): one copy per payload,
+    from the mapped shard or by the I/O engine's reads, no ``Payload`` or dict per
+    sample."""
+    arena = _Arena(_in_worker())
+    keys, names, missing = index._native.fetch_packed(
+        indices, fields, arena, access, allow_missing
+    )
+    n = len(keys)
+    out = {
+        name: _field_of(arena.pieces[2 * c], arena.pieces[2 * c + 1], missing[c], n)
+        for c, name in enumerate(names)
+    }
+    return PackedBatch(keys, out)

@@ -1,0 +1,469 @@
+"""ShardIterableDataset: every rank and worker reads its exact share of a shuffled epoch
+of indexed tar shards, and an interrupted epoch resumes where it stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Union
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..env.world import World, world
+from ..index import ShardIndex
+from . import partition
+from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
+from .partition import Intervals
+from .shuffle import DEFAULT_BLOCK, EpochOrder
+
+__all__ = ["ShardIterableDataset"]
+
+#: Samples fetched per native call when the dataset yields single samples.
+_CHUNK = 256
+#: Marks a state dict as this dataset's (see ``state_dict``).
+_FORMAT = "fastload.ShardIterableDataset"
+_VERSION = 1
+#: What must agree between a state and the dataset loading it (the positions of a state
+#: name the same samples only for the same data and the same order).
+_ORDER_KEYS = ("samples", "seed", "shuffle", "shuffle_block")
+
+BatchBy = Union[str, Callable[[Any], float]]
+
+
+@dataclasses.dataclass
+class _Run:
+    """An epoch being read in this process: the positions this reader reads and how
+    many of them it has yielded."""
+
+    epoch: int
+    world: World
+    positions: Intervals
+    done: int = 0
+
+
+def _payload_bytes(sample: Mapping[str, Any]) -> int:
+    return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+
+
+def _rechunk(pieces: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
+    """The concatenation of ``pieces`` cut into arrays of ``size`` (the last shorter)."""
+    buf: list[np.ndarray] = []
+    have = 0
+    for piece in pieces:
+        p = piece
+        while len(p):
+            part = p[: size - have]
+            buf.append(part)
+            have += len(part)
+            p = p[len(part) :]
+            if have == size:
+                yield buf[0] if len(buf) == 1 else np.concatenate(buf)
+                buf, have = [], 0
+    if have:
+        yield np.concatenate(buf)
+
+
+def _find_states(obj: Any) -> Iterator[dict[str, Any]]:
+    """Every state of this dataset inside ``obj``: a state itself, or any nesting of
+    dicts, lists and tuples holding states (a StatefulDataLoader's state, a list of the
+    states of every rank)."""
+    if isinstance(obj, Mapping):
+        if obj.get("format") == _FORMAT:
+            yield dict(obj)
+            return
+        for v in obj.values():
+            yield from _find_states(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _find_states(v)
+
+
+# Where torch is not installed mypy sees IterableDataset as Any; the ignore covers that.
+class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-ignore]
+    """The samples of webdataset-style tar shards as a stream, each rank and DataLoader
+    worker reading its exact share of every epoch.
+
+    ``source``: a :class:`~fastload.ShardIndex`, the path of an index file, or shards (a
+    list of paths, a glob, a directory; their index is built once and cached).
+
+    **Partition.** Ranks (``torch.distributed``, else ``RANK``/``WORLD_SIZE``, else
+    ``SLURM_PROCID``/``SLURM_NTASKS``: see :func:`fastload.env.world`) get exactly the
+    same number of samples, disjoint, together the whole epoch: with ``drop_last`` the
+    last ``n % world_size`` samples of the epoch's order are left out, else the order is
+    padded by repeating its first samples (as ``DistributedSampler`` does). A rank's
+    share is cut among its DataLoader workers into contiguous runs differing by at most
+    one sample (one batch with ``batch_size``), so a rank reads the same samples whatever
+    its worker count, and ``len(ds)`` in the main process is exact.
+
+    **Order.** Per epoch, the shard order and then the sample order within blocks of
+    ``shuffle_block`` consecutive samples are permuted from ``(seed, epoch)`` only (see
+    :mod:`fastload.data.shuffle`): the same on every rank, in every start method, bit
+    for bit. Each reader reads a contiguous stretch of the shuffled shards, so its reads
+    stay within a few shards at a time; a larger ``shuffle_block`` mixes more shards into
+    each batch. ``shuffle=False`` reads the stored order.
+
+    **Epochs.** ``set_epoch(e)`` before each epoch, as with ``DistributedSampler``. In the
+    main process (``num_workers=0``) and in persistent workers the epoch also counts up by
+    itself at each new iteration; workers that are not persistent start from the epoch the
+    main process's dataset holds, so call ``set_epoch`` there.
+
+    **Values.** Samples are dicts: ``"__key__"`` and one entry per field (``fields``: only
+    these; ``None``: every field of the sample), zero-copy read-only buffers as in
+    :class:`~fastload.ShardIndexDataset` (bytes with ``copy=True``; bytes once they cross
+    a worker boundary), then ``transform(sample)``. Reads are batched native fetches
+    with the GIL released (``access="mmap"`` or ``"read"``, as for ShardIndexDataset).
+
+    **Batches.** ``batch_size=B`` yields lists of ``B`` samples (``collate_fn(list)`` if
+    given; the last batch of a reader may be short): use ``DataLoader(ds,
+    batch_size=None)``, with a ``collate_fn`` that returns its argument unless the
+    dataset's ``collate_fn`` already makes tensors (the DataLoader's default walks every
+    value of every sample of a list). With ``batch_by="bytes"`` a batch instead takes samples while
+    their payload bytes stay within ``batch_size`` (a bigger sample makes a batch of its
+    own); ``batch_by=f`` does the same with ``f(sample)`` (after ``transform``) as the
+    size, e.g. a token count. Such batch counts depend on the data and may differ
+    between ranks.
+
+    **Length.** ``len(ds)``: the samples (or batches, with ``batch_size``) this reader
+    yields in a whole epoch: in the main process the rank's total, in a worker the
+    worker's. Not defined with ``batch_by``.
+
+    **Resume.** ``state_dict()``/``load_state_dict()`` follow the protocol of
+    ``torchdata.stateful_dataloader.StatefulDataLoader``: restoring a loader's state
+    resumes each worker at its next unread sample, nothing repeated, nothing lost. To
+    resume with another number of workers, load the loader's state into the dataset
+    instead (``ds.load_state_dict(loader.state_dict())``) and build a new loader over it
+    without loading state into the loader. A new world size needs the states of every
+    rank (e.g. gathered with ``all_gather_object``) loaded on each rank: the unread
+    samples are shared anew, dropping or repeating fewer than ``world_size`` samples to
+    keep ranks equal. A state is plain ints and lists.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_block: int = DEFAULT_BLOCK,
+        drop_last: bool = False,
+        fields: Sequence[str] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        batch_size: int | None = None,
+        batch_by: BatchBy | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        copy: bool = False,
+        access: str = "mmap",
+    ) -> None:
+        check_access(access)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
+        if isinstance(shuffle_block, bool) or not isinstance(shuffle_block, int) \
+                or shuffle_block < 1:
+            raise ValueError(f"shuffle_block must be a positive integer, not {shuffle_block!r}")
+        if batch_size is not None and (isinstance(batch_size, bool) or batch_size <= 0):
+            raise ValueError(f"batch_size must be positive, not {batch_size!r}")
+        if batch_by is not None:
+            if batch_size is None:
+                raise ValueError("batch_by needs batch_size: the size limit of a batch")
+            if not callable(batch_by) and batch_by != "bytes":
+                raise ValueError(f"batch_by must be 'bytes' or a function, not {batch_by!r}")
+        elif batch_size is not None and not isinstance(batch_size, int):
+            raise ValueError(f"batch_size must be an integer, not {batch_size!r}")
+        if collate_fn is not None and batch_size is None:
+            raise ValueError("collate_fn needs batch_size (the DataLoader collates single samples)")
+        index = index_of(source)
+        self.fields: list[str] | None = check_fields(index, fields)
+        self._index = LocalIndex(index)
+        self._counts = np.array([s.samples for s in index.shards], dtype=np.int64)
+        self._n = len(index)
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.shuffle_block = shuffle_block
+        self.drop_last = bool(drop_last)
+        self.transform = transform
+        self.batch_size = batch_size
+        self.batch_by = batch_by
+        self.collate_fn = collate_fn
+        self.copy = copy
+        self.access = access
+        self._epoch = 0
+        self._resume: dict[str, Any] | None = None
+        self._run: _Run | None = None
+        self._world = world(os.environ)
+
+    # --- who reads what -----------------------------------------------------------------
+
+    @property
+    def index(self) -> ShardIndex:
+        """The index, (re)opened in this process on first use."""
+        return self._index.get()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (unless a loaded state resumes another)."""
+        return self._epoch
+
+    def _reader(self) -> World:
+        """This reader: the rank as the main process sees it, the worker as the DataLoader
+        says."""
+        info = get_worker_info()
+        if info is None:
+            self._world = world(os.environ)
+            return self._world
+        here = world(os.environ, info)
+        main = self._world
+        # A spawned worker has no process group: the rank the main process saw is right.
+        if main.source == "dist" or (here.source == "single" and main.source != "single"):
+            here = dataclasses.replace(
+                here, rank=main.rank, world_size=main.world_size,
+                local_rank=main.local_rank, source=main.source,
+            )
+        return here
+
+    @property
+    def _unit(self) -> int:
+        return self.batch_size if self.batch_size is not None and self.batch_by is None else 1
+
+    def _fresh(self, w: World) -> Intervals:
+        return partition.assign(
+            self._n, world_size=w.world_size, rank=w.rank, num_workers=w.num_workers,
+            worker_id=w.worker_id, drop_last=self.drop_last, unit=self._unit,
+        )
+
+    def _plan(self, w: World) -> tuple[int, Intervals]:
+        """The epoch the next iteration reads and this reader's positions in it."""
+        r = self._resume
+        if r is None:
+            return self._epoch, self._fresh(w)
+        remaining = [(int(a), int(b)) for a, b in r["remaining"]]
+        scope = r["scope"]
+        here = f"rank {w.rank} of {w.world_size}, worker {w.worker_id} of {w.num_workers}"
+        if scope == "consumer":
+            there = (r["world_size"], r["rank"], r["num_workers"], r["worker_id"])
+            if there != (w.world_size, w.rank, w.num_workers, w.worker_id):
+                raise ValueError(
+                    f"the loaded state is that of one DataLoader worker (rank {there[1]} of "
+                    f"{there[0]}, worker {there[3]} of {there[2]}) and cannot resume {here}: "
+                    "load the states of every worker (e.g. the whole StatefulDataLoader "
+                    "state) to resume with another number of workers"
+                )
+            return r["epoch"], remaining
+        if scope == "rank" and (r["world_size"], r["rank"]) != (w.world_size, w.rank):
+            raise ValueError(
+                f"the loaded state holds rank {r['rank']} of {r['world_size']} only and cannot "
+                f"resume {here}: to change the world size, load the states of every rank"
+            )
+        return r["epoch"], partition.reassign(
+            remaining, world_size=w.world_size, rank=w.rank, num_workers=w.num_workers,
+            worker_id=w.worker_id, drop_last=self.drop_last, unit=self._unit,
+            whole_world=scope == "world",
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reads epoch ``epoch`` next. A loaded state of another epoch is dropped."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        self._epoch = epoch
+        self._run = None
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None
+        if get_worker_info() is None:
+            self._world = world(os.environ)
+
+    def __len__(self) -> int:
+        if self.batch_by is not None:
+            raise TypeError("the number of batches made with batch_by depends on the data")
+        samples = partition.length(self._fresh(self._reader()))
+        if self.batch_size is None:
+            return samples
+        return -(-samples // self.batch_size)
+
+    # --- reading ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        w = self._reader()
+        epoch, positions = self._plan(w)
+        run = _Run(epoch, w, positions)
+        self._run = run
+        return self._generate(run)
+
+    def _generate(self, run: _Run) -> Iterator[Any]:
+        # The epoch counts as started once read from (StatefulDataLoader makes iterators
+        # it never reads from when it restores a finished epoch).
+        if self._run is run:
+            self._resume = None
+            self._epoch = run.epoch + 1
+        index = self._index.get()
+        order = EpochOrder(
+            self._counts, seed=self.seed, epoch=run.epoch, shuffle=self.shuffle,
+            block=self.shuffle_block,
+        )
+        fields, copy, access, transform = self.fields, self.copy, self.access, self.transform
+        unit = self._unit
+        chunks = _rechunk(order.take(run.positions), unit if unit > 1 else _CHUNK)
+
+        def read(ids: np.ndarray) -> list[Any]:
+            return fetch(index, ids.tolist(), fields, copy, access)
+
+        if self.batch_size is None:
+            for ids in chunks:
+                samples = read(ids)
+                for s in samples:
+                    run.done += 1
+                    yield s if transform is None else transform(s)
+        elif self.batch_by is None:
+            collate = self.collate_fn
+            for ids in chunks:
+                batch = read(ids)
+                if transform is not None:
+                    batch = [transform(s) for s in batch]
+                run.done += len(batch)
+                yield batch if collate is None else collate(batch)
+        else:
+            yield from self._sized_batches(run, chunks, read)
+
+    def _sized_batches(
+        self, run: _Run, chunks: Iterator[np.ndarray], read: Callable[[np.ndarray], list[Any]]
+    ) -> Iterator[Any]:
+        limit, by = self.batch_size, self.batch_by
+        transform, collate = self.transform, self.collate_fn
+        assert limit is not None
+        batch: list[Any] = []
+        size = 0.0
+        for ids in chunks:
+            for s in read(ids):
+                t = s if transform is None else transform(s)
+                n = by(t) if callable(by) else _payload_bytes(s)
+                if batch and size + n > limit:
+                    run.done += len(batch)
+                    yield batch if collate is None else collate(batch)
+                    batch, size = [], 0.0
+                batch.append(t)
+                size += n
+        if batch:
+            run.done += len(batch)
+            yield batch if collate is None else collate(batch)
+
+    # --- resuming -----------------------------------------------------------------------
+
+    def _state(self, epoch: int, w: World, remaining: Intervals) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "samples": self._n,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block": self.shuffle_block,
+            "epoch": epoch,
+            "scope": "consumer",
+            "world_size": w.world_size,
+            "rank": w.rank,
+            "num_workers": w.num_workers,
+            "worker_id": w.worker_id,
+            "remaining": [[a, b] for a, b in remaining],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader stands: its epoch and the positions of that epoch's order
+        it has still to read (ints and lists only). Called by StatefulDataLoader in each
+        worker after each batch; cheap."""
+        run = self._run
+        if run is not None:
+            return self._state(run.epoch, run.world, partition.drop_first(run.positions, run.done))
+        w = self._reader()
+        epoch, positions = self._plan(w)
+        return self._state(epoch, w, positions)
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resumes from a state: one reader's (what StatefulDataLoader hands each worker),
+        or any dict or list holding the states of every worker of one rank (a
+        StatefulDataLoader's ``state_dict()``), or of every rank. The next iteration
+        reads what those readers had not read of their epoch, shared among this
+        dataset's readers; a state with nothing left starts the next epoch."""
+        states = list(_find_states(state))
+        if not states:
+            raise ValueError("no ShardIterableDataset state found in what was loaded")
+        for s in states:
+            if s.get("version") != _VERSION:
+                raise ValueError(
+                    f"ShardIterableDataset state version {s.get('version')!r} is not "
+                    f"supported (this version reads {_VERSION})"
+                )
+            for key in _ORDER_KEYS:
+                mine = getattr(self, key) if key != "samples" else self._n
+                if s[key] != mine:
+                    raise ValueError(
+                        f"the state was saved with {key}={s[key]!r} but this dataset has "
+                        f"{key}={mine!r}: its positions would name other samples"
+                    )
+        first = states[0]
+        for s in states[1:]:
+            for key in ("epoch", "world_size"):
+                if s[key] != first[key]:
+                    raise ValueError(
+                        f"the states loaded together disagree on {key} "
+                        f"({first[key]!r} and {s[key]!r})"
+                    )
+        by_reader: dict[tuple[int, int], dict[str, Any]] = {}
+        for s in states:
+            reader = (int(s["rank"]), int(s["worker_id"]))
+            if reader in by_reader and by_reader[reader] != s:
+                raise ValueError(f"two different states for rank {reader[0]} worker {reader[1]}")
+            by_reader[reader] = s
+        epoch, size = int(first["epoch"]), int(first["world_size"])
+        merged: dict[str, Any] = {"epoch": epoch, "world_size": size}
+        if len(by_reader) == 1 and first["scope"] == "consumer" and first["num_workers"] > 1:
+            # One worker's own state, as StatefulDataLoader restores it in that worker.
+            merged.update(scope="consumer", rank=first["rank"], num_workers=first["num_workers"],
+                          worker_id=first["worker_id"], remaining=first["remaining"])
+        else:
+            ranks: dict[int, list[dict[str, Any]]] = {}
+            for (rank, _), s in sorted(by_reader.items()):
+                ranks.setdefault(rank, []).append(s)
+            for rank, got in ranks.items():
+                workers = {int(s["num_workers"]) for s in got}
+                if len(workers) != 1 or len(got) != workers.pop():
+                    have = sorted(int(s["worker_id"]) for s in got)
+                    raise ValueError(
+                        f"the states of rank {rank} are incomplete (workers {have} of "
+                        f"{got[0]['num_workers']}): load every worker's state"
+                    )
+            if len(ranks) == size:
+                scope = "world"
+            elif len(ranks) == 1:
+                scope = "rank"
+            else:
+                missing = sorted(set(range(size)) - set(ranks))
+                raise ValueError(f"the states of ranks {missing} of {size} are missing")
+            remaining = partition.normalize(
+                (int(a), int(b)) for s in by_reader.values() for a, b in s["remaining"]
+            )
+            if not remaining:
+                self._resume, self._run = None, None
+                self._epoch = epoch + 1
+                return
+            merged.update(scope=scope, rank=next(iter(ranks)), remaining=remaining)
+        self._resume = merged
+        self._run = None
+        self._epoch = epoch
+
+    # --- pickling -----------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        if get_worker_info() is None:
+            self._world = world(os.environ)
+        state = dict(self.__dict__)
+        state["_run"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardIterableDataset({os.fspath(self._index.path)!r}, {self._n} samples, "
+            f"shuffle={self.shuffle}, seed={self.seed}, shuffle_block={self.shuffle_block}, "
+            f"drop_last={self.drop_last}, batch_size={self.batch_size}, epoch={self._epoch})"
+        )

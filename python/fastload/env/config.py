@@ -1,0 +1,125 @@
+"""The configuration file: ``$FASTLOAD_CONFIG``, else ``$XDG_CONFIG_HOME/fastload/
+config.toml`` (by default ``~/.config/fastload/config.toml``).
+
+.. code-block:: toml
+
+    environment = "slurm"               # like FASTLOAD_ENV: skip detection
+
+    [paths]                             # any environment
+    cache = "{scratch}/fastload-cache"
+
+    [environments.slurm]                # only when this environment is the one
+    tmpdir = "/local/ssd/{user}"        # a node-local disk SLURM does not announce
+    dataset_roots = ["/shared/datasets"]
+
+    [datasets.mydata]                   # extends the dataset registry
+    sources = [{ path = "mydata/mydata.tar.zst" }]
+
+Keys of ``[paths]`` and ``[environments.NAME]``: ``tmpdir``, ``cache``, ``scratch``
+(path templates), ``dataset_roots`` (a list of them), ``cpus`` (an integer). The
+variables ``FASTLOAD_TMPDIR``, ``FASTLOAD_CACHE``, ``FASTLOAD_SCRATCH``,
+``FASTLOAD_DATASET_ROOTS`` (``:``-separated) and ``FASTLOAD_CPUS`` override both.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml"]
+
+PATH_KEYS = ("tmpdir", "cache", "scratch", "dataset_roots", "cpus")
+_TOP_KEYS = ("environment", "paths", "environments", "datasets")
+
+
+def config_path(environ: Mapping[str, str]) -> tuple[Path, bool]:
+    """The configuration file to read, and whether it was named explicitly (then it
+    must exist)."""
+    explicit = environ.get("FASTLOAD_CONFIG")
+    if explicit:
+        return Path(explicit).expanduser(), True
+    base = environ.get("XDG_CONFIG_HOME")
+    if not base:
+        home = environ.get("HOME") or str(Path.home())
+        base = str(Path(home) / ".config")
+    return Path(base) / "fastload" / "config.toml", False
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parses a TOML file (``tomllib``; ``tomli`` on Python 3.10)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ImportError(
+                f"reading {path} needs the 'tomli' package on Python < 3.11 "
+                "(pip install tomli)"
+            ) from None
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
+
+
+def load_config(environ: Mapping[str, str]) -> tuple[dict[str, Any], Path | None]:
+    """Reads and checks the configuration file; ``({}, None)`` when there is none.
+
+    Raises:
+        FileNotFoundError: ``FASTLOAD_CONFIG`` names a file that does not exist.
+        ValueError: the file is not valid TOML, or has an unknown key or a wrong type.
+    """
+    path, explicit = config_path(environ)
+    try:
+        data = read_toml(path)
+    except FileNotFoundError:
+        if explicit:
+            raise FileNotFoundError(
+                2, f"FASTLOAD_CONFIG names '{path}', which does not exist", str(path)
+            ) from None
+        return {}, None
+    check_config(data, path)
+    return data, path
+
+
+def _fail(path: Path, message: str) -> ValueError:
+    return ValueError(f"{path}: {message}")
+
+
+def _check_paths(table: Any, where: str, path: Path) -> None:
+    if not isinstance(table, dict):
+        raise _fail(path, f"[{where}] must be a table")
+    for key, value in table.items():
+        if key not in PATH_KEYS:
+            raise _fail(path, f"unknown key '{key}' in [{where}] (known: {', '.join(PATH_KEYS)})")
+        if key == "cpus":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _fail(path, f"[{where}] cpus must be a positive integer")
+        elif key == "dataset_roots":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise _fail(path, f"[{where}] dataset_roots must be a list of paths")
+        elif not isinstance(value, str):
+            raise _fail(path, f"[{where}] {key} must be a path (a string)")
+
+
+def check_config(data: Mapping[str, Any], path: Path) -> None:
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise _fail(path, f"unknown key '{key}' (known: {', '.join(_TOP_KEYS)})")
+    env = data.get("environment")
+    if env is not None and not isinstance(env, str):
+        raise _fail(path, "environment must be a name (a string)")
+    if "paths" in data:
+        _check_paths(data["paths"], "paths", path)
+    envs = data.get("environments", {})
+    if not isinstance(envs, dict):
+        raise _fail(path, "[environments] must be a table of tables")
+    for name, table in envs.items():
+        _check_paths(table, f"environments.{name}", path)
+    datasets = data.get("datasets", {})
+    if not isinstance(datasets, dict) or not all(isinstance(v, dict) for v in datasets.values()):
+        raise _fail(path, "[datasets] must be a table of tables")

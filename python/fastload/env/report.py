@@ -1,0 +1,141 @@
+"""What ``fastload env`` prints: the environment, this process's place in the world,
+and the paths, each with whether it exists and how much room it has."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .base import Environment
+from .config import config_path
+from .registry import detect, environments
+from .world import world
+
+__all__ = ["env_command", "report"]
+
+
+def _free(path: Path) -> int | None:
+    """Free bytes on the file system that holds ``path`` (or its nearest parent)."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _path_info(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    return {"path": str(path), "exists": path.exists(), "free": _free(path)}
+
+
+def report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Everything ``fastload env`` shows, as plain data."""
+    env_map: Mapping[str, str] = os.environ if environ is None else environ
+    env: Environment = detect(env_map)
+    cfg, explicit = config_path(env_map)
+    forced = env_map.get("FASTLOAD_ENV") or env.config.get("environment")
+    try:
+        w: dict[str, Any] | str = {
+            k: getattr(world(env_map), k) for k in ("rank", "world_size", "local_rank", "source")
+        }
+    except ValueError as e:
+        w = f"error: {e}"
+    in_config = "cpus" in env.config.get("paths", {}) or "cpus" in env.config.get(
+        "environments", {}
+    ).get(env.name, {})
+    cpus_from = (
+        "FASTLOAD_CPUS" if env_map.get("FASTLOAD_CPUS")
+        else "config" if in_config
+        else "SLURM_CPUS_ON_NODE" if env_map.get("SLURM_CPUS_ON_NODE")
+        else "affinity"
+    )
+    return {
+        "environment": env.name,
+        "chosen_by": "FASTLOAD_ENV" if env_map.get("FASTLOAD_ENV")
+        else "config" if forced else "detection",
+        "cluster": env.cluster,
+        "node": {
+            "hostname": env.hostname,
+            "node_id": env_map.get("SLURM_NODEID"),
+            "job_id": env_map.get("SLURM_JOB_ID"),
+        },
+        "world": w,
+        "tmpdir": _path_info(env.tmpdir),
+        "cache": _path_info(env.cache),
+        "scratch": _path_info(env.scratch),
+        "dataset_roots": [_path_info(p) for p in env.dataset_roots],
+        "cpus": env.cpus,
+        "cpus_from": cpus_from,
+        "user": env.user,
+        "config": {
+            "path": str(env.config_path or cfg),
+            "read": env.config_path is not None,
+            "explicit": explicit,
+        },
+        "detectors": list(environments()),
+    }
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{int(x)} B"
+        x /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _line(info: Mapping[str, Any] | None) -> str:
+    if info is None:
+        return "(none)"
+    state = f"{_human(info['free'])} free" if info["exists"] else "not there yet"
+    return f"{info['path']}  ({state})"
+
+
+def format_report(r: Mapping[str, Any]) -> str:
+    node = r["node"]
+    where = node["hostname"] + (f", node {node['node_id']}" if node["node_id"] else "")
+    if node["job_id"]:
+        where += f", job {node['job_id']}"
+    w = r["world"]
+    world_line = (
+        w
+        if isinstance(w, str)
+        else f"rank {w['rank']} of {w['world_size']}, local rank {w['local_rank']} "
+        f"(from {w['source']})"
+    )
+    name = r["environment"]
+    if r["cluster"] not in (None, name):
+        name += f" ({r['cluster']})"
+    roots = r["dataset_roots"]
+    order = ", ".join(r["detectors"])
+    lines = [
+        f"environment    {name}   [by {r['chosen_by']}; tried in order: {order}]",
+        f"node           {where}",
+        f"world          {world_line}",
+        f"cpus           {r['cpus']}   [{r['cpus_from']}]",
+        f"tmpdir         {_line(r['tmpdir'])}",
+        f"cache          {_line(r['cache'])}",
+        f"scratch        {_line(r['scratch'])}",
+        f"dataset roots  {_line(roots[0]) if roots else '(none)'}",
+        *(f"               {_line(p)}" for p in roots[1:]),
+        f"config         {r['config']['path']}  "
+        f"({'read' if r['config']['read'] else 'not found'})",
+    ]
+    return "\n".join(lines)
+
+
+def env_command(as_json: bool = False) -> int:
+    """``fastload env``: prints the report; returns the exit status."""
+    r = report()
+    print(json.dumps(r, indent=2) if as_json else format_report(r))
+    return 0

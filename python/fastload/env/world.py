@@ -1,0 +1,127 @@
+"""Who this process is among the readers of a data set: its rank in the job and its
+worker in the rank's DataLoader.
+
+:func:`world` is pure: it reads only the mapping and the objects it is given (and, when
+no ``dist`` is given, whether ``torch.distributed`` is already imported and initialised).
+It never imports torch.
+
+Where the rank comes from, first match wins:
+
+1. ``torch.distributed``, when it is initialised (passed as ``dist``, or found already
+   imported): its rank and world size are what the job actually runs with.
+2. ``RANK`` and ``WORLD_SIZE`` (torchrun, torch.distributed.launch, accelerate,
+   Lightning): checked before SLURM's variables, which are also set in a SLURM job whose
+   ranks another launcher started.
+3. ``SLURM_PROCID`` and ``SLURM_NTASKS`` (ranks started by ``srun``).
+4. Otherwise a single process: rank 0 of 1.
+
+The local rank comes from ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0. The worker
+comes from the DataLoader's ``get_worker_info()`` (``None`` in the main process: worker 0
+of 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["World", "world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One reader of a data set: rank ``rank`` of ``world_size``, worker ``worker_id`` of
+    the ``num_workers`` reading for that rank (``num_workers`` is 1 when the rank reads in
+    its main process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    worker_id: int = 0
+    num_workers: int = 1
+    source: str = "single"
+    """Where rank and world size came from: ``"dist"``, ``"torchrun"``, ``"slurm"`` or
+    ``"single"``."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        if self.num_workers < 1 or not 0 <= self.worker_id < self.num_workers:
+            raise ValueError(f"worker {self.worker_id} is not one of {self.num_workers} workers")
+        if self.local_rank < 0:
+            raise ValueError(f"local rank {self.local_rank} is negative")
+
+    @property
+    def consumers(self) -> int:
+        """Readers in the whole job: ``world_size * num_workers``."""
+        return self.world_size * self.num_workers
+
+    @property
+    def consumer(self) -> int:
+        """This reader's number among them, rank-major: ``rank * num_workers + worker_id``."""
+        return self.rank * self.num_workers + self.worker_id
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    text = environ[name]
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def _initialised(dist: Any) -> bool:
+    try:
+        return bool(dist.is_available() and dist.is_initialized())
+    except AttributeError:
+        return False
+
+
+def _local_rank(environ: Mapping[str, str], slurm: bool) -> int:
+    if "LOCAL_RANK" in environ:
+        return _int(environ, "LOCAL_RANK")
+    if slurm and "SLURM_LOCALID" in environ:
+        return _int(environ, "SLURM_LOCALID")
+    return 0
+
+
+def world(environ: Mapping[str, str], worker_info: Any = None, dist: Any = None) -> World:
+    """The :class:`World` of this process.
+
+    ``environ``: the environment (``os.environ``). ``worker_info``: what
+    ``torch.utils.data.get_worker_info()`` returned (anything with ``id`` and
+    ``num_workers``), ``None`` in the main process. ``dist``: the ``torch.distributed``
+    module (or any object with ``is_available``, ``is_initialized``, ``get_rank`` and
+    ``get_world_size``); ``None`` looks for an already imported ``torch.distributed``.
+
+    Raises ``ValueError`` for an environment that names half a world (``RANK`` without
+    ``WORLD_SIZE``, or the other way round, and no SLURM task to fall back on), a
+    non-integer variable, or a rank outside its world.
+    """
+    if dist is None:
+        dist = sys.modules.get("torch.distributed")
+    if worker_info is None:
+        worker_id, num_workers = 0, 1
+    else:
+        worker_id, num_workers = int(worker_info.id), int(worker_info.num_workers)
+
+    if dist is not None and _initialised(dist):
+        rank, size = int(dist.get_rank()), int(dist.get_world_size())
+        source = "dist"
+        local = _local_rank(environ, slurm=True)
+    elif "RANK" in environ and "WORLD_SIZE" in environ:
+        rank, size = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        source = "torchrun"
+        local = _local_rank(environ, slurm=False)
+    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        rank, size = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
+        source = "slurm"
+        local = _local_rank(environ, slurm=True)
+    elif "RANK" in environ or "WORLD_SIZE" in environ:
+        have, lack = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
+        raise ValueError(f"environment variable {have} is set but {lack} is not")
+    else:
+        rank, size, source, local = 0, 1, "single", 0
+    return World(rank, size, local, worker_id, num_workers, source)

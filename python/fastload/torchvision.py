@@ -1,0 +1,289 @@
+"""Drop-ins for ``torchvision.datasets`` that read from node-local disk.
+
+``fastload.torchvision.CIFAR10(root, train=True, ...)`` takes torchvision's own
+arguments and returns torchvision's own ``CIFAR10`` object, built on a copy staged to
+the environment's ``tmpdir`` ($SLURM_TMPDIR in a job) by :func:`fastload.resolve`. The
+data is looked for, in order, in ``root`` (where you would have pointed torchvision:
+``/network/datasets/torchvision``...), then in the dataset registry (the cluster's dataset
+roots, and with ``download=True`` the published URLs); found nowhere, with
+``download=True``, torchvision's own download runs into the environment's cache, and the
+result is staged from there. One process per node copies; the others wait for it.
+
+``root`` may be ``None``: the registry alone is searched. ``ImageFolder`` and
+``DatasetFolder`` take anything :func:`fastload.resolve` takes (a path, a URL of an
+archive, a registry name).
+
+Importing this module never imports torchvision; building a dataset without it raises
+an ``ImportError`` that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Union
+
+from ._state import node_lock
+from .env import Environment, current
+from .errors import ChecksumMismatchError
+from .resolve import resolve
+
+__all__ = [
+    "CIFAR10",
+    "CIFAR100",
+    "MNIST",
+    "DatasetFolder",
+    "FashionMNIST",
+    "ImageFolder",
+    "ImageNet",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Transform = Union[Callable[..., Any], None]
+
+
+def _datasets() -> ModuleType:
+    try:
+        return importlib.import_module("torchvision.datasets")
+    except ImportError as e:
+        raise ImportError(
+            "fastload.torchvision needs torchvision, which is not installed "
+            f"(pip install torchvision): {e}"
+        ) from e
+
+
+def _first(
+    name: str, candidates: list[tuple[Path, str]], env: Environment
+) -> Path | None:
+    """Stages the first candidate that exists: ``(source, where inside {tmpdir}/<name>)``;
+    returns the local dataset root ({tmpdir}/<name>), or None."""
+    for src, into in candidates:
+        if not os.path.lexists(src):
+            continue
+        dst = env.tmpdir / name / into if into else env.tmpdir / name
+        got = resolve(name, sources=[src], destination=None if _node_local(src, env) else dst,
+                      env=env)
+        # A copy already on node-local disk is used where it is.
+        return got.parent if into else got
+    return None
+
+
+def _node_local(path: Path, env: Environment) -> bool:
+    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(env.tmpdir))
+    return top in real.parents
+
+
+def _registry(name: str, env: Environment, download: bool) -> Path | None:
+    try:
+        return resolve(name, env=env, download=download)
+    except ChecksumMismatchError:
+        raise
+    except OSError:
+        return None  # not there, or its URL cannot be reached: torchvision's turn
+
+
+def _torchvision_root(
+    name: str,
+    folder: str,
+    archive: str | None,
+    root: PathLike | None,
+    download: bool,
+    fetch: Callable[[str], Any],
+) -> Path:
+    """The local root to build a torchvision dataset of ``<root>/<folder>`` on."""
+    env = current()
+    candidates: list[tuple[Path, str]] = []
+    if root is not None:
+        candidates.append((Path(os.fspath(root)) / folder, folder))
+        if archive is not None:
+            candidates.append((Path(os.fspath(root)) / archive, ""))
+    local = _first(name, candidates, env)
+    if local is None:
+        local = _registry(name, env, download)
+    if local is None and download:
+        # Found nowhere: torchvision downloads into the cache (one process per node),
+        # and the result is staged from there like any other source.
+        cached = env.cache / "torchvision" / name
+        cached.mkdir(parents=True, exist_ok=True)
+        with node_lock(cached):
+            fetch(str(cached))
+        local = _first(name, [(cached / folder, folder)], env)
+    if local is None:
+        local = env.tmpdir / name  # torchvision says what is missing
+    return local
+
+
+class _DropIn:
+    """Base of the drop-ins: calling the class returns torchvision's own object."""
+
+
+class CIFAR10(_DropIn):
+    """``torchvision.datasets.CIFAR10`` on a node-local copy."""
+
+    _name: str = "cifar10"
+    _folder: str = "cifar-10-batches-py"
+    _archive: str | None = "cifar-10-python.tar.gz"
+
+    def __new__(
+        cls,
+        root: PathLike | None = None,
+        train: bool = True,
+        transform: Transform = None,
+        target_transform: Transform = None,
+        download: bool = False,
+    ) -> Any:
+        tv_class = getattr(_datasets(), cls.__name__)
+
+        def fetch(where: str) -> None:
+            tv_class(where, train=train, download=True)
+
+        local = _torchvision_root(cls._name, cls._folder, cls._archive, root, download, fetch)
+        return tv_class(
+            str(local), train=train, transform=transform, target_transform=target_transform
+        )
+
+
+class CIFAR100(CIFAR10):
+    """``torchvision.datasets.CIFAR100`` on a node-local copy."""
+
+    _name, _folder, _archive = "cifar100", "cifar-100-python", "cifar-100-python.tar.gz"
+
+
+class MNIST(CIFAR10):
+    """``torchvision.datasets.MNIST`` on a node-local copy."""
+
+    _name, _folder, _archive = "mnist", "MNIST", None
+
+
+class FashionMNIST(CIFAR10):
+    """``torchvision.datasets.FashionMNIST`` on a node-local copy."""
+
+    _name, _folder, _archive = "fashionmnist", "FashionMNIST", None
+
+
+class ImageFolder(_DropIn):
+    """``torchvision.datasets.ImageFolder`` on a node-local copy of ``root`` (a path, an
+    archive, a URL or a registry name: anything :func:`fastload.resolve` takes)."""
+
+    def __new__(
+        cls,
+        root: PathLike,
+        transform: Transform = None,
+        target_transform: Transform = None,
+        loader: Callable[[str], Any] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+    ) -> Any:
+        tvd = _datasets()
+        kwargs: dict[str, Any] = {}
+        if loader is not None:
+            kwargs["loader"] = loader
+        if allow_empty:  # torchvision >= 0.18
+            kwargs["allow_empty"] = True
+        return tvd.ImageFolder(
+            str(resolve(root)),
+            transform=transform,
+            target_transform=target_transform,
+            is_valid_file=is_valid_file,
+            **kwargs,
+        )
+
+
+class DatasetFolder(_DropIn):
+    """``torchvision.datasets.DatasetFolder`` on a node-local copy of ``root``."""
+
+    def __new__(
+        cls,
+        root: PathLike,
+        loader: Callable[[str], Any],
+        extensions: tuple[str, ...] | None = None,
+        transform: Transform = None,
+        target_transform: Transform = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+    ) -> Any:
+        tvd = _datasets()
+        kwargs: dict[str, Any] = {"allow_empty": True} if allow_empty else {}
+        return tvd.DatasetFolder(
+            str(resolve(root)),
+            loader,
+            extensions=extensions,
+            transform=transform,
+            target_transform=target_transform,
+            is_valid_file=is_valid_file,
+            **kwargs,
+        )
+
+
+_IMAGENET_ARCHIVES = {
+    "train": "ILSVRC2012_img_train.tar",
+    "val": "ILSVRC2012_img_val.tar",
+}
+_DEVKIT = "ILSVRC2012_devkit_t12.tar.gz"
+
+
+class ImageNet(_DropIn):
+    """``torchvision.datasets.ImageNet`` on a node-local copy: the split (a directory of
+    class directories, or its archive: the training tar of tars is extracted in one
+    pass) and the devkit (or ``meta.bin``) are staged to ``{tmpdir}/imagenet``, from
+    ``root`` or else from the registry. torchvision then reads it; what it still has to
+    prepare (``meta.bin``, sorting the validation images) it does once per node."""
+
+    def __new__(
+        cls, root: PathLike | None = None, split: str = "train", **kwargs: Any
+    ) -> Any:
+        tvd = _datasets()
+        env = current()
+        local = env.tmpdir / "imagenet"
+        src = Path(os.fspath(root)) if root is not None else None
+        if src is not None and _node_local(src, env):
+            local = src  # already on this node
+        else:
+            cls._stage_split(src, split, env)
+            cls._stage_meta(src, env)
+        ready = (local / "meta.bin").exists() and (local / split).is_dir()
+        if ready:
+            return tvd.ImageNet(str(local), split=split, **kwargs)
+        # torchvision writes meta.bin and sorts val/ itself: one process per node.
+        local.mkdir(parents=True, exist_ok=True)
+        with node_lock(local / f"{split}-prepare"):
+            return tvd.ImageNet(str(local), split=split, **kwargs)
+
+    @staticmethod
+    def _stage_split(src: Path | None, split: str, env: Environment) -> None:
+        candidates: list[tuple[Path, str]] = []
+        if src is not None:
+            candidates.append((src / split, split))
+        for cand, into in candidates:
+            if os.path.lexists(cand):
+                resolve("imagenet", sources=[cand], destination=env.tmpdir / "imagenet" / into,
+                        env=env)
+                return
+        archive = _IMAGENET_ARCHIVES.get(split)
+        if src is not None and archive is not None and (src / archive).exists():
+            if split == "train":
+                resolve("imagenet", sources=[src / archive], unpack="nested",
+                        destination=env.tmpdir / "imagenet" / "train", env=env)
+            else:
+                resolve("imagenet", sources=[src / archive], unpack=False,
+                        destination=env.tmpdir / "imagenet" / archive, env=env)
+            return
+        with contextlib.suppress(FileNotFoundError, ValueError):  # torchvision says what is missing
+            resolve("imagenet", split=split, env=env, download=False)
+
+    @staticmethod
+    def _stage_meta(src: Path | None, env: Environment) -> None:
+        local = env.tmpdir / "imagenet"
+        if src is not None:
+            for name in ("meta.bin", _DEVKIT):
+                if (src / name).is_file():
+                    resolve("imagenet", sources=[src / name], unpack=False,
+                            destination=local / name, env=env)
+                    return
+        if (local / "meta.bin").exists():
+            return
+        with contextlib.suppress(FileNotFoundError):
+            resolve("imagenet", split="devkit", env=env, download=False)

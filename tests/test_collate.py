@@ -1,0 +1,345 @@
+"""fastload.collate and PackedBatch: packing, views, missing fields, pickling, and the
+round trip of every sample through DataLoader workers (fork and spawn) with both
+datasets, the packed fast path of ShardIndexDataset and pinning."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import multiprocessing
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler  # noqa: E402
+
+import fastload  # noqa: E402
+from fastload import PackedBatch, ShardIndex  # noqa: E402
+from fastload.data import PackedField  # noqa: E402
+from fastload.data.collate import fetch_packed  # noqa: E402
+from test_index import Sample, make_samples, write_tarfile  # noqa: E402
+
+pytestmark = pytest.mark.native
+
+FIELDS = ["jpg", "cls", "seg.png"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Sample]]:
+    """Three shards of 40 samples (empty payloads among them) and their index."""
+    root = tmp_path_factory.mktemp("collate")
+    samples: list[Sample] = []
+    paths = []
+    for s in range(3):
+        part = make_samples(40, seed=200 + s, prefix=f"c{s}/")
+        samples += part
+        paths.append(write_tarfile(root / f"shard-{s}.tar", part, "pax"))
+    ShardIndex.build(paths, root / "all.fidx")
+    return root / "all.fidx", samples
+
+
+def check_batch(batch: PackedBatch, expect: list[Sample]) -> None:
+    assert isinstance(batch, PackedBatch)
+    assert len(batch) == len(expect)
+    assert batch.keys == [k for k, _ in expect] == batch["__key__"]
+    for name in FIELDS:
+        field = batch[name]
+        assert isinstance(field, PackedField)
+        assert field.tolist() == [f[name] for _, f in expect]
+        for i, (_, f) in enumerate(expect):
+            view = field[i]
+            assert view is not None and view.dtype == torch.uint8
+            assert view.numpy().tobytes() == f[name]
+
+
+def collected(batches: list[PackedBatch]) -> dict[str, dict[str, bytes]]:
+    out: dict[str, dict[str, bytes]] = {}
+    for b in batches:
+        for s in b.to_samples():
+            key = s.pop("__key__")
+            assert key not in out, f"{key} delivered twice"
+            out[key] = s
+    return out
+
+
+# --- packing ---------------------------------------------------------------------------
+
+
+def test_collate_payloads_and_buffers(shards: tuple[Path, list[Sample]]) -> None:
+    path, samples = shards
+    ds = fastload.ShardIndexDataset(path)
+    batch = fastload.collate(ds.__getitems__(list(range(10))))
+    check_batch(batch, samples[:10])
+    assert batch.fields == FIELDS
+    jpg = batch["jpg"]
+    assert jpg.data.is_contiguous() and jpg.offsets.dtype == torch.int64
+    assert jpg.nbytes == sum(len(f["jpg"]) for _, f in samples[:10])
+    assert jpg.sizes().tolist() == [len(f["jpg"]) for _, f in samples[:10]]
+    # The view shares the block: no copy per sample.
+    view = jpg[3]
+    assert view is not None
+    assert view.untyped_storage().data_ptr() == jpg.data.untyped_storage().data_ptr()
+    mv = jpg.buffer(3)
+    assert mv is not None and mv.readonly and mv.tobytes() == samples[3][1]["jpg"]
+    assert jpg.to_bytes(-1) == samples[9][1]["jpg"]
+    # Any buffer: bytes, bytearray, numpy, memoryview; a PackedBatch passes through.
+    mixed = [
+        {"__key__": "a", "x": b"abc"},
+        {"__key__": "b", "x": bytearray(b"de")},
+        {"__key__": "c", "x": np.arange(3, dtype=np.uint8)},
+        {"__key__": "d", "x": memoryview(b"fghij")[1:3]},
+    ]
+    m = fastload.collate(mixed)
+    assert m["x"].tolist() == [b"abc", b"de", b"\x00\x01\x02", b"gh"]
+    assert fastload.collate(m) is m
+
+
+def test_empty_payloads_one_sample_and_empty_batch() -> None:
+    b = fastload.collate([{"__key__": "k", "a": b"", "b": b"x"}])
+    assert len(b) == 1 and b["a"].tolist() == [b""] and b["b"].tolist() == [b"x"]
+    view = b["a"][0]
+    assert view is not None and view.numel() == 0
+    assert b.to_samples() == [{"__key__": "k", "a": b"", "b": b"x"}]
+    all_empty = fastload.collate([{"__key__": str(i), "a": b""} for i in range(5)])
+    assert all_empty["a"].tolist() == [b""] * 5 and all_empty["a"].stacked().shape == (5, 0)
+    none = fastload.collate([], fields=["a"])
+    assert len(none) == 0 and none["a"].tolist() == []
+    back = pickle.loads(pickle.dumps(fastload.collate([], fields=["a"], ints="a")))
+    assert len(back) == 0 and back["a"].tolist() == []
+
+
+def test_missing_fields() -> None:
+    samples = [{"__key__": "s0", "a": b"1", "b": b"x"}, {"__key__": "s1", "a": b"22"}]
+    with pytest.raises(KeyError, match=r"sample 's1' has no field 'b'"):
+        fastload.collate(samples)
+    with pytest.raises(KeyError, match=r"sample 's0' has no field 'c'"):
+        fastload.collate(samples, fields=["a", "c"])
+    b = fastload.collate(samples, allow_missing=True)
+    assert b["b"][1] is None and b["b"].missing(1) and not b["b"].missing(0)
+    assert b["b"].tolist() == [b"x", None] and b["b"].buffer(1) is None
+    assert b.to_samples() == [
+        {"__key__": "s0", "a": b"1", "b": b"x"}, {"__key__": "s1", "a": b"22"}
+    ]
+    assert b["b"].uniform_size() is None
+    with pytest.raises(ValueError, match="ints"):
+        b["b"].ints()
+    # Unpickled, the missing rows are still missing.
+    assert pickle.loads(pickle.dumps(b))["b"].tolist() == [b"x", None]
+    with pytest.raises(KeyError, match="no field 'zz' in this batch"):
+        b["zz"]
+
+
+def test_bad_values_name_the_field_and_sample() -> None:
+    with pytest.raises(TypeError, match=r"field 'a' of sample 'k1' is a float"):
+        fastload.collate([{"__key__": "k0", "a": b"x"}, {"__key__": "k1", "a": 1.5}])
+    with pytest.raises(TypeError, match=r"field 'n' of sample 'k1' is a bytes where"):
+        fastload.collate([{"__key__": "k0", "n": 3}, {"__key__": "k1", "n": b"4"}])
+    with pytest.raises(TypeError, match="list of samples"):
+        fastload.collate({"__key__": "k0", "a": b"x"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'b' has payloads of different sizes"):
+        fastload.collate([{"__key__": "0", "b": b"x"}, {"__key__": "1", "b": b"yz"}], stack="b")
+    with pytest.raises(ValueError, match=r"ints: field 'c': payload 1 \('x1'\)"):
+        fastload.collate([{"__key__": "0", "c": b"7"}, {"__key__": "1", "c": b"x1"}], ints="c")
+
+
+def test_stacked_ints_and_meta() -> None:
+    samples = [
+        {"__key__": f"k{i}", "__url__": "u", "cls": str(i * 7).encode(), "vec": bytes([i] * 4),
+         "label": i}
+        for i in range(6)
+    ]
+    b = fastload.collate(samples, stack=["vec"], ints="cls")
+    assert torch.equal(b["cls"], torch.arange(6) * 7) and b["cls"].dtype == torch.int64
+    assert b["vec"].shape == (6, 4) and b["vec"][5].tolist() == [5] * 4
+    assert torch.equal(b["label"], torch.arange(6))
+    assert b["__url__"] == ["u"] * 6 and "__url__" in b and "vec" in b
+    s = b.to_samples()[2]
+    assert s["cls"] == 14 and s["label"] == 2 and s["vec"].tolist() == [2] * 4
+    assert s["__url__"] == "u"
+    plain = fastload.collate(samples)
+    assert plain["vec"].uniform_size() == 4 and plain["cls"].uniform_size() is None
+    assert plain["vec"].stacked().view(torch.int32).shape == (6, 1)
+    assert plain["cls"].ints().tolist() == [i * 7 for i in range(6)]
+
+
+def test_pickle_carries_tensors_not_bytes() -> None:
+    payload = b"q" * 100_000
+    b = fastload.collate([{"__key__": "a", "x": payload}, {"__key__": "b", "x": payload}])
+    data = pickle.dumps(b)
+    back = pickle.loads(data)
+    assert back["x"].tolist() == [payload, payload] and back.keys == ["a", "b"]
+    # The payload travels once, inside the block tensor (which torch's multiprocessing
+    # pickler swaps for a shared-memory handle), never also as bytes.
+    assert len(data) < len(payload) * 2 + 10_000
+    state = b.__getstate__()
+    (block,) = state["bases"]  # data and offsets: one storage, carried once
+    assert isinstance(block, torch.Tensor) and block.numel() >= 2 * len(payload)
+    assert all(type(k) is str for k in state["keys"])
+    # Small private tensors (labels) travel inline.
+    small = fastload.collate([{"__key__": "a", "c": b"1"}, {"__key__": "b", "c": b"2"}], ints="c")
+    assert all(type(x) is bytes for x in small.__getstate__()["bases"])
+    assert torch.equal(pickle.loads(pickle.dumps(small))["c"], torch.tensor([1, 2]))
+
+
+def test_fetch_packed(shards: tuple[Path, list[Sample]]) -> None:
+    path, samples = shards
+    index = ShardIndex.open(path)
+    order = [5, 0, 119, 40, 5, 77]
+    for access in ("mmap", "read"):
+        b = fetch_packed(index, order, None, access)
+        check_batch(b, [samples[i] for i in order])
+        assert b.fields == FIELDS
+        sub = fetch_packed(index, order, ["seg.png", "jpg"], access)
+        assert sub.fields == ["seg.png", "jpg"]
+        assert sub["jpg"].tolist() == [samples[i][1]["jpg"] for i in order]
+    assert len(fetch_packed(index, [], ["jpg"])) == 0
+    with pytest.raises(IndexError):
+        fetch_packed(index, [len(samples)], None)
+    with pytest.raises(ValueError, match="no field 'png'"):
+        fetch_packed(index, [0], ["png"])
+
+
+def test_fetch_packed_missing(tmp_path: Path) -> None:
+    samples: list[Sample] = [("a", {"x": b"1", "y": b"2"}), ("b", {"x": b"33"}), ("c", {"y": b""})]
+    write_tarfile(tmp_path / "s.tar", samples)
+    index = ShardIndex.build([tmp_path / "s.tar"], tmp_path / "s.fidx")
+    with pytest.raises(KeyError, match="sample 'c' has no field 'x'"):
+        fetch_packed(index, [0, 1, 2], None)
+    with pytest.raises(KeyError, match="sample 'b' has no field 'y'"):
+        fetch_packed(index, [0, 1], None)
+    with pytest.raises(KeyError, match="sample 'c' has no field 'x'"):
+        fetch_packed(index, [0, 1, 2], ["x"])
+    for access in ("mmap", "read"):
+        b = fetch_packed(index, [0, 1, 2], None, access, allow_missing=True)
+        assert b["x"].tolist() == [b"1", b"33", None] and b["y"].tolist() == [b"2", None, b""]
+
+
+# --- through DataLoader workers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("start", "packed", "access"),
+    [("fork", False, "mmap"), ("fork", True, "read"), ("spawn", True, "mmap")],
+)
+def test_map_dataset_round_trip(
+    shards: tuple[Path, list[Sample]], start: str, packed: bool, access: str
+) -> None:
+    path, samples = shards
+    ds = fastload.ShardIndexDataset(path, packed=packed, access=access)
+    loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                        collate_fn=fastload.collate,
+                        multiprocessing_context=multiprocessing.get_context(start))
+    batches = list(loader)
+    assert all(isinstance(b, PackedBatch) for b in batches)
+    got = collected(batches)
+    assert got == {k: f for k, f in samples}
+    # In the main process, the blocks are the workers' shared memory.
+    assert batches[0]["jpg"].data.is_shared()
+
+
+def test_views_outlive_the_loader(shards: tuple[Path, list[Sample]]) -> None:
+    path, samples = shards
+    ds = fastload.ShardIndexDataset(path, packed=True)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=fastload.collate,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    views = []
+    for b in loader:
+        views += [(b.keys[i], b["jpg"][i], b["cls"].buffer(i)) for i in range(len(b))]
+        del b
+    del loader
+    gc.collect()
+    expect = dict(samples)
+    assert len(views) == len(samples)
+    for key, jpg, cls in views:
+        assert jpg is not None and jpg.numpy().tobytes() == expect[key]["jpg"]
+        assert cls is not None and cls.tobytes() == expect[key]["cls"]
+
+
+def test_distributed_sampler_batches(shards: tuple[Path, list[Sample]]) -> None:
+    path, samples = shards
+    ds = fastload.ShardIndexDataset(path, packed=True, fields=["cls"])
+    seen: list[str] = []
+    fork = multiprocessing.get_context("fork")
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, seed=1)
+        # Both spellings reach __getitems__: a batch size, or a batch sampler.
+        loader = (
+            DataLoader(ds, sampler=sampler, batch_size=32, collate_fn=fastload.collate,
+                       num_workers=1, multiprocessing_context=fork)
+            if rank == 0 else
+            DataLoader(ds, batch_sampler=BatchSampler(sampler, batch_size=32, drop_last=False),
+                       collate_fn=fastload.collate, num_workers=1, multiprocessing_context=fork)
+        )
+        for b in loader:
+            assert b.fields == ["cls"]
+            seen += b.keys
+    assert sorted(seen) == sorted(k for k, _ in samples)
+
+
+def test_iterable_dataset_batches(shards: tuple[Path, list[Sample]]) -> None:
+    path, samples = shards
+    collate = functools.partial(fastload.collate, ints="cls")
+    ds = fastload.ShardIterableDataset(path, batch_size=16, collate_fn=collate)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=fastload.collate,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    batches = list(loader)
+    assert all(isinstance(b, PackedBatch) and len(b) <= 16 for b in batches)
+    got = collected(batches)
+    expect = {k: {**f, "cls": int(f["cls"])} for k, f in samples}
+    assert got == expect
+
+
+def test_packed_option_errors(shards: tuple[Path, list[Sample]]) -> None:
+    path, _ = shards
+    with pytest.raises(ValueError, match="packed=True"):
+        fastload.ShardIndexDataset(path, packed=True, transform=lambda s: s)
+    ds = fastload.ShardIndexDataset(path, packed=True)
+    assert isinstance(ds[0], dict)  # one sample is still a dict
+    assert pickle.loads(pickle.dumps(ds)).packed
+
+
+# --- pinning -----------------------------------------------------------------------------
+
+
+def _can_pin() -> bool:
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_pin_memory(shards: tuple[Path, list[Sample]]) -> None:
+    if not _can_pin():
+        pytest.skip("pinned memory needs an accelerator this torch build can reach")
+    path, samples = shards
+    b = fastload.collate(fastload.ShardIndexDataset(path).__getitems__([0, 1, 2]), ints="cls")
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned = pin_memory(b)  # what the DataLoader's pinning thread calls
+    assert isinstance(pinned, PackedBatch)
+    assert pinned["jpg"].data.is_pinned() and pinned["cls"].is_pinned()
+    check_batch_fields: Any = pinned["jpg"].tolist()
+    assert check_batch_fields == [samples[i][1]["jpg"] for i in range(3)]
+
+
+def test_pin_memory_pins_one_block_per_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an accelerator: the tensors pin_memory() pins, counted."""
+    pinned: list[int] = []
+
+    def fake_pin(self: Any, device: Any = None) -> Any:
+        pinned.append(self.numel())
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    samples = [{"__key__": str(i), "a": b"x" * i, "b": b"yy", "c": b"7"} for i in range(50)]
+    b = fastload.collate(samples, ints="c")
+    p = b.pin_memory()
+    # a: block + offsets, b: block + offsets, c: one int64 tensor.
+    assert sorted(pinned) == sorted([sum(range(50)), 51, 100, 51, 50])
+    assert p.to_samples() == b.to_samples()

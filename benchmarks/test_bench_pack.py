@@ -23,6 +23,10 @@ Tools (a peer that is not installed is skipped):
 
 Groups ``pack-DATA-ORDER``; report.py derives samples/s ("files/s") and MB/s from the
 samples and source bytes recorded in ``extra_info``.
+
+Group ``writer-3kb``: the Python writers alone, samples already in memory (3 KB of bytes
+and a class number each, as many as the 3kb tree): fastload.ShardWriter,
+webdataset.ShardWriter, streaming.MDSWriter.
 """
 
 from __future__ import annotations
@@ -245,3 +249,54 @@ def test_pack(
              cache="warm", scale=scale, max_size=plan.max_size)  # fmt: skip
     n = fresh.run(run, src=data.source.path, cache="warm")
     assert n == data.source.files
+
+
+# --- the Python writers, from memory ---------------------------------------------------------
+
+
+def _memory_samples(n: int) -> list[dict[str, Any]]:
+    rng = random.Random(SEED)
+    blobs = [rng.randbytes(3000) for _ in range(1000)]
+    return [
+        {"__key__": f"c{i % 1000:04d}/s{i:07d}", "jpg": blobs[i % 1000], "cls": i % 1000}
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("tool", ["fastload", "webdataset", "mosaicml"])
+def test_writer(benchmark: Any, fresh: Rounds, tool: str, scale: Scale, tmp_path: Path) -> None:
+    plan = PLANS[scale.name]
+    samples = _memory_samples(plan.small_files)
+    limit = _fastload().writer.parse_size(plan.max_size)
+    if tool == "fastload":
+        fl = _fastload()
+
+        def run(dst: Path) -> int:
+            with fl.ShardWriter(dst, max_size=limit) as w:
+                for s in samples:
+                    w.write(s)
+            return int(w.samples)
+    elif tool == "webdataset":
+        wds = pytest.importorskip("webdataset")
+
+        def run(dst: Path) -> int:
+            dst.mkdir()
+            with wds.ShardWriter(str(dst / "shard-%06d.tar"), maxcount=10**9, maxsize=limit,
+                                 verbose=0) as w:  # fmt: skip
+                for s in samples:
+                    w.write(s)
+            return len(samples)
+    else:
+        streaming = pytest.importorskip("streaming")
+        columns = {"__key__": "str", "jpg": "bytes", "cls": "int"}
+
+        def run(dst: Path) -> int:
+            with streaming.MDSWriter(out=str(dst), columns=columns, size_limit=limit) as w:
+                for s in samples:
+                    w.write(s)
+            return len(samples)
+
+    nbytes = sum(len(s["jpg"]) for s in samples)
+    describe(benchmark, group="writer-3kb", tool=tool, src=Source(tmp_path, len(samples), nbytes),
+             cache="warm", scale=scale, max_size=plan.max_size)  # fmt: skip
+    assert fresh.run(run, src=tmp_path, cache="none") == len(samples)

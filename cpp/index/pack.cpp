@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
@@ -557,7 +558,7 @@ class Sources {
   UniqueFd root_;
 };
 
-void run_per_shard(const Plan& p, const Options& o, Result* result) {
+void run_per_shard(const Plan& p, const Options& o) {
   const size_t shards = p.shard_first.size() - 1;
   const Sources sources(p);
   std::atomic<size_t> next{0};
@@ -586,7 +587,6 @@ void run_per_shard(const Plan& p, const Options& o, Result* result) {
       f.commit(o.sync);
     }
   });
-  (void)result;
 }
 
 struct Batch {
@@ -774,7 +774,7 @@ Result run(const Plan& p, const Options& o) {
   for (uint64_t b : sizes) r.bytes += b;
   if (shards == 0) return r;
   if (o.mode == Mode::kPerShard) {
-    run_per_shard(p, o, &r);
+    run_per_shard(p, o);
     return r;
   }
   // kScatter: an archive is opened once and shared by all threads (pread only); a tree's

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import numpy.typing as npt
 
 from . import _core
 from ._archive import archive_compression
+from ._engine import _NETWORK_FS
 from ._pack_plan import cut_shards, member_bytes, permutation, split_key, task_shards
 from .errors import NotEnoughSpaceError
 from .index import ShardIndex
@@ -402,10 +404,18 @@ class _Progress:
         self._bar.close()
 
 
-def default_workers() -> int:
-    """Threads for a pack: reads of a network file system wait on round trips, so more
-    than the CPUs, within reason."""
-    return min(32, 4 * (os.cpu_count() or 1))
+def default_workers(src: Path) -> int:
+    """Threads for a pack: one per CPU this process may use; on a network file system,
+    where reads wait on round trips, four per CPU (at most 32), to keep more in flight."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        network = _core.fs_type(os.fspath(src)) in _NETWORK_FS
+    except OSError:
+        network = False
+    return min(32, 4 * cpus) if network else cpus
 
 
 def pack_path(
@@ -435,7 +445,7 @@ def pack_path(
     task_shards(0, task_index, num_tasks)  # checks the task arguments
     source = Path(os.path.abspath(src))
     out = Path(os.path.abspath(out_dir))
-    threads = workers or default_workers()
+    threads = workers or default_workers(source)
 
     listing = list_source(source, out, threads)
     smp = group(listing, classes)
@@ -456,7 +466,7 @@ def pack_path(
     out.mkdir(parents=True, exist_ok=True)
     _check_stale(out, pattern, set(names))
     for s in mine:  # temporaries a killed run of this task left
-        for leftover in out.glob(f".{glob_escape(names[s])}.tmp-*"):
+        for leftover in out.glob(f".{glob.escape(names[s])}.tmp-*"):
             leftover.unlink(missing_ok=True)
 
     # This task's members in output order.
@@ -536,12 +546,6 @@ def _starts(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     s = np.zeros(len(counts), dtype=np.int64)
     np.cumsum(counts[:-1], out=s[1:])
     return s
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 # --- the command line ------------------------------------------------------------------

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,61 @@ class Journal:
         self.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+class JournalFlusher:
+    """Appends finished files to a journal from a background thread, each batch only
+    after a syncfs of the destination made its data durable.
+
+    syncfs waits for the file system's writeback, which can take seconds on a busy disk;
+    done on the thread that feeds the copy or the extraction, it would stall it.
+    """
+
+    def __init__(self, journal: Journal, sync_path: str, every: float = 1.0) -> None:
+        from . import _core
+
+        self._journal = journal
+        self._sync_path = sync_path
+        self._syncfs = _core.syncfs
+        self._every = every
+        self._pending: list[tuple[str, int, int, int, str]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastload-journal", daemon=True)
+        self._thread.start()
+
+    def add(self, records: list[tuple[str, int, int, int, str]]) -> None:
+        if records:
+            with self._lock:
+                self._pending.extend(records)
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            self._syncfs(self._sync_path)  # every file of the batch is on disk after this
+            self._journal.append(batch)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._every)
+            self._wake.clear()
+            try:
+                self._flush()
+            except BaseException as e:  # reported by close()
+                self._error = e
+                return
+            if self._stop:
+                return
+
+    def close(self) -> None:
+        """Flushes what is pending and stops the thread; raises a flush error."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        if self._error is None:
+            self._flush()
+        if self._error is not None:
+            raise self._error

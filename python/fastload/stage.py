@@ -27,6 +27,7 @@ from ._engine import resolve_engine
 from ._state import (
     MANIFEST_VERSION,
     Journal,
+    JournalFlusher,
     node_lock,
     read_manifest,
     state_dir,
@@ -612,26 +613,20 @@ def _stage_locked(
         progress, f"stage {src_abs.name}", total_bytes, done_bytes
     )
     copied_files = copied_bytes = 0
-    last_sync = time.monotonic()
-    pending: list[tuple[str, int, int, int, str]] = []
+    flusher = JournalFlusher(journal, str(dst_root), _JOURNAL_EVERY)
     engine_name = "none"
 
     def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
-        nonlocal last_sync, copied_files, copied_bytes
+        nonlocal copied_files, copied_bytes
+        records = []
         for idx, digests in batch:
             e = files[todo[idx]]
             rec = (e[2], e[5], e[4], digests.hex())
             done[e[0]] = rec
-            pending.append((e[0], *rec))
+            records.append((e[0], *rec))
             copied_files += 1
             copied_bytes += e[2]
-        now = time.monotonic()
-        if pending and (final or now - last_sync >= _JOURNAL_EVERY):
-            # Journal only what has reached the disk: a crash then loses nothing recorded.
-            _core.syncfs(str(dst_root))
-            journal.append(pending)
-            pending.clear()
-            last_sync = now
+        flusher.add(records)
 
     try:
         if todo:
@@ -659,9 +654,12 @@ def _stage_locked(
             )
         elif on_progress is not None:
             on_progress(total_bytes, total_bytes, len(files), len(files))
+        flusher.close()
         _finish_tree(src_abs, dst_abs, dst_root, entries, is_file)
         _core.syncfs(str(dst_root))
     finally:
+        with contextlib.suppress(Exception):
+            flusher.close()  # after an error: keep what finished, report the first error
         journal.close()
         if bar is not None:
             bar.close()

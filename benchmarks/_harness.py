@@ -8,6 +8,7 @@ import dataclasses
 import os
 import shutil
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import pytest
@@ -181,3 +182,51 @@ def describe(
             **more,
         }
     )
+
+
+# --- fastload itself, and shards with an index ----------------------------------------
+
+
+def import_fastload(*, torch: bool = False) -> ModuleType:
+    """fastload, or a skip when it is not installed (and, with torch, when torch is not)."""
+    try:
+        import fastload
+    except ModuleNotFoundError as e:
+        if e.name in ("fastload", "fastload._core"):
+            pytest.skip(f"fastload is not installed ({e})")
+        raise
+    if torch:
+        pytest.importorskip("torch")
+    return fastload
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedShards:
+    """webdataset-style shards from data.small_record_shards, with a fastload index."""
+
+    folder: Path
+    paths: list[str]
+    counts: list[int]
+    index: Path
+    bytes: int
+
+    @property
+    def samples(self) -> int:
+        return sum(self.counts)
+
+    def source(self) -> Source:
+        return Source(self.folder, self.samples, self.bytes)
+
+
+def indexed_shards(index: Path, n: int, per: int, kb: float) -> IndexedShards:
+    """``n`` records of ``kb`` KB, ``per`` to a shard (cached by data.py), indexed at
+    ``index``."""
+    from data import keyed, small_record_shards
+
+    folder = small_record_shards(
+        keyed("shards", n=n, kb=kb, per=per, s=0), n, kb, per, seed=0, fmt="gnu"
+    )
+    paths = sorted(str(p) for p in folder.glob("shard-*.tar"))
+    counts = [min(per, n - i * per) for i in range(len(paths))]
+    import_fastload().ShardIndex.build(paths, index)
+    return IndexedShards(folder, paths, counts, index, sum(os.path.getsize(p) for p in paths))

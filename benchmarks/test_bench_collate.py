@@ -32,16 +32,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import multiprocessing
-import os
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from _harness import Scale, Source, describe, warm
-from data import keyed, small_record_shards
+from _harness import IndexedShards, Scale, describe, import_fastload, indexed_shards, warm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,30 +61,10 @@ PAGE = 4096
 
 
 def _fastload() -> ModuleType:
-    try:
-        import fastload
-    except ModuleNotFoundError as e:
-        if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
-        raise
-    pytest.importorskip("torch")
-    return fastload
+    return import_fastload(torch=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class Shards:
-    folder: Path
-    paths: list[str]
-    counts: list[int]
-    index: Path
-    bytes: int
-
-    @property
-    def samples(self) -> int:
-        return sum(self.counts)
-
-    def source(self) -> Source:
-        return Source(self.folder, self.samples, self.bytes)
+Shards = IndexedShards
 
 
 @pytest.fixture(scope="session")
@@ -100,15 +77,8 @@ def shards(
     request: pytest.FixtureRequest, plan: Plan, tmp_path_factory: pytest.TempPathFactory
 ) -> Shards:
     size: str = request.param
-    n, per, kb = plan.samples[size], plan.per_shard[size], KB[size]
-    folder = small_record_shards(
-        keyed("shards", n=n, kb=kb, per=per, s=0), n, kb, per, seed=0, fmt="gnu"
-    )
-    paths = sorted(str(p) for p in folder.glob("shard-*.tar"))
-    counts = [min(per, n - i * per) for i in range(len(paths))]
     index = tmp_path_factory.mktemp("collate") / f"{size}.fidx"
-    _fastload().ShardIndex.build(paths, index)
-    return Shards(folder, paths, counts, index, sum(os.path.getsize(p) for p in paths))
+    return indexed_shards(index, plan.samples[size], plan.per_shard[size], KB[size])
 
 
 def _size_of(s: Shards) -> str:
@@ -195,8 +165,16 @@ def test_handover_epoch(
     size = _size_of(shards)
     warm(shards.folder)
     loader = _loader(tool, shards)
-    describe(benchmark, group=f"handover-{size}", tool=tool, src=shards.source(), cache="warm",
-             scale=scale, workers=WORKERS, batch=BATCH)
+    describe(
+        benchmark,
+        group=f"handover-{size}",
+        tool=tool,
+        src=shards.source(),
+        cache="warm",
+        scale=scale,
+        workers=WORKERS,
+        batch=BATCH,
+    )
     times: list[float] = []
 
     def timed() -> tuple[int, int]:
@@ -209,7 +187,8 @@ def test_handover_epoch(
     assert n == shards.samples and total > 0
     best = min(times)
     benchmark.extra_info.update(
-        samples_per_s=round(n / best), payload_gb_per_s=round(total / best / 1e9, 3),
+        samples_per_s=round(n / best),
+        payload_gb_per_s=round(total / best / 1e9, 3),
         payload_bytes=total,
     )
     print(f"\nhandover-{size} {tool}: {n / best:,.0f} samples/s, {total / best / 1e9:.2f} GB/s")
@@ -224,8 +203,9 @@ def test_host_to_device(benchmark: Any, shards: Shards, plan: Plan, scale: Scale
     size = _size_of(shards)
     warm(shards.folder)
     ds = fl.ShardIndexDataset(shards.index, packed=True)
-    batches = [ds.__getitems__(list(range(i, min(i + BATCH, len(ds)))))
-               for i in range(0, len(ds), BATCH)]
+    batches = [
+        ds.__getitems__(list(range(i, min(i + BATCH, len(ds))))) for i in range(0, len(ds), BATCH)
+    ]
     pinned = [b.pin_memory() for b in batches]
     nbytes = sum(b.nbytes for b in pinned)
 
@@ -235,8 +215,15 @@ def test_host_to_device(benchmark: Any, shards: Shards, plan: Plan, scale: Scale
         torch.cuda.synchronize()
         return nbytes
 
-    describe(benchmark, group=f"h2d-{size}", tool="fastload-packed", src=shards.source(),
-             cache="warm", scale=scale, batch=BATCH)
+    describe(
+        benchmark,
+        group=f"h2d-{size}",
+        tool="fastload-packed",
+        src=shards.source(),
+        cache="warm",
+        scale=scale,
+        batch=BATCH,
+    )
     t0 = time.perf_counter()
     assert benchmark.pedantic(copy, rounds=max(plan.rounds, 3), iterations=1) == nbytes
     benchmark.extra_info["gb_per_s_first_rounds"] = round(

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import pytest
 
-from _harness import Rounds, Scale, Source, check_cache, describe
+from _harness import Rounds, Scale, Source, check_cache, describe, import_fastload
 from data import imagenet_like_tar, keyed, tar_of_tars, tree_stats
 
 CACHES = ["warm", "cold"]
@@ -52,13 +52,7 @@ EXTRACT_SCALES = {
 
 
 def _fastload() -> ModuleType:
-    try:
-        import fastload
-    except ModuleNotFoundError as e:
-        if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
-        raise
-    return fastload
+    return import_fastload()
 
 
 def _need(cmd: str) -> str:

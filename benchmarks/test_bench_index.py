@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import multiprocessing
-import os
 import random
 from pathlib import Path
 from types import ModuleType
@@ -35,8 +34,7 @@ from typing import Any, Callable
 
 import pytest
 
-from _harness import Scale, Source, describe, warm
-from data import keyed, small_record_shards
+from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +59,7 @@ WORKERS = 2
 
 
 def _fastload() -> ModuleType:
-    try:
-        import fastload
-    except ModuleNotFoundError as e:
-        if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
-        raise
-    return fastload
+    return import_fastload(torch=False)
 
 
 def _torch_data() -> ModuleType:
@@ -78,34 +70,13 @@ def _wids() -> ModuleType:
     return pytest.importorskip("wids")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shards:
-    folder: Path
-    paths: list[str]
-    counts: list[int]
-    index: Path
-    bytes: int
-
-    @property
-    def samples(self) -> int:
-        return sum(self.counts)
-
-    def source(self) -> Source:
-        return Source(self.folder, self.samples, self.bytes)
+Shards = IndexedShards
 
 
 def _make_shards(
     tmp: pytest.TempPathFactory, size: str, n: int, per: int, kb: float, name: str
 ) -> Shards:
-    folder = small_record_shards(
-        keyed("shards", n=n, kb=kb, per=per, s=0), n, kb, per, seed=0, fmt="gnu"
-    )
-    paths = sorted(str(p) for p in folder.glob("shard-*.tar"))
-    counts = [min(per, n - i * per) for i in range(len(paths))]
-    index = tmp.mktemp(name) / f"{size}.fidx"
-    _fastload().ShardIndex.build(paths, index)
-    total = sum(os.path.getsize(p) for p in paths)
-    return Shards(folder, paths, counts, index, total)
+    return indexed_shards(tmp.mktemp(name) / f"{size}.fidx", n, per, kb)
 
 
 @pytest.fixture(scope="session")
@@ -211,8 +182,9 @@ def test_random_access(benchmark: Any, tool: str, shards: Shards, plan: Plan, sc
     read = _random_reader(tool, shards)
     read(indices[:10])  # open what the tool opens lazily; steady state is what we time
     src = Source(shards.folder, n, 0)
-    describe(benchmark, group=f"random-{size}", tool=tool, src=src, cache="warm", scale=scale,
-             samples=n)
+    describe(
+        benchmark, group=f"random-{size}", tool=tool, src=src, cache="warm", scale=scale, samples=n
+    )
     total = benchmark.pedantic(read, args=(indices,), rounds=plan.rounds, iterations=1)
     assert total > 0
     benchmark.extra_info["bytes"] = total
@@ -242,9 +214,7 @@ def _epoch_loader(tool: str, s: Shards) -> Any:
     else:
         fl = _fastload()
         ds = fl.ShardIndexDataset(s.index, access="read" if tool == "fastload-read" else "mmap")
-    return data.DataLoader(
-        ds, shuffle=True, generator=torch.Generator().manual_seed(0), **common
-    )
+    return data.DataLoader(ds, shuffle=True, generator=torch.Generator().manual_seed(0), **common)
 
 
 @pytest.mark.parametrize("tool", EPOCH_TOOLS)
@@ -260,8 +230,16 @@ def test_epoch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Sca
             total += sum(_sample_bytes(s) for s in batch)
         return n, total
 
-    describe(benchmark, group=f"epoch-{size}", tool=tool, src=shards.source(), cache="warm",
-             scale=scale, workers=WORKERS, batch=BATCH)
+    describe(
+        benchmark,
+        group=f"epoch-{size}",
+        tool=tool,
+        src=shards.source(),
+        cache="warm",
+        scale=scale,
+        workers=WORKERS,
+        batch=BATCH,
+    )
     n, total = benchmark.pedantic(epoch, rounds=1, iterations=1)
     assert n == shards.samples and total > 0
 
@@ -292,8 +270,15 @@ def test_index_build(
         def build() -> int:
             return len(fl.ShardIndex.build(shards.paths, tmp_path / "b.fidx", threads=threads))
 
-    describe(benchmark, group=f"build-{size}", tool=tool, src=shards.source(), cache="warm",
-             scale=scale, shards=len(shards.paths))
+    describe(
+        benchmark,
+        group=f"build-{size}",
+        tool=tool,
+        src=shards.source(),
+        cache="warm",
+        scale=scale,
+        shards=len(shards.paths),
+    )
     assert benchmark.pedantic(build, rounds=plan.rounds, iterations=1) == shards.samples
 
 
@@ -319,6 +304,13 @@ def test_first_sample(
         def first() -> int:
             return _sample_bytes(fl.ShardIndexDataset(s.index, access=access)[0])
 
-    describe(benchmark, group="first-sample", tool=tool, src=Source(s.folder, 1, 0),
-             cache="warm", scale=scale, shards=len(s.paths))
+    describe(
+        benchmark,
+        group="first-sample",
+        tool=tool,
+        src=Source(s.folder, 1, 0),
+        cache="warm",
+        scale=scale,
+        shards=len(s.paths),
+    )
     assert benchmark.pedantic(first, rounds=max(plan.rounds, 5), iterations=1) > 0

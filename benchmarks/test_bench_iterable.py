@@ -36,14 +36,12 @@ import dataclasses
 import multiprocessing
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from _harness import Scale, Source, describe, warm
-from data import keyed, small_record_shards
+from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,41 +62,18 @@ STREAM_TOOLS = ["fastload", "fastload-batched", "webdataset"]
 
 
 def _fastload() -> ModuleType:
-    try:
-        import fastload
-    except ModuleNotFoundError as e:
-        if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
-        raise
-    pytest.importorskip("torch")
-    return fastload
+    return import_fastload(torch=True)
 
 
 def _webdataset() -> ModuleType:
     return pytest.importorskip("webdataset")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shards:
-    folder: Path
-    paths: list[str]
-    index: Path
-    samples: int
-    bytes: int
-
-    def source(self) -> Source:
-        return Source(self.folder, self.samples, self.bytes)
+Shards = IndexedShards
 
 
 def _shards(tmp: pytest.TempPathFactory, n: int, per: int, kb: float, name: str) -> Shards:
-    folder = small_record_shards(
-        keyed("shards", n=n, kb=kb, per=per, s=0), n, kb, per, seed=0, fmt="gnu"
-    )
-    paths = sorted(str(p) for p in folder.glob("shard-*.tar"))
-    index = tmp.mktemp(name) / "all.fidx"
-    _fastload().ShardIndex.build(paths, index)
-    total = sum(os.path.getsize(p) for p in paths)
-    return Shards(folder, paths, index, n, total)
+    return indexed_shards(tmp.mktemp(name) / "all.fidx", n, per, kb)
 
 
 @pytest.fixture(scope="session")
@@ -170,8 +145,16 @@ def test_stream_epoch(benchmark: Any, tool: str, shards: Shards, plan: Plan, sca
     size = _size_of(shards)
     warm(shards.folder)
     loader = _loader(tool, shards)
-    describe(benchmark, group=f"stream-{size}", tool=tool, src=shards.source(), cache="warm",
-             scale=scale, workers=WORKERS, batch=BATCH)
+    describe(
+        benchmark,
+        group=f"stream-{size}",
+        tool=tool,
+        src=shards.source(),
+        cache="warm",
+        scale=scale,
+        workers=WORKERS,
+        batch=BATCH,
+    )
     keys, total = benchmark.pedantic(lambda: _drain(loader), rounds=plan.rounds, iterations=1)
     assert len(keys) == shards.samples and total > 0
     assert len(set(keys)) == len(keys)
@@ -189,8 +172,16 @@ def test_first_batch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scal
         del it  # shuts the workers down
         return n
 
-    describe(benchmark, group=f"first-batch-{size}", tool=tool, src=Source(shards.folder, 1, 0),
-             cache="warm", scale=scale, workers=WORKERS, batch=BATCH)
+    describe(
+        benchmark,
+        group=f"first-batch-{size}",
+        tool=tool,
+        src=Source(shards.folder, 1, 0),
+        cache="warm",
+        scale=scale,
+        workers=WORKERS,
+        batch=BATCH,
+    )
     assert benchmark.pedantic(first, rounds=max(plan.rounds, 3), iterations=1) > 0
 
 
@@ -232,7 +223,12 @@ def uneven(plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Shards:
 @pytest.mark.parametrize("tool", ["fastload", "webdataset"])
 @pytest.mark.parametrize("which", ["benchmark", "7-shards"])
 def test_split(
-    benchmark: Any, tool: str, which: str, shards: Shards, uneven: Shards, plan: Plan,
+    benchmark: Any,
+    tool: str,
+    which: str,
+    shards: Shards,
+    uneven: Shards,
+    plan: Plan,
     scale: Scale,
 ) -> None:
     s = shards if which == "benchmark" else uneven
@@ -240,8 +236,16 @@ def test_split(
         pytest.skip("the 7-shard case runs once")
     warm(s.folder)
     name = f"split-{_size_of(s) if which == 'benchmark' else '7-shards'}"
-    describe(benchmark, group=name, tool=tool, src=s.source(), cache="warm", scale=scale,
-             world=2, workers=WORKERS)
+    describe(
+        benchmark,
+        group=name,
+        tool=tool,
+        src=s.source(),
+        cache="warm",
+        scale=scale,
+        world=2,
+        workers=WORKERS,
+    )
     result: dict[str, Any] = benchmark.pedantic(
         _split_check, args=(tool, s), rounds=1, iterations=1
     )

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import pytest
 
-from _harness import Rounds, Scale, Source, describe
+from _harness import Rounds, Scale, Source, describe, import_fastload
 from data import imagenet_like_tree, keyed, tar_of_tars, tree_stats
 
 
@@ -64,13 +64,7 @@ SEED = 0
 
 
 def _fastload() -> ModuleType:
-    try:
-        import fastload
-    except ModuleNotFoundError as e:
-        if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
-        raise
-    return fastload
+    return import_fastload()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,7 +239,77 @@ def test_map_dataset_round_trip(
     got = collected(batches)
     assert got == {k: f for k, f in samples}
     # In the main process, the blocks are the workers' shared memory.
-    assert batches[0]["jpg"].data.is_shared()
+    assert all("fastload-batch" in mapping_of(b["jpg"].data)[1] for b in batches)
+
+
+def mapping_of(t: torch.Tensor) -> tuple[int, str]:
+    """(inode, name) of the mapping of this process that holds ``t``'s data."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return int(parts[4]), parts[5] if len(parts) > 5 else ""
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_workers_reuse_their_blocks(shards: tuple[Path, list[Sample]], start: str) -> None:
+    """A batch is written into a block the main process has let go of: an epoch of 30
+    batches through 2 workers uses a handful of blocks, not one per batch."""
+    path, samples = shards
+    ds = fastload.ShardIndexDataset(path, packed=True)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=fastload.collate,
+                        multiprocessing_context=multiprocessing.get_context(start))
+    blocks = set()
+    count = 0
+    for b in loader:
+        inode, name = mapping_of(b["jpg"].data)
+        assert "fastload-batch" in name
+        blocks.add(inode)
+        check_batch(b, [(k, dict(samples)[k]) for k in b.keys])
+        count += 1
+        del b
+    assert count == 30
+    # per worker: prefetch_factor (2) queued + one being filled + one held here
+    assert 2 <= len(blocks) <= 8, blocks
+
+
+def test_block_leases() -> None:
+    """The count in a block follows its leases in every process; attaching checks what
+    it maps."""
+    import os
+
+    from fastload import _core
+
+    block = _core.ShmBlock(100_000)
+    assert block.users == 0 and block.capacity >= 100_000
+    lease = block.lease()
+    t = torch.frombuffer(lease, dtype=torch.uint8)
+    t[:5] = torch.tensor(list(b"hello"), dtype=torch.uint8)
+    del lease
+    assert block.users == 1  # the tensor holds its lease
+    block.retain()  # as pickling does, for the receiver
+    other = torch.frombuffer(_core.ShmLease.attach(os.dup(block.fd), block.length),
+                             dtype=torch.uint8)
+    assert other[:5].numpy().tobytes() == b"hello"
+    assert block.users == 2
+    del t
+    assert block.users == 1
+    del other
+    gc.collect()
+    assert block.users == 0
+
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(OSError, match="fastload batch block"):
+        _core.ShmLease.attach(r, 1 << 20)
+    fd = os.memfd_create("not-a-block")
+    os.ftruncate(fd, 1 << 16)
+    with pytest.raises(OSError, match="not a fastload batch block"):
+        _core.ShmLease.attach(fd, 1 << 16)
+    with pytest.raises(OSError, match="were announced"):
+        _core.ShmLease.attach(os.dup(block.fd), block.length * 2)
 
 
 def test_views_outlive_the_loader(shards: tuple[Path, list[Sample]]) -> None:

@@ -10,4 +10,5 @@ PYBIND11_MODULE(_core, m) {
   fastload::bindings::register_extract(m);
   fastload::bindings::register_pack(m);
   fastload::bindings::register_collate(m);
+  fastload::bindings::register_shm(m);
 }

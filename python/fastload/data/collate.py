@@ -5,12 +5,15 @@ every payload as ``bytes`` through a pipe.
 
 :func:`collate` packs a list of sample dicts (what the datasets' batched fetch returns)
 with one native copy per payload, the GIL released; in a DataLoader worker the tensors
-are allocated in shared memory up front (one segment per batch), so nothing is copied
-again on the way to the main process. :class:`PackedBatch` is what comes out.
+are allocated in shared memory up front (in blocks the worker reuses once the main
+process has dropped their last batch), so nothing is copied again on the way to the
+main process. :class:`PackedBatch` is what comes out.
 """
 
 from __future__ import annotations
 
+import multiprocessing.reduction as _reduction
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Callable, Union
 
@@ -30,18 +33,70 @@ Value = Union["PackedField", torch.Tensor]
 # --- allocation ------------------------------------------------------------------------
 
 
-def _shared(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` in shared memory (not initialised). Allocating it
-    there directly (what torch's default_collate does in workers) beats the two
-    alternatives: ``torch.empty(n).share_memory_()`` writes every page twice, and a
-    private tensor is copied into shared memory by the DataLoader's pickler."""
-    try:
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]
-    except AttributeError:  # pragma: no cover - torch without the private allocator
-        t: torch.Tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        t.share_memory_()  # type: ignore[no-untyped-call]
-        return t[:nbytes]
-    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+class _BlockPool:
+    """A DataLoader worker's shared-memory blocks (``_core.ShmBlock``, memfd), reused
+    from batch to batch. A fresh segment per batch (what torch allocates for a tensor
+    in a worker) pays a page fault, a zeroed page and a page-cache insertion for every
+    4 KiB, and a truncation when freed: most of the cost of a large batch. A block is
+    reused once the main process has dropped every tensor over the batch last written
+    into it (its lease count, kept in the block, is zero); the pool grows while the
+    main process holds more batches, and keeps at most ``max_idle`` spare blocks."""
+
+    _GRAIN = 1 << 20
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self.pid = os.getpid()
+        self.max_idle = max_idle
+        self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
+        free = sorted(
+            (b for b in self.blocks.values() if b.users == 0), key=lambda b: b.capacity
+        )
+        block = next((b for b in free if b.capacity >= nbytes), None)
+        if block is None:
+            # an eighth of headroom, so batches of varying size fit the same block
+            want = -(-(nbytes + nbytes // 8) // self._GRAIN) * self._GRAIN
+            block = _core.ShmBlock(want)
+            self.blocks[block.address] = block
+        spare = [b for b in free if b is not block]
+        for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
+            del self.blocks[b.address]
+        lease = block.lease()
+        return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
+
+    def block_of(self, storage: torch.UntypedStorage) -> _core.ShmBlock | None:
+        return self.blocks.get(storage.data_ptr())
+
+
+_pool: _BlockPool | None = None
+
+
+def _worker_pool() -> _BlockPool:
+    global _pool
+    if _pool is None or _pool.pid != os.getpid():  # a forked child starts its own
+        _pool = _BlockPool()
+    return _pool
+
+
+class _BlockHandover:
+    """Pickles as the descriptor of a pool block (the way torch hands over its own
+    shared storages), retaining a lease for the receiving process to take over."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: _core.ShmBlock) -> None:
+        self.block = block
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        self.block.retain()  # before this process's own lease can go
+        return _attach_block, (_reduction.DupFd(self.block.fd), self.block.length)
+
+
+def _attach_block(handle: Any, length: int) -> torch.Tensor:
+    lease = _core.ShmLease.attach(handle.detach(), length)
+    return torch.frombuffer(lease, dtype=torch.uint8)
 
 
 class _Arena:
@@ -59,7 +114,7 @@ class _Arena:
         for n in sizes:
             starts.append(at)
             at += -(-n // _ALIGN) * _ALIGN
-        block = _shared(at) if self.shared else torch.empty(at, dtype=torch.uint8)
+        block = _worker_pool().take(at) if self.shared else torch.empty(at, dtype=torch.uint8)
         self.pieces = [block[a : a + n] for a, n in zip(starts, sizes, strict=True)]
         return [p.numpy().data for p in self.pieces]
 
@@ -86,6 +141,7 @@ def _ship(tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[_Spec]]:
     """(storages, per tensor (storage number, offset, shape, stride, dtype))."""
     bases: list[Any] = []
     seen: dict[tuple[str, int], int] = {}
+    pool = _pool if _pool is not None and _pool.pid == os.getpid() else None
     specs: list[_Spec] = []
     for t in tensors:
         st = t.untyped_storage()
@@ -93,13 +149,21 @@ def _ship(tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[_Spec]]:
         k = seen.get(key)
         if k is None:
             k = seen[key] = len(bases)
-            base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-            if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
-                bases.append(base.numpy().tobytes())
-            else:
-                bases.append(base)
+            bases.append(_base(st, t.device, pool))
         specs.append((k, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype))
     return bases, specs
+
+
+def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | None) -> Any:
+    """How one storage travels: a pool block by its descriptor, a small private one
+    inline as bytes, anything else as a tensor (torch's own sharing)."""
+    block = pool.block_of(st) if pool is not None else None
+    if block is not None:
+        return _BlockHandover(block)
+    base = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+    if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
+        return base.numpy().tobytes()
+    return base
 
 
 def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:

@@ -290,8 +290,8 @@ def test_block_leases() -> None:
     del lease
     assert block.users == 1  # the tensor holds its lease
     block.retain()  # as pickling does, for the receiver
-    other = torch.frombuffer(_core.ShmLease.attach(os.dup(block.fd), block.length),
-                             dtype=torch.uint8)
+    view = _core.ShmView(os.dup(block.fd), block.length)
+    other = torch.frombuffer(view.adopt(), dtype=torch.uint8)
     assert other[:5].numpy().tobytes() == b"hello"
     assert block.users == 2
     del t
@@ -299,17 +299,27 @@ def test_block_leases() -> None:
     del other
     gc.collect()
     assert block.users == 0
+    # The receiving side keeps its mapping: a batch written there again reads through it.
+    lease = block.lease()
+    torch.frombuffer(lease, dtype=torch.uint8)[:5] = torch.tensor(list(b"again"),
+                                                                  dtype=torch.uint8)
+    block.retain()
+    del lease
+    again = torch.frombuffer(view.adopt(), dtype=torch.uint8)
+    assert again[:5].numpy().tobytes() == b"again" and block.users == 1
+    del again
+    assert block.users == 0
 
     r, w = os.pipe()
     os.close(w)
     with pytest.raises(OSError, match="fastload batch block"):
-        _core.ShmLease.attach(r, 1 << 20)
+        _core.ShmView(r, 1 << 20)
     fd = os.memfd_create("not-a-block")
     os.ftruncate(fd, 1 << 16)
     with pytest.raises(OSError, match="not a fastload batch block"):
-        _core.ShmLease.attach(fd, 1 << 16)
+        _core.ShmView(fd, 1 << 16)
     with pytest.raises(OSError, match="were announced"):
-        _core.ShmLease.attach(os.dup(block.fd), block.length * 2)
+        _core.ShmView(os.dup(block.fd), block.length * 2)
 
 
 def test_views_outlive_the_loader(shards: tuple[Path, list[Sample]]) -> None:

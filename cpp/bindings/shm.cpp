@@ -15,8 +15,8 @@
 //    count cannot drop to zero while a batch is on its way.
 //  - ShmLease: a writable buffer over the block's payload (what torch.frombuffer wraps;
 //    the tensor's storage keeps the lease alive); its destruction gives the count back.
-//    ShmLease.attach(fd, length) maps a block received from a worker and adopts the
-//    count the worker retained for it.
+//  - ShmView (main process): its mapping of a block received from a worker, kept from
+//    batch to batch; adopt() is the lease taking over the count the worker retained.
 // A block is free for the next batch when its count is zero: every tensor over the last
 // batch written into it is gone, in both processes.
 #include <sys/mman.h>
@@ -73,7 +73,8 @@ class Mapping {
 
 class ShmLease {
  public:
-  // Takes over one count already on the block (lease() or the sender's retain()).
+  // Takes over one count already on the block (ShmBlock::lease() or the sender's
+  // retain()).
   explicit ShmLease(std::shared_ptr<Mapping> map) : map_(std::move(map)) {}
   ~ShmLease() {
     if (map_) map_->users().fetch_sub(1, std::memory_order_release);
@@ -81,8 +82,23 @@ class ShmLease {
   ShmLease(const ShmLease&) = delete;
   ShmLease& operator=(const ShmLease&) = delete;
 
-  // Maps a block whose descriptor arrived from another process; fd is closed here.
-  static std::unique_ptr<ShmLease> attach(int raw_fd, size_t length) {
+  py::buffer_info buffer() const {
+    return py::buffer_info(map_->payload(), 1, "B", 1, {py::ssize_t(map_->capacity())}, {1},
+                           /*readonly=*/false);
+  }
+  size_t capacity() const { return map_->capacity(); }
+
+ private:
+  std::shared_ptr<Mapping> map_;
+};
+
+// The receiving side's mapping of a block that arrived from another process. It stays
+// mapped while the receiver keeps it, so the next batch written into the same block
+// costs no new mapping and no page faults here.
+class ShmView {
+ public:
+  // Maps the block behind fd (a descriptor received from the sender; closed here).
+  ShmView(int raw_fd, size_t length) {
     UniqueFd fd(raw_fd);
     struct stat st;
     if (::fstat(fd.get(), &st) != 0) throw Error::os(errno, "stat", kName);
@@ -90,17 +106,13 @@ class ShmLease {
       throw Error(ErrorKind::kOs, EINVAL, "attach", kName,
                   "the block has " + std::to_string(st.st_size) + " bytes, " +
                       std::to_string(length) + " were announced");
-    auto map = Mapping::map(fd.get(), length);
-    if (map->header()->magic != kMagic)
+    map_ = Mapping::map(fd.get(), length);
+    if (map_->header()->magic != kMagic)
       throw Error(ErrorKind::kOs, EINVAL, "attach", kName, "not a fastload batch block");
-    return std::make_unique<ShmLease>(std::move(map));
   }
-
-  py::buffer_info buffer() const {
-    return py::buffer_info(map_->payload(), 1, "B", 1, {py::ssize_t(map_->capacity())}, {1},
-                           /*readonly=*/false);
-  }
-  size_t capacity() const { return map_->capacity(); }
+  // A lease taking over the count the sender retained for this batch.
+  std::unique_ptr<ShmLease> adopt() { return std::make_unique<ShmLease>(map_); }
+  size_t length() const { return map_->length(); }
 
  private:
   std::shared_ptr<Mapping> map_;
@@ -117,6 +129,9 @@ class ShmBlock {
     map_ = Mapping::map(fd_.get(), length);
     map_->header()->magic = kMagic;
     map_->users().store(0, std::memory_order_release);
+    struct stat st;
+    if (::fstat(fd_.get(), &st) != 0) throw Error::os(errno, "stat", kName);
+    inode_ = uint64_t(st.st_ino);
   }
 
   uint32_t users() const { return map_->users().load(std::memory_order_acquire); }
@@ -129,9 +144,11 @@ class ShmBlock {
   size_t length() const { return map_->length(); }
   size_t capacity() const { return map_->capacity(); }
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(map_->payload()); }
+  uint64_t inode() const { return inode_; }
 
  private:
   UniqueFd fd_;
+  uint64_t inode_ = 0;
   std::shared_ptr<Mapping> map_;
 };
 
@@ -142,16 +159,22 @@ void register_shm(py::module_& m) {
                        "A writable buffer over a shared-memory batch block; the block is free "
                        "for reuse once every lease on it is gone.")
       .def_buffer(&ShmLease::buffer)
-      .def_static("attach", &ShmLease::attach, py::arg("fd"), py::arg("length"),
-                  "Maps a block received from another process (fd is closed) and takes over "
-                  "the count that process retained for it.")
       .def_property_readonly("capacity", &ShmLease::capacity);
+
+  py::class_<ShmView>(m, "ShmView", "A block received from another process, mapped here.")
+      .def(py::init<int, size_t>(), py::arg("fd"), py::arg("length"),
+           "Maps the block behind fd (closed here); OSError if it is not a block of that "
+           "length.")
+      .def("adopt", &ShmView::adopt,
+           "A lease taking over the count the sending process retained for it.")
+      .def_property_readonly("length", &ShmView::length);
 
   py::class_<ShmBlock>(m, "ShmBlock",
                        "A reusable shared-memory (memfd) block for packed batches.")
       .def(py::init<size_t>(), py::arg("capacity"))
       .def_property_readonly("users", &ShmBlock::users)
       .def_property_readonly("fd", &ShmBlock::fd)
+      .def_property_readonly("inode", &ShmBlock::inode)
       .def_property_readonly("length", &ShmBlock::length)
       .def_property_readonly("capacity", &ShmBlock::capacity)
       .def_property_readonly("address", &ShmBlock::address)

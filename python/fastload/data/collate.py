@@ -90,13 +90,45 @@ class _BlockHandover:
         self.block = block
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        self.block.retain()  # before this process's own lease can go
-        return _attach_block, (_reduction.DupFd(self.block.fd), self.block.length)
+        b = self.block
+        b.retain()  # before this process's own lease can go
+        return _attach_block, (_reduction.DupFd(b.fd), b.length, os.getpid(), b.inode)
 
 
-def _attach_block(handle: Any, length: int) -> torch.Tensor:
-    lease = _core.ShmLease.attach(handle.detach(), length)
-    return torch.frombuffer(lease, dtype=torch.uint8)
+# The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
+# from batch to batch, so a block written again costs no new mapping and no page faults
+# here. Those of a worker that has exited are dropped when another block arrives.
+_views: dict[tuple[int, int], _core.ShmView] = {}
+_MAX_VIEWS_PER_WORKER = 8
+
+
+def _attach_block(handle: Any, length: int, pid: int, inode: int) -> torch.Tensor:
+    fd = handle.detach()
+    key = (pid, inode)
+    view = _views.get(key)
+    if view is not None and view.length == length:
+        os.close(fd)
+    else:
+        view = _core.ShmView(fd, length)
+        _forget_views(pid)
+        _views[key] = view
+    return torch.frombuffer(view.adopt(), dtype=torch.uint8)
+
+
+def _forget_views(pid: int) -> None:
+    """Drops the mappings of exited workers, and the oldest of ``pid``'s beyond
+    ``_MAX_VIEWS_PER_WORKER`` (blocks its pool has let go)."""
+    for p in {p for p, _ in _views} - {pid}:
+        try:
+            os.kill(p, 0)
+        except ProcessLookupError:
+            for key in [k for k in _views if k[0] == p]:
+                del _views[key]
+        except PermissionError:  # pragma: no cover - alive, another user's
+            pass
+    mine = [k for k in _views if k[0] == pid]
+    for key in mine[: max(0, len(mine) + 1 - _MAX_VIEWS_PER_WORKER)]:
+        del _views[key]
 
 
 class _Arena:

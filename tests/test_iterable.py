@@ -1,7 +1,8 @@
-"""ShardIterableDataset over real shards: every sample once per epoch across ranks and
-DataLoader workers (fork, spawn, persistent; torch.distributed with gloo, 2 processes x 2
-workers), the exact order the pure functions promise, batches, resume in a new process
-(same and other worker counts, other world size).
+"""ShardIterableDataset over real shards: every DataLoader worker of every rank reads the
+same number of samples (and batches), together the epoch (padded or with the remainder
+dropped) across ranks and workers (fork, spawn, persistent; torch.distributed with gloo,
+2 processes x 2 workers), the exact order the pure functions promise, exact lengths,
+resume in a new process (same and other worker counts, other world size).
 
 Child processes run this file (``python test_iterable.py MODE JSON``): the gloo ranks,
 and the save and resume halves of an interrupted epoch.
@@ -25,7 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload import ShardIndex  # noqa: E402
@@ -72,6 +73,24 @@ def keys_of(items: Iterable[Any]) -> list[str]:
 
 def keep_list(batch: list[Any]) -> list[Any]:
     return batch
+
+
+def tag_worker(sample: dict[str, Any]) -> dict[str, Any]:
+    """The sample with ``"__worker__"``: the DataLoader worker that read it (-1: main)."""
+    info = get_worker_info()
+    return {**sample, "__worker__": -1 if info is None else info.id}
+
+
+def per_worker(items: Iterable[Any]) -> dict[int, list[int]]:
+    """Per worker (from ``tag_worker``), the sizes of the batches (lists) it yielded, or
+    1 per single sample."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for x in items:
+        batch = x if isinstance(x, list) else [x]
+        workers = {s["__worker__"] for s in batch}
+        assert len(workers) == 1
+        out[workers.pop()].append(len(batch))
+    return dict(out)
 
 
 def as_bytes(sample: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +179,7 @@ def test_ranks_from_the_environment(
         monkeypatch.setenv("WORLD_SIZE", str(size))
         ds = make(index, drop_last=drop_last, seed=1)
         keys = keys_of(ds)
-        assert len(keys) == len(ds) == partition.rank_share(n, size, drop_last)
+        assert len(keys) == len(ds) == partition.share(n, size, drop_last)
         assert keys == expected(index, seed=1, world_size=size, rank=rank, drop_last=drop_last)
         got += keys
     count = collections.Counter(got)
@@ -179,14 +198,18 @@ def test_batches(data: tuple[Path, list[Sample]]) -> None:
     assert keys_of(batches) == expected(index, seed=2)
     counted = make(index, batch_size=16, seed=2, collate_fn=len)
     assert list(counted) == [len(b) for b in batches]
-    # Through two workers, batches stay whole and the loader's length is exact.
-    loader = DataLoader(ds, batch_size=None, num_workers=2,
+    # Through two workers: each reads ceil(n / 2) samples in batches of 16, the last
+    # short by as much in both; told the worker count, the loader's length is exact.
+    two = make(index, batch_size=16, seed=2, num_workers=2)
+    loader = DataLoader(two, batch_size=None, num_workers=2,
                         multiprocessing_context=multiprocessing.get_context("fork"))
-    ds.set_epoch(0)
     through = list(loader)
-    assert len(through) == len(loader) == len(ds)
-    assert sorted(keys_of(through)) == sorted(k for k, _ in samples)
+    each = -(-len(samples) // 2)
+    assert len(through) == len(loader) == len(two) == 2 * -(-each // 16)
+    assert len(keys_of(through)) == 2 * each
+    assert set(keys_of(through)) == {k for k, _ in samples}
     streams = [expected(index, seed=2, workers=2, worker=w, unit=16) for w in range(2)]
+    assert len(streams[0]) == len(streams[1]) == each
     assert keys_of(through) == round_robin(streams, 16)
 
 
@@ -225,10 +248,67 @@ def test_dataloader_workers(data: tuple[Path, list[Sample]], start: str) -> None
     loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=keep_list,
                         multiprocessing_context=multiprocessing.get_context(start))
     got = keys_of(loader)
-    assert len(got) == len(ds) == len(samples)
-    assert sorted(got) == sorted(k for k, _ in samples)
+    n = len(samples)
+    assert len(got) == 2 * -(-n // 2)  # 2 workers, equal: padded to even
+    assert set(got) == {k for k, _ in samples} and len(got) - len(set(got)) == n % 2
     streams = [expected(index, seed=7, workers=2, worker=w) for w in range(2)]
     assert got == round_robin(streams, 8)
+
+
+# More workers than this machine's cores is fine for a test.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("batch_size", [None, 8])
+def test_workers_read_equal_shares(
+    data: tuple[Path, list[Sample]], drop_last: bool, batch_size: int | None
+) -> None:
+    """3 workers: the same number of samples each, and of batches; all batches full
+    with drop_last; len(ds) and len(loader) are exactly what comes out."""
+    index, samples = data
+    n, workers = len(samples), 3
+    ds = make(index, seed=11, fields=["cls"], transform=tag_worker, drop_last=drop_last,
+              batch_size=batch_size, num_workers=workers)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep_list,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    got = list(loader)
+    sizes = per_worker(got)
+    assert sorted(sizes) == list(range(workers))
+    unit = batch_size or 1
+    each = partition.share(n, workers, drop_last, unit)
+    assert [sum(s) for s in sizes.values()] == [each] * workers
+    assert len({tuple(s) for s in sizes.values()}) == 1  # the same batches, short one too
+    if drop_last:
+        assert all(b == unit for s in sizes.values() for b in s)
+        assert 0 <= n - workers * each < workers * unit
+    assert len(got) == len(loader) == len(ds) == workers * -(-each // unit)
+    keys = collections.Counter(keys_of(got))
+    if drop_last:
+        assert max(keys.values()) == 1
+    else:
+        assert set(keys) == {k for k, _ in samples}
+        assert sum(keys.values()) - n == (-n) % workers
+
+
+# More workers than this machine's cores is fine for a test.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_worker_count_is_checked(four: tuple[Path, list[Sample]]) -> None:
+    """A dataset told the DataLoader's worker count refuses another one, rather than
+    yield an epoch of another length than len(ds) said."""
+    index, samples = four
+    ds = make(index, num_workers=2)
+    assert len(ds) == 2 * partition.share(len(samples), 2, False)
+    assert len(make(index, num_workers=0)) == len(make(index)) == len(samples)
+    assert len(make(index, num_workers=3, drop_last=True, batch_size=10)) == 3 * 4
+    with pytest.raises(ValueError, match=r"num_workers=2.*in the main process"):
+        list(ds)
+    loader = DataLoader(ds, batch_size=None, num_workers=3,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    with pytest.raises(ValueError, match=r"num_workers=2.*by 3 DataLoader workers"):
+        list(loader)
+    assert keys_of(make(index, num_workers=0)) == expected(index)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_workers"):
+            make(index, num_workers=bad)
 
 
 def test_persistent_workers_count_epochs(four: tuple[Path, list[Sample]]) -> None:
@@ -284,14 +364,18 @@ def gloo_rank(args: dict[str, Any]) -> None:
         out = {}
         for name, index in args["indexes"].items():
             for drop_last in (False, True):
-                ds = fastload.ShardIterableDataset(index, drop_last=drop_last, fields=["cls"])
+                ds = fastload.ShardIterableDataset(index, drop_last=drop_last, fields=["cls"],
+                                                   transform=tag_worker, num_workers=2)
                 assert ds._reader().source == "dist"
                 loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=keep_list,
                                     multiprocessing_context=multiprocessing.get_context("fork"))
-                keys = keys_of(loader)
+                got = list(loader)
+                keys = keys_of(got)
+                workers = {w: sum(s) for w, s in per_worker(got).items()}
                 lengths: list[Any] = [None, None]
                 dist.all_gather_object(lengths, len(keys))
-                out[f"{name} {drop_last}"] = {"keys": keys, "len": len(ds), "all": lengths}
+                out[f"{name} {drop_last}"] = {"keys": keys, "len": len(ds), "all": lengths,
+                                              "workers": [workers[0], workers[1]]}
         Path(args["out"]).write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -314,15 +398,18 @@ def test_distributed_gloo(tmp_path_factory: pytest.TempPathFactory, tmp_path: Pa
         n = len(samples)
         for drop_last in (False, True):
             got = [ranks[r][f"{name} {drop_last}"] for r in range(2)]
-            share = partition.rank_share(n, 2, drop_last)
+            # 2 ranks x 2 workers: 4 readers, each exactly the same share.
+            each = partition.share(n, 4, drop_last)
             for g in got:
-                assert len(g["keys"]) == g["len"] == share and g["all"] == [share, share]
+                assert g["workers"] == [each, each]
+                assert len(g["keys"]) == g["len"] == 2 * each
+                assert g["all"] == [2 * each, 2 * each]
             union = collections.Counter(got[0]["keys"] + got[1]["keys"])
             if drop_last:
-                assert max(union.values()) == 1 and len(union) == n - n % 2
-            else:  # padded like DistributedSampler: n % 2 samples read twice
+                assert max(union.values()) == 1 and len(union) == n - n % 4
+            else:  # padded like DistributedSampler: (-n) % 4 samples read twice
                 assert set(union) == {k for k, _ in samples}
-                assert sum(union.values()) - n == n % 2
+                assert sum(union.values()) - n == (-n) % 4
 
 
 # --- resuming in a new process -------------------------------------------------------------
@@ -383,9 +470,11 @@ def resume_load(args: dict[str, Any]) -> None:
         loader.load_state_dict(state)
         out[f"{name} same"] = keys_of(loader)
         for workers in (3, 0):
-            ds = dataset(cfg)
+            ds = dataset({**cfg, "ds": {**cfg["ds"], "transform": tag_worker}})
             ds.load_state_dict(state)
-            out[f"{name} {workers}"] = keys_of(stateful_loader(ds, workers, cfg["loader"]))
+            got = list(stateful_loader(ds, workers, cfg["loader"]))
+            out[f"{name} {workers}"] = keys_of(got)
+            out[f"{name} {workers} sizes"] = {w: sum(b) for w, b in per_worker(got).items()}
         both = [saved[f"{name} 2 {r}"]["state"] for r in range(2)]
         out[f"{name} world3"] = []
         for rank in range(3):
@@ -419,23 +508,33 @@ def test_resume_in_new_process(
     # One uninterrupted epoch, as the same loader reads it.
     ds = fastload.ShardIterableDataset(index, seed=9, shuffle_block=BLOCK, **cfg["ds"])
     whole = keys_of(stateful_loader(ds, 2, cfg["loader"]))
-    assert sorted(whole) == sorted(k for k, _ in samples)
+    # 133 samples, 2 workers: 67 each, the first sample of the order read twice.
+    assert len(whole) == 2 * partition.share(len(samples), 2, False) == len(samples) + 1
+    assert set(whole) == {k for k, _ in samples}
     first = saved[f"{name} 1 0"]["keys"]
     assert len(first) == STOP * 6 and first == whole[: len(first)]
     # The loader's own restore, same workers: the rest of the epoch, in the same order.
     assert first + loaded[f"{name} same"] == whole
-    # The dataset's restore with 3 workers or none: the rest, each sample once.
+    # The dataset's restore with 3 workers or none: the rest, nothing lost or repeated.
+    # The new workers' shares of the rest differ by at most one unit (a sample, or one of
+    # the dataset's batches of 6).
     for workers in (3, 0):
         assert sorted(first + loaded[f"{name} {workers}"]) == sorted(whole), workers
+        sizes = loaded[f"{name} {workers} sizes"]
+        assert sorted(sizes) == (list(range(workers)) if workers else [-1])
+        assert sum(sizes.values()) == len(whole) - len(first)
+        assert max(sizes.values()) - min(sizes.values()) <= (6 if name == "batches" else 1)
     # Two ranks stopped after STOP batches each; a world of 3 reads the rest, ranks equal.
     read = saved[f"{name} 2 0"]["keys"] + saved[f"{name} 2 1"]["keys"]
     assert len(set(read)) == len(read) == 2 * STOP * 6
     again = loaded[f"{name} world3"]
-    left = len(samples) + 1 - len(read)  # 133 samples, padded to 134 in a world of 2
+    # 133 samples among 2 ranks x 2 workers: 34 each, padded to 136.
+    padded = 4 * partition.share(len(samples), 4, False)
+    left = padded - len(read)
     assert [len(a) for a in again] == [-(-left // 3)] * 3
     everything = collections.Counter(read + [k for a in again for k in a])
     assert set(everything) == {k for k, _ in samples}
-    assert sum(everything.values()) - len(samples) == 1 + (-left) % 3
+    assert sum(everything.values()) - len(samples) == padded - len(samples) + (-left) % 3
 
 
 def test_state_protocol(four: tuple[Path, list[Sample]], monkeypatch: pytest.MonkeyPatch) -> None:

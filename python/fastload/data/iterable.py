@@ -1,5 +1,6 @@
-"""ShardIterableDataset: every rank and worker reads its exact share of a shuffled epoch
-of indexed tar shards, and an interrupted epoch resumes where it stopped."""
+"""ShardIterableDataset: every DataLoader worker of every rank reads exactly the same
+number of samples of a shuffled epoch of indexed tar shards, and an interrupted epoch
+resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -82,20 +83,26 @@ def _find_states(obj: Any) -> Iterator[dict[str, Any]]:
 
 # Where torch is not installed mypy sees IterableDataset as Any; the ignore covers that.
 class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-ignore]
-    """The samples of webdataset-style tar shards as a stream, each rank and DataLoader
-    worker reading its exact share of every epoch.
+    """The samples of webdataset-style tar shards as a stream, every DataLoader worker of
+    every rank reading exactly the same number of samples of each epoch.
 
     ``source``: a :class:`~fastload.ShardIndex`, the path of an index file, or shards (a
     list of paths, a glob, a directory; their index is built once and cached).
 
-    **Partition.** Ranks (``torch.distributed``, else ``RANK``/``WORLD_SIZE``, else
-    ``SLURM_PROCID``/``SLURM_NTASKS``: see :func:`fastload.env.world`) get exactly the
-    same number of samples, disjoint, together the whole epoch: with ``drop_last`` the
-    last ``n % world_size`` samples of the epoch's order are left out, else the order is
-    padded by repeating its first samples (as ``DistributedSampler`` does). A rank's
-    share is cut among its DataLoader workers into contiguous runs differing by at most
-    one sample (one batch with ``batch_size``), so a rank reads the same samples whatever
-    its worker count, and ``len(ds)`` in the main process is exact.
+    **Partition.** Samples, not shards, are shared among the ``world_size x
+    num_workers`` readers of an epoch: the DataLoader workers of every rank (ranks from
+    ``torch.distributed``, else ``RANK``/``WORLD_SIZE``, else
+    ``SLURM_PROCID``/``SLURM_NTASKS``: see :func:`fastload.env.world`), or the rank
+    itself when it reads in its main process (``num_workers=0``: one reader per rank).
+    Every reader reads exactly the same number of samples, a contiguous run of the
+    epoch's order; no sample goes to two readers; together they read the epoch: with
+    ``drop_last`` the last ``n % readers`` samples of the order are left out (see
+    **Batches** for ``batch_size``), else the order is padded by repeating its first
+    samples (fewer than ``readers`` repeats), as ``DistributedSampler`` does. This holds
+    for any shard count, fewer shards than readers included (see
+    :mod:`fastload.data.partition`). A rank therefore reads ``num_workers`` times a
+    worker's share, which depends (by less than one sample per worker) on its worker
+    count.
 
     **Order.** Per epoch, the shard order and then the sample order within blocks of
     ``shuffle_block`` consecutive samples are permuted from ``(seed, epoch)`` only (see
@@ -116,28 +123,53 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
     with the GIL released (``access="mmap"`` or ``"read"``, as for ShardIndexDataset).
 
     **Batches.** ``batch_size=B`` yields lists of ``B`` samples (``collate_fn(list)`` if
-    given; the last batch of a reader may be short): use ``DataLoader(ds,
-    batch_size=None)``, with a ``collate_fn`` that returns its argument unless the
-    dataset's ``collate_fn`` already makes tensors (the DataLoader's default walks every
-    value of every sample of a list). With ``batch_by="bytes"`` a batch instead takes samples while
-    their payload bytes stay within ``batch_size`` (a bigger sample makes a batch of its
-    own); ``batch_by=f`` does the same with ``f(sample)`` (after ``transform``) as the
-    size, e.g. a token count. Such batch counts depend on the data and may differ
-    between ranks.
+    given): use ``DataLoader(ds, batch_size=None)``, with a ``collate_fn`` that returns
+    its argument unless the dataset's ``collate_fn`` already makes tensors (the
+    DataLoader's default walks every value of every sample of a list). Every reader
+    yields the same number of samples and of batches: with ``drop_last`` every batch is
+    full (each reader reads ``n // (readers * B)`` batches; the fewer than ``readers *
+    B`` samples at the end of the order are left out), else each reader reads
+    ``ceil(n / readers)`` samples and its last batch is short by the same amount on
+    every reader. With ``batch_by="bytes"`` a batch instead takes samples while their
+    payload bytes stay within ``batch_size`` (a bigger sample makes a batch of its own);
+    ``batch_by=f`` does the same with ``f(sample)`` (after ``transform``) as the size,
+    e.g. a token count. Such batches are cut from each reader's (equal) samples, so
+    their counts depend on the data and may differ between readers.
 
     **Length.** ``len(ds)``: the samples (or batches, with ``batch_size``) this reader
-    yields in a whole epoch: in the main process the rank's total, in a worker the
-    worker's. Not defined with ``batch_by``.
+    yields in a fresh epoch. In a worker, the worker's. In the main process, the rank's
+    when it reads in the main process; the main process cannot see the DataLoader's
+    worker count, so pass it as ``num_workers=k`` (the DataLoader's ``num_workers``) to
+    make ``len(ds)`` the rank's total through ``k`` workers (``k`` times a worker's) and
+    ``len(DataLoader(ds, batch_size=None, num_workers=k))`` exact. With ``num_workers``
+    given, reading with another number of workers (or in the main process when ``k >
+    0``) is a ``ValueError`` rather than an epoch of another length. (With the
+    DataLoader batching single samples, each worker's samples are batched apart, so the
+    loader yields ``k * ceil(len(ds) / k / batch_size)`` batches where torch's
+    ``len(loader)`` says ``ceil(len(ds) / batch_size)``: let the dataset make the
+    batches for an exact count.) Not defined with ``batch_by``. A resumed epoch yields
+    only what was left.
 
     **Resume.** ``state_dict()``/``load_state_dict()`` follow the protocol of
-    ``torchdata.stateful_dataloader.StatefulDataLoader``: restoring a loader's state
-    resumes each worker at its next unread sample, nothing repeated, nothing lost. To
-    resume with another number of workers, load the loader's state into the dataset
-    instead (``ds.load_state_dict(loader.state_dict())``) and build a new loader over it
-    without loading state into the loader. A new world size needs the states of every
-    rank (e.g. gathered with ``all_gather_object``) loaded on each rank: the unread
-    samples are shared anew, dropping or repeating fewer than ``world_size`` samples to
-    keep ranks equal. A state is plain ints and lists.
+    ``torchdata.stateful_dataloader.StatefulDataLoader``.
+
+    - Same world size and worker count: restoring the loader's state
+      (``loader.load_state_dict``) resumes each worker at its next unread sample, in the
+      order of an uninterrupted epoch: nothing repeated, nothing lost.
+    - Another worker count (same world size; 0 included): load the loader's state into
+      the dataset instead (``ds.load_state_dict(loader.state_dict())``) and build a new
+      loader over it without loading state into the loader. The rank reads exactly the
+      positions its old workers had left, nothing lost or repeated, cut among the new
+      workers into contiguous runs of whole batches (samples without ``batch_size``)
+      differing by at most one: in the resumed epoch the workers' counts are equal only
+      when what is left divides among them (only the rank's last batch may be short).
+    - Another world size: load the states of every rank (e.g. gathered with
+      ``all_gather_object``) on each rank. The ranks get equal shares of what every rank
+      left (with ``drop_last`` fewer than one sample, or batch, per rank is left out,
+      else fewer than ``world_size`` samples are repeated), cut among each rank's workers
+      as above. Loading every rank's state also works with the same world size.
+
+    A state is plain ints and lists. The next epoch is again a fresh one.
     """
 
     def __init__(
@@ -155,8 +187,15 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         collate_fn: Callable[[list[Any]], Any] | None = None,
         copy: bool = False,
         access: str = "mmap",
+        num_workers: int | None = None,
     ) -> None:
         check_access(access)
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
+            raise ValueError(
+                f"num_workers must be a non-negative integer or None, not {num_workers!r}"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
         if isinstance(shuffle_block, bool) or not isinstance(shuffle_block, int) \
@@ -188,6 +227,7 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         self.collate_fn = collate_fn
         self.copy = copy
         self.access = access
+        self.num_workers = num_workers
         self._epoch = 0
         self._resume: dict[str, Any] | None = None
         self._run: _Run | None = None
@@ -272,17 +312,37 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         if get_worker_info() is None:
             self._world = world(os.environ)
 
+    def _check_workers(self) -> None:
+        """A dataset told its DataLoader's worker count is read by that many workers."""
+        if self.num_workers is None:
+            return
+        info = get_worker_info()
+        actual = 0 if info is None else int(info.num_workers)
+        if actual != self.num_workers:
+            where = "in the main process" if info is None else f"by {actual} DataLoader workers"
+            raise ValueError(
+                f"this ShardIterableDataset was made for num_workers={self.num_workers} "
+                f"(len(ds) counts that many readers) but is read {where}: pass the "
+                "DataLoader's num_workers, or num_workers=None"
+            )
+
     def __len__(self) -> int:
         if self.batch_by is not None:
             raise TypeError("the number of batches made with batch_by depends on the data")
-        samples = partition.length(self._fresh(self._reader()))
-        if self.batch_size is None:
-            return samples
-        return -(-samples // self.batch_size)
+        w = self._reader()
+        readers = 1
+        if get_worker_info() is None and self.num_workers:
+            # The rank's total through its workers: every worker reads the same.
+            readers = self.num_workers
+            w = dataclasses.replace(w, num_workers=readers, worker_id=0)
+        samples = partition.length(self._fresh(w))
+        per_reader = samples if self.batch_size is None else -(-samples // self.batch_size)
+        return readers * per_reader
 
     # --- reading ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        self._check_workers()
         w = self._reader()
         epoch, positions = self._plan(w)
         run = _Run(epoch, w, positions)
@@ -465,5 +525,6 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         return (
             f"ShardIterableDataset({os.fspath(self._index.path)!r}, {self._n} samples, "
             f"shuffle={self.shuffle}, seed={self.seed}, shuffle_block={self.shuffle_block}, "
-            f"drop_last={self.drop_last}, batch_size={self.batch_size}, epoch={self._epoch})"
+            f"drop_last={self.drop_last}, batch_size={self.batch_size}, "
+            f"num_workers={self.num_workers}, epoch={self._epoch})"
         )

@@ -1,22 +1,41 @@
 """Which positions of an epoch's order each reader reads: pure functions on integers.
 
 An epoch of ``n`` samples has positions ``0 .. n-1`` in its order (see :mod:`.shuffle`).
-Readers ("consumers") are ``world_size`` ranks, each reading through ``num_workers``
-DataLoader workers (1 when it reads in its main process).
+Readers ("consumers") are the ``world_size * num_workers`` DataLoader workers of all
+ranks (``num_workers`` is 1 when a rank reads in its main process), numbered rank-major:
+consumer ``c = rank * num_workers + worker_id``. Samples are cut into units: 1 sample, or
+``unit`` samples when the dataset yields batches of ``unit``.
 
-- Ranks: every rank gets exactly ``share`` positions, a contiguous range: rank ``r``
-  reads ``r*share .. (r+1)*share - 1``. With ``drop_last`` the ``n % world_size``
-  positions at the end of the order are dropped (``share = n // world_size``); without
-  it the order is padded to ``share * world_size`` positions by repeating it from its
-  start, as ``DistributedSampler`` does (a position ``p >= n`` stands for ``p % n``).
-- Workers: a rank's positions are cut into units (1 sample, or ``unit`` samples when the
-  dataset yields batches) and each worker gets a contiguous run of whole units, the runs
-  differing by at most one unit. The rank's total is the same for any worker count, so a
-  rank's epoch length does not depend on ``num_workers``.
+**A fresh epoch** (:func:`assign`): every consumer reads exactly ``s`` positions, a
+contiguous range: consumer ``c`` reads ``c*s .. (c+1)*s - 1``, where
+``s = share(n, consumers, drop_last, unit)``:
+
+- ``drop_last``: ``s = (n // (consumers * unit)) * unit``, whole units only; the last
+  ``n - s * consumers`` positions of the order (fewer than one unit per consumer: fewer
+  than ``consumers`` samples when ``unit`` is 1) are dropped.
+- otherwise: ``s = ceil(n / consumers)`` and the order is padded to ``s * consumers``
+  positions by repeating it from its start, as ``DistributedSampler`` does (a position
+  ``p >= n`` stands for sample ``p % n``; fewer than ``consumers`` positions are
+  repeats). With ``unit > 1`` each consumer's last unit is short by the same amount.
+
+So every consumer reads the same number of samples and of units (batches), no position
+goes to two consumers, and together they read the whole epoch but the dropped remainder
+(or the whole epoch and the padding). A rank reads ``num_workers * s`` positions: how many
+depends on its worker count (by less than one unit per worker).
+
+**A resumed epoch** (:func:`reassign`) shares the positions left unread. With
+``whole_world`` (the states of every rank, e.g. for another world size) the ranks get
+equal shares of them by the same rule with ``consumers = world_size`` (dropping fewer
+than one unit per rank, or repeating fewer than ``world_size`` positions); otherwise
+(one rank's own state, e.g. for another worker count) the rank keeps exactly what it
+left. Either way a rank's share is cut among its workers into contiguous runs of whole
+units differing by at most one unit (only the rank's last unit may be short): nothing
+is dropped or repeated among workers, at the price of worker counts that may differ by
+one unit when the remainder does not divide.
 
 Ranges are half-open ``(start, stop)`` pairs and a reader's positions are a list of them
-(:data:`Intervals`): a fresh epoch gives each reader one range; a resumed one (see
-:func:`reassign`) may give several.
+(:data:`Intervals`): a fresh epoch gives each reader one range; a resumed one may give
+several.
 """
 
 from __future__ import annotations
@@ -29,8 +48,8 @@ __all__ = [
     "drop_first",
     "length",
     "normalize",
-    "rank_share",
     "reassign",
+    "share",
     "slice_intervals",
     "split",
 ]
@@ -47,14 +66,16 @@ def _check(world_size: int, rank: int, num_workers: int, worker_id: int, unit: i
         raise ValueError(f"unit must be positive, not {unit}")
 
 
-def rank_share(n: int, world_size: int, drop_last: bool) -> int:
-    """Positions each rank reads in an epoch of ``n``: ``n // world_size`` with
-    ``drop_last``, else ``ceil(n / world_size)`` (0 for an empty epoch)."""
-    if n < 0 or world_size < 1:
-        raise ValueError(f"no share of {n} samples among {world_size} ranks")
-    if n == 0:
-        return 0
-    return n // world_size if drop_last else -(-n // world_size)
+def share(n: int, consumers: int, drop_last: bool, unit: int = 1) -> int:
+    """Positions each of ``consumers`` readers gets of a pool of ``n``: with
+    ``drop_last`` as many whole units of ``unit`` as every reader can have,
+    ``(n // (consumers * unit)) * unit``; else ``ceil(n / consumers)`` (the pool padded
+    by repeating positions). 0 for an empty pool."""
+    if n < 0 or consumers < 1 or unit < 1:
+        raise ValueError(f"no share of {n} samples among {consumers} readers in units of {unit}")
+    if drop_last:
+        return n // (consumers * unit) * unit
+    return -(-n // consumers)
 
 
 def length(intervals: Iterable[tuple[int, int]]) -> int:
@@ -118,11 +139,14 @@ def assign(
     drop_last: bool = False,
     unit: int = 1,
 ) -> Intervals:
-    """The positions one reader reads in a fresh epoch of ``n`` samples."""
+    """The positions one reader (worker ``worker_id`` of rank ``rank``) reads in a fresh
+    epoch of ``n`` samples: every one of the ``world_size * num_workers`` readers reads
+    the same number (:func:`share`), a contiguous range, rank-major."""
     _check(world_size, rank, num_workers, worker_id, unit)
-    share = rank_share(n, world_size, drop_last)
-    mine = [(rank * share, (rank + 1) * share)] if share else []
-    return split(mine, num_workers, unit)[worker_id]
+    consumers = world_size * num_workers
+    s = share(n, consumers, drop_last, unit)
+    c = rank * num_workers + worker_id
+    return [(c * s, (c + 1) * s)] if s else []
 
 
 def _pad(intervals: Intervals, size: int) -> Intervals:
@@ -153,15 +177,16 @@ def reassign(
     """The positions one reader reads when an interrupted epoch resumes with the
     positions ``remaining`` left unread (in any order, overlaps merged).
 
-    ``whole_world``: ``remaining`` is what every rank left; it is shared among
-    ``world_size`` ranks as a fresh epoch is (equal shares; what does not divide is
-    dropped with ``drop_last``, else padded by repeating positions). Otherwise
-    ``remaining`` is what this rank left, and only its workers share it: nothing is
-    dropped or repeated.
+    ``whole_world``: ``remaining`` is what every rank left; the ranks get equal shares of
+    it (:func:`share` with ``world_size`` readers: with ``drop_last`` fewer than one unit
+    per rank is dropped, else fewer than ``world_size`` positions are repeated).
+    Otherwise ``remaining`` is what this rank left and it keeps all of it. The rank's
+    share is then cut among its ``num_workers`` workers into contiguous runs of whole
+    units differing by at most one unit: nothing dropped or repeated among them.
     """
     _check(world_size, rank, num_workers, worker_id, unit)
     left = normalize(remaining)
     if whole_world:
-        share = rank_share(length(left), world_size, drop_last)
-        left = slice_intervals(_pad(left, share * world_size), rank * share, (rank + 1) * share)
+        s = share(length(left), world_size, drop_last, unit)
+        left = slice_intervals(_pad(left, s * world_size), rank * s, (rank + 1) * s)
     return split(left, num_workers, unit)[worker_id]

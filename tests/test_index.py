@@ -242,6 +242,33 @@ def test_lookup_and_pickle(tmp_path: Path) -> None:
     assert info["samples"] == 30 and info["version"] == 1 and info["on_duplicate"] == "error"
 
 
+@pytest.mark.parametrize("access", ["mmap", "read"])
+def test_payloads(tmp_path: Path, access: str) -> None:
+    """A Payload is a read-only zero-copy buffer that keeps its memory alive, has a
+    length, converts and pickles to bytes, and cannot be made from Python."""
+    import gc
+
+    samples = make_samples(12, seed=9)
+    idx = ShardIndex.build([write_tarfile(tmp_path / "p.tar", samples)], tmp_path / "p.fidx")
+    got = idx._native.fetch([3, 7], None, False, access)
+    key, fields = samples[3]
+    payload = got[0]["jpg"]
+    assert type(payload) is fastload._core.Payload and got[0]["__key__"] == key
+    assert len(payload) == len(fields["jpg"])
+    assert bytes(payload) == payload.tobytes() == fields["jpg"]
+    assert pickle.loads(pickle.dumps(payload)) == fields["jpg"]
+    assert repr(payload) == f"<fastload.Payload of {len(fields['jpg'])} bytes>"
+    view = memoryview(payload)
+    assert view.readonly and view.format == "B" and view.tobytes() == fields["jpg"]
+    with pytest.raises((BufferError, TypeError)):
+        memoryview(payload).cast("B")[0] = 1  # read-only
+    with pytest.raises(TypeError):
+        type(payload)()
+    del payload, got, idx
+    gc.collect()
+    assert view.tobytes() == fields["jpg"]  # the view keeps the mapping (or buffer) alive
+
+
 def test_index_moves_with_its_shards(tmp_path: Path) -> None:
     samples = make_samples(5, seed=5)
     (tmp_path / "a" / "shards").mkdir(parents=True)

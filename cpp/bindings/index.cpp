@@ -26,11 +26,82 @@ using index::Shards;
 // A member's bytes, owned by whatever keeps them alive: a shard's mapping or a batch's
 // read buffer. Exposes a read-only 1-D buffer of unsigned bytes; numpy arrays and
 // memoryviews made from it hold a reference to it, so the memory outlives them all.
-struct Payload {
-  std::shared_ptr<const void> owner;
+//
+// A plain CPython type, not a pybind11 class: a fetch makes one per field of every
+// sample, and a pybind11 instance costs about ten times the allocation this does
+// (it was most of the time of ds[i] on small samples).
+struct PayloadObject {
+  PyObject_HEAD
+  std::shared_ptr<const void> owner;  // constructed in place by make_payload
   const char* data;
-  size_t size;
+  Py_ssize_t size;
 };
+
+PyTypeObject* payload_type = nullptr;
+
+py::object make_payload(std::shared_ptr<const void> owner, const char* data, size_t size) {
+  PayloadObject* o = PyObject_New(PayloadObject, payload_type);
+  if (!o) throw py::error_already_set();
+  new (&o->owner) std::shared_ptr<const void>(std::move(owner));
+  o->data = data;
+  o->size = Py_ssize_t(size);
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
+}
+
+void payload_dealloc(PyObject* self) {
+  auto* o = reinterpret_cast<PayloadObject*>(self);
+  PyTypeObject* type = Py_TYPE(self);
+  o->owner.~shared_ptr();
+  PyObject_Free(self);
+  Py_DECREF(type);  // instances of a heap type hold a reference to it
+}
+
+int payload_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  auto* o = reinterpret_cast<PayloadObject*>(self);
+  return PyBuffer_FillInfo(view, self, const_cast<char*>(o->data), o->size, /*readonly=*/1,
+                           flags);
+}
+
+Py_ssize_t payload_len(PyObject* self) { return reinterpret_cast<PayloadObject*>(self)->size; }
+
+PyObject* payload_tobytes(PyObject* self, PyObject*) {
+  auto* o = reinterpret_cast<PayloadObject*>(self);
+  return PyBytes_FromStringAndSize(o->data, o->size);
+}
+
+PyObject* payload_reduce(PyObject* self, PyObject*) {  // pickles as bytes
+  PyObject* b = payload_tobytes(self, nullptr);
+  if (!b) return nullptr;
+  return Py_BuildValue("(O(N))", reinterpret_cast<PyObject*>(&PyBytes_Type), b);
+}
+
+PyObject* payload_repr(PyObject* self) {
+  return PyUnicode_FromFormat("<fastload.Payload of %zd bytes>",
+                              reinterpret_cast<PayloadObject*>(self)->size);
+}
+
+void register_payload(py::module_& m) {
+  static PyMethodDef methods[] = {
+      {"tobytes", payload_tobytes, METH_NOARGS, "A copy of the bytes."},
+      {"__bytes__", payload_tobytes, METH_NOARGS, "A copy of the bytes."},
+      {"__reduce__", payload_reduce, METH_NOARGS, "Pickles as bytes."},
+      {nullptr, nullptr, 0, nullptr}};
+  static PyType_Slot slots[] = {
+      {Py_tp_doc, const_cast<char*>("A read-only view of one member's bytes (zero-copy). "
+                                    "Supports the buffer protocol; pickles as bytes.")},
+      {Py_tp_dealloc, reinterpret_cast<void*>(payload_dealloc)},
+      {Py_tp_repr, reinterpret_cast<void*>(payload_repr)},
+      {Py_tp_methods, methods},
+      {Py_sq_length, reinterpret_cast<void*>(payload_len)},
+      {Py_bf_getbuffer, reinterpret_cast<void*>(payload_getbuffer)},
+      {0, nullptr}};
+  static PyType_Spec spec = {"fastload._core.Payload", sizeof(PayloadObject), 0,
+                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (!type) throw py::error_already_set();
+  payload_type = reinterpret_cast<PyTypeObject*>(type);  // the module keeps it alive
+  m.add_object("Payload", py::reinterpret_steal<py::object>(type));
+}
 
 const char kEmpty[1] = {0};
 
@@ -158,16 +229,11 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
     }
   } else {
     for (size_t i = 0; i < pieces.size(); ++i) {
-      Payload p;
-      if (read_mode) {
-        p.owner = block;
-        p.data = pieces[i].size ? dst[i] : kEmpty;
-      } else {
-        p.owner = maps[i];
-        p.data = pieces[i].size ? maps[i]->data() + pieces[i].offset : kEmpty;
-      }
-      p.size = size_t(pieces[i].size);
-      values[i] = py::cast(std::move(p));
+      const size_t size = size_t(pieces[i].size);
+      if (read_mode)
+        values[i] = make_payload(block, size ? dst[i] : kEmpty, size);
+      else
+        values[i] = make_payload(maps[i], size ? maps[i]->data() + pieces[i].offset : kEmpty, size);
     }
   }
 
@@ -381,25 +447,7 @@ py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_pa
 }  // namespace
 
 void register_index(py::module_& m) {
-  py::class_<Payload>(m, "Payload", py::buffer_protocol(),
-                      "A read-only view of one member's bytes (zero-copy). Supports the "
-                      "buffer protocol; pickles as bytes.")
-      .def_buffer([](Payload& p) {
-        return py::buffer_info(const_cast<char*>(p.data), 1, "B", 1, {py::ssize_t(p.size)},
-                               {py::ssize_t(1)}, /*readonly=*/true);
-      })
-      .def("__len__", [](const Payload& p) { return p.size; })
-      .def("__bytes__", [](const Payload& p) { return py::bytes(p.data, p.size); })
-      .def("tobytes", [](const Payload& p) { return py::bytes(p.data, p.size); })
-      .def("__reduce__",
-           [](const Payload& p) {
-             py::object bytes_type = py::reinterpret_borrow<py::object>(
-                 reinterpret_cast<PyObject*>(&PyBytes_Type));
-             return py::make_tuple(bytes_type, py::make_tuple(py::bytes(p.data, p.size)));
-           })
-      .def("__repr__", [](const Payload& p) {
-        return "<fastload.Payload of " + std::to_string(p.size) + " bytes>";
-      });
+  register_payload(m);
 
   py::class_<PyIndex, std::shared_ptr<PyIndex>>(m, "Index", "An opened shard index.")
       .def(py::init(&open_index), py::arg("path"), py::arg("check_shards") = true)

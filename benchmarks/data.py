@@ -8,7 +8,9 @@ Use :func:`keyed` to get a cache path named by the parameters, under
 ``$FASTLOAD_BENCH_DATA`` (default ``/tmp/fastload-bench-data``).
 
 Content is random bytes from a seeded generator (SFC64: ~1.5 GB/s), so two runs with
-the same seed produce identical files on any machine.
+the same seed produce identical files on any machine. The peers' copies of the record
+shards (:func:`mds_records`, :func:`litdata_records`, :func:`arrow_records`) are written
+from those shards, so every tool reads the very same samples.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from typing import Any, Callable
 import numpy as np
 
 __all__ = [
+    "arrow_records",
     "cache_dir",
     "imagenet_like_tar",
     "imagenet_like_tree",
     "keyed",
     "large_files",
+    "litdata_records",
     "lognormal_sizes",
+    "mds_records",
+    "shard_records",
     "small_record_shards",
     "tar_of_tars",
     "tree_stats",
@@ -327,6 +333,156 @@ def small_record_shards(
                     ]
                     for name, data in members:
                         tf.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+
+    return _cached(root, params, build)
+
+
+# --- the same records in the peers' own formats -------------------------------------------
+#
+# Each is written from the tar shards of small_record_shards (read back with tarfile, so the
+# bytes are the very same), cached beside them like every data set here: per sample the
+# key as ``__key__`` (a string) and ``jpg``, ``cls`` and ``json`` as raw bytes, exactly the
+# payloads fastload and webdataset read from the tars. The peers' packages are imported
+# only here and only when such a data set is built.
+
+_RECORD_FIELDS = ("jpg", "cls", "json")
+
+
+def shard_records(paths: list[Path] | list[str]) -> Iterator[dict[str, Any]]:
+    """The samples of webdataset-style tar shards in order: ``{"__key__": str, ext: bytes}``
+    per key (members grouped by key, as small_record_shards writes them)."""
+    for path in paths:
+        sample: dict[str, Any] = {}
+        with tarfile.open(path, "r|") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                key, ext = m.name.split(".", 1)
+                if sample and sample["__key__"] != key:
+                    yield sample
+                    sample = {}
+                f = tf.extractfile(m)
+                assert f is not None
+                sample["__key__"] = key
+                sample[ext] = f.read()
+        if sample:
+            yield sample
+
+
+def _shard_paths(shards: Path) -> list[Path]:
+    return sorted(Path(shards).glob("shard-*.tar"))
+
+
+def _source_params(shards: Path) -> Any:
+    try:
+        return json.loads(_params_file(Path(shards)).read_text())
+    except OSError:
+        return str(shards)
+
+
+def mds_records(root: Path, shards: Path, size_limit: int | str = 1 << 26) -> Path:
+    """The records of ``shards`` as a MosaicML streaming MDS data set (``MDSWriter``,
+    uncompressed, its default 64 MiB shard size limit unless given). Returns ``root``."""
+    from _peers import import_streaming, quiet
+
+    streaming = import_streaming()
+    params = {
+        "kind": "mds",
+        "source": _source_params(shards),
+        "size_limit": size_limit,
+        "version": streaming.__version__,
+    }
+
+    def build(tmp: Path) -> None:
+        columns = {"__key__": "str", **dict.fromkeys(_RECORD_FIELDS, "bytes")}
+        with (
+            quiet(),
+            streaming.MDSWriter(out=str(tmp), columns=columns, size_limit=size_limit) as w,
+        ):
+            for sample in shard_records(_shard_paths(shards)):
+                w.write(sample)
+
+    return _cached(root, params, build)
+
+
+def _litdata_shard(path: str) -> Iterator[dict[str, Any]]:
+    yield from shard_records([path])
+
+
+def litdata_records(
+    root: Path,
+    shards: Path,
+    *,
+    chunk_bytes: str | None = "64MB",
+    chunk_size: int | None = None,
+    workers: int = 1,
+) -> Path:
+    """The records of ``shards`` as a litdata data set: ``litdata.optimize`` over the tar
+    shards (each input yields its shard's samples), 64 MB chunks unless ``chunk_size``
+    (samples per chunk) is given. One worker by default, so the chunks keep the shards'
+    order. Returns ``root``."""
+    from _peers import import_litdata, quiet
+
+    ld = import_litdata()
+    params = {
+        "kind": "litdata",
+        "source": _source_params(shards),
+        "chunk_bytes": chunk_bytes,
+        "chunk_size": chunk_size,
+        "workers": workers,
+        "version": ld.__version__,
+    }
+
+    def build(tmp: Path) -> None:
+        size = {"chunk_size": chunk_size} if chunk_size else {"chunk_bytes": chunk_bytes}
+        with quiet():  # e.g. "an item was larger than the target chunk size"
+            ld.optimize(
+                fn=_litdata_shard,
+                inputs=[str(p) for p in _shard_paths(shards)],
+                output_dir=str(tmp),
+                num_workers=workers,
+                reorder_files=False,
+                start_method="fork",  # its default, spawn, would re-import the caller
+                verbose=False,
+                **size,
+            )
+        # optimize() reports a failed worker but returns: count what it wrote.
+        index = json.loads((tmp / "index.json").read_text())
+        written = sum(c["chunk_size"] for c in index["chunks"])
+        expected = _source_params(shards)
+        if isinstance(expected, dict) and written != expected.get("n"):
+            raise RuntimeError(f"litdata.optimize wrote {written} samples, not {expected['n']}")
+
+    return _cached(root, params, build)
+
+
+def arrow_records(root: Path, shards: Path) -> Path:
+    """The records of ``shards`` as a Hugging Face ``datasets`` data set on disk
+    (``Dataset.from_generator(...).save_to_disk``: Arrow files, memory-mapped by
+    ``load_from_disk``). Returns ``root``."""
+    from _peers import import_datasets, quiet
+
+    hf = import_datasets()
+    params = {"kind": "arrow", "source": _source_params(shards), "version": hf.__version__}
+    features = hf.Features(
+        {"__key__": hf.Value("string"), **{f: hf.Value("binary") for f in _RECORD_FIELDS}}
+    )
+
+    def build(tmp: Path) -> None:
+        scratch = tmp.parent / f"{tmp.name}.hfcache"
+        try:
+            with quiet():
+                ds = hf.Dataset.from_generator(
+                    shard_records,
+                    features=features,
+                    gen_kwargs={"paths": _shard_paths(shards)},
+                    cache_dir=str(scratch),
+                    keep_in_memory=False,
+                )
+                ds.save_to_disk(str(tmp))
+                del ds
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     return _cached(root, params, build)
 

@@ -6,6 +6,8 @@
 One table per group: each tool's time, throughput (from the ``bytes`` and ``files`` in
 ``extra_info``), and, for each fastload variant, the ratio to every peer in the group:
 fastload time / peer time (below 1 is better) and the speed-up (peer time / fastload time).
+Where a case records the payload it delivered (``payload_bytes``: the handover groups), a
+"payload GB/s" column shows it per second of the same statistic.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def _fmt_rate(x: float | None) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def _fmt_gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _row_for(b: dict[str, Any], stat: str) -> dict[str, Any]:
     info = b.get("extra_info", {})
     seconds = float(b["stats"][stat])
@@ -50,6 +56,11 @@ def _row_for(b: dict[str, Any], stat: str) -> dict[str, Any]:
         "rounds": b["stats"].get("rounds"),
         "mbps": nbytes / seconds / 1e6 if nbytes and seconds > 0 else None,
         "files_s": files / seconds if files and files > 1 and seconds > 0 else None,
+        "payload_gbps": (
+            info["payload_bytes"] / seconds / 1e9
+            if info.get("payload_bytes") and seconds > 0
+            else None
+        ),
         "engine": info.get("engine"),
         "bytes": nbytes,
         "files": files,
@@ -77,14 +88,23 @@ def render_group(name: str, rows: list[dict[str, Any]], stat: str) -> list[str]:
     if first["bytes"]:
         size = f" — {first['files']:,} file(s), {first['bytes'] / 2**20:,.1f} MiB"
     lines = [f"### {name}{size}", ""]
+    payload = any(r["payload_gbps"] is not None for r in rows)
     lines += _table(
-        ["tool", f"{stat} time", "MB/s", "files/s", "rounds"],
+        [
+            "tool",
+            f"{stat} time",
+            "MB/s",
+            "files/s",
+            *(["payload GB/s"] if payload else []),
+            "rounds",
+        ],
         (
             [
                 f"**{r['tool']}**" if _is_fastload(r["tool"]) else r["tool"],
                 _fmt_seconds(r["seconds"]),
                 _fmt_rate(r["mbps"]),
                 _fmt_rate(r["files_s"]),
+                *([_fmt_gbps(r["payload_gbps"])] if payload else []),
                 str(r["rounds"] or "-"),
             ]
             for r in rows

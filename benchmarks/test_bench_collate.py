@@ -15,8 +15,15 @@ Groups ``handover-SIZE`` (``size`` is 3kb or 100kb), one tool per case:
                     bytes through the workers' pipes (what every peer does)
   webdataset        WebDataset(shardshuffle=all shards).shuffle(1000), lists of samples
   wids              ShardListDataset (shards opened in place), DataLoader shuffle
-  streaming, litdata, hf-datasets   skipped: their packages need torchvision or a CUDA
-                    build of torch, which would replace the CPU build this project tests
+  mosaicml          MosaicML streaming: StreamingDataset(local=MDS folder, shuffle=True,
+                    batch_size=256) in a DataLoader, lists of samples
+  litdata           litdata StreamingDataset(input_dir=..., shuffle=True) in its
+                    StreamingDataLoader, lists of samples
+  hf-datasets       Hugging Face datasets: load_from_disk (memory-mapped Arrow),
+                    DataLoader shuffle, lists of samples (Dataset.__getitems__ per batch)
+The three peers read the same samples in their own formats, written once from the tar
+shards and cached (benchmarks/_peers.py; untimed), read in place from the page cache;
+scripts/bench-peers.sh sets up a venv with them (skipped where not installed).
 
 The main process touches every page of a packed block (one read per 4 KiB) so the
 shared-memory faults it costs are timed, as unpickling costs the peers their copy.
@@ -33,11 +40,13 @@ import dataclasses
 import io
 import multiprocessing
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+import _peers
 from _harness import IndexedShards, Scale, describe, import_fastload, indexed_shards, warm
 
 
@@ -55,8 +64,16 @@ PLANS = {
 KB = {"3kb": 3, "100kb": 100}
 BATCH = 256
 WORKERS = 2
-TOOLS = ["fastload-packed", "fastload-collate", "fastload-bytes", "webdataset", "wids"]
-NOT_INSTALLABLE = ["streaming", "litdata", "hf-datasets"]
+TOOLS = [
+    "fastload-packed",
+    "fastload-collate",
+    "fastload-bytes",
+    "webdataset",
+    "wids",
+    "mosaicml",
+    "litdata",
+    "hf-datasets",
+]
 PAGE = 4096
 
 
@@ -104,7 +121,11 @@ def _nbytes(v: Any) -> int:
     return len(v)
 
 
-def _loader(tool: str, s: Shards) -> Any:
+def _loader(tool: str, s: Shards, cache: Path) -> Any:
+    if _peers.is_peer(tool):
+        d = _peers.peer_data(tool, s)
+        warm(d.path)
+        return _peers.loader(tool, d, cache, batch=BATCH, workers=WORKERS, collate_fn=_as_list)
     torch = pytest.importorskip("torch")
     data = pytest.importorskip("torch.utils.data")
     common: dict[str, Any] = {
@@ -156,15 +177,13 @@ def _epoch(loader: Any) -> tuple[int, int]:
     return n, total
 
 
-@pytest.mark.parametrize("tool", TOOLS + NOT_INSTALLABLE)
+@pytest.mark.parametrize("tool", TOOLS)
 def test_handover_epoch(
-    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale
+    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale, tmp_path: Path
 ) -> None:
-    if tool in NOT_INSTALLABLE:
-        pytest.skip(f"{tool}: not installable here (needs torchvision or a CUDA torch build)")
     size = _size_of(shards)
     warm(shards.folder)
-    loader = _loader(tool, shards)
+    loader = _loader(tool, shards, tmp_path / "cache")
     describe(
         benchmark,
         group=f"handover-{size}",

@@ -3,16 +3,25 @@
 Data: webdataset-style shards (per sample a ``.jpg`` of about 3 KB or 100 KB, a ``.cls``
 and a ``.json``) from ``data.small_record_shards``, read from the page cache (each case
 first reads its shards once, untimed, so no tool pays for a cold cache).
-Peers run in the same parametrisation, each reading the same tar shards (its preferred
-format): wids (``ShardListDataset``, opening shards in place) and, for the streaming
-epoch, webdataset. A peer that is not installed is skipped.
+Peers run in the same parametrisation, each reading the same samples in its preferred
+format: wids (``ShardListDataset``, opening the tar shards in place), for the streaming
+epoch webdataset (the tar shards), and MosaicML streaming (MDS), litdata (its optimized
+chunks) and Hugging Face ``datasets`` (Arrow), each written once from the tar shards and
+cached (benchmarks/_peers.py; untimed), read in place from the page cache. A peer that is
+not installed is skipped (scripts/bench-peers.sh sets up a venv with all of them).
 
 Groups (``size`` is 3kb or 100kb):
   random-SIZE       N random indices, one process: fastload ``ds[i]`` (mmap, mmap+copy,
-                    read) and ``__getitems__`` in batches of 256, wids ``ds[i]``
+                    read) and ``__getitems__`` in batches of 256, wids ``ds[i]``,
+                    MosaicML ``StreamingDataset(local=...)[i]`` (mosaicml) and
+                    ``LocalDataset[i]`` (mosaicml-local), litdata ``StreamingDataset[i]``,
+                    HF ``load_from_disk(...)[i]`` (hf-datasets) and ``__getitems__`` in
+                    batches of 256 (hf-datasets-batched)
   epoch-SIZE        a shuffled epoch through DataLoader(num_workers=2, batch_size=256):
                     fastload (map-style, batched fetch), wids (map-style), webdataset
-                    (iterable: shard shuffle plus a 1,000-sample shuffle buffer)
+                    (iterable: shard shuffle plus a 1,000-sample shuffle buffer), MosaicML
+                    streaming (iterable, its py1e shuffle), litdata (iterable, in its
+                    StreamingDataLoader), HF datasets (map-style, batched fetch)
   build-SIZE        index build from scratch: fastload (C++, headers only, threads) and
                     wids (its per-shard Python index, the work it does on first access)
   first-sample      constructing the dataset and reading its first sample, 1,000 shards
@@ -34,6 +43,7 @@ from typing import Any, Callable
 
 import pytest
 
+import _peers
 from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
 
 
@@ -140,10 +150,40 @@ def _identity(url: str) -> str:
 
 # --- random access ----------------------------------------------------------------------
 
-RANDOM_TOOLS = ["fastload-mmap", "fastload-mmap-copy", "fastload-read", "fastload-batched", "wids"]
+RANDOM_TOOLS = [
+    "fastload-mmap",
+    "fastload-mmap-copy",
+    "fastload-read",
+    "fastload-batched",
+    "wids",
+    "mosaicml",
+    "mosaicml-local",
+    "litdata",
+    "hf-datasets",
+    "hf-datasets-batched",
+]
 
 
-def _random_reader(tool: str, s: Shards) -> Callable[[list[int]], int]:
+def _random_reader(tool: str, s: Shards, cache: Path) -> Callable[[list[int]], int]:
+    if _peers.is_peer(tool):
+        d = _peers.peer_data(tool, s)
+        warm(d.path)
+        ds = _peers.random_dataset(tool, d, cache)
+        if tool == "hf-datasets-batched":
+
+            def run_hf_batched(indices: list[int]) -> int:
+                total = 0
+                for at in range(0, len(indices), BATCH):
+                    for sample in ds.__getitems__(indices[at : at + BATCH]):
+                        total += _sample_bytes(sample)
+                return total
+
+            return run_hf_batched
+
+        def run_peer(indices: list[int]) -> int:
+            return sum(_sample_bytes(ds[i]) for i in indices)
+
+        return run_peer
     if tool == "wids":
         wds = _wids_dataset(s)
 
@@ -174,12 +214,14 @@ def _random_reader(tool: str, s: Shards) -> Callable[[list[int]], int]:
 
 
 @pytest.mark.parametrize("tool", RANDOM_TOOLS)
-def test_random_access(benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale) -> None:
+def test_random_access(
+    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale, tmp_path: Path
+) -> None:
     size = _size_of(shards)
     n = min(plan.random_reads, shards.samples * 10)
     indices = [random.Random(42).randrange(shards.samples) for _ in range(n)]
     warm(shards.folder)  # every tool reads from the page cache, the first one included
-    read = _random_reader(tool, shards)
+    read = _random_reader(tool, shards, tmp_path / "cache")
     read(indices[:10])  # open what the tool opens lazily; steady state is what we time
     src = Source(shards.folder, n, 0)
     describe(
@@ -192,10 +234,22 @@ def test_random_access(benchmark: Any, tool: str, shards: Shards, plan: Plan, sc
 
 # --- a shuffled epoch through a DataLoader ------------------------------------------------
 
-EPOCH_TOOLS = ["fastload", "fastload-read", "wids", "webdataset"]
+EPOCH_TOOLS = [
+    "fastload",
+    "fastload-read",
+    "wids",
+    "webdataset",
+    "mosaicml",
+    "litdata",
+    "hf-datasets",
+]
 
 
-def _epoch_loader(tool: str, s: Shards) -> Any:
+def _epoch_loader(tool: str, s: Shards, cache: Path) -> Any:
+    if _peers.is_peer(tool):
+        d = _peers.peer_data(tool, s)
+        warm(d.path)
+        return _peers.loader(tool, d, cache, batch=BATCH, workers=WORKERS)
     data = _torch_data()
     torch = pytest.importorskip("torch")
     ctx = multiprocessing.get_context("fork")
@@ -218,10 +272,12 @@ def _epoch_loader(tool: str, s: Shards) -> Any:
 
 
 @pytest.mark.parametrize("tool", EPOCH_TOOLS)
-def test_epoch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale) -> None:
+def test_epoch(
+    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale, tmp_path: Path
+) -> None:
     size = _size_of(shards)
     warm(shards.folder)
-    loader = _epoch_loader(tool, shards)
+    loader = _epoch_loader(tool, shards, tmp_path / "cache")
 
     def epoch() -> tuple[int, int]:
         n = total = 0

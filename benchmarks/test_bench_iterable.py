@@ -1,9 +1,13 @@
 """ShardIterableDataset benchmarks: a shuffled streaming epoch, fastload side by side with
-webdataset, and how each partitions an epoch among 2 ranks x 2 workers.
+webdataset, MosaicML streaming and litdata, and how each partitions an epoch among 2 ranks
+x 2 workers.
 
 Data: the webdataset-style shards of ``test_bench_index.py`` (``data.small_record_shards``:
 per sample a ``.jpg`` of about 3 KB or 100 KB, a ``.cls`` and a ``.json``), read from the
-page cache (each case first reads its shards once, untimed).
+page cache (each case first reads its shards once, untimed). The peers read the same
+samples in their own formats (benchmarks/_peers.py: MDS for MosaicML streaming, litdata's
+optimized chunks; written once from the tar shards and cached, untimed), also from the
+page cache.
 
 Groups (``size`` is 3kb or 100kb):
   stream-SIZE       one shuffled epoch through DataLoader(num_workers=2, batch_size=256),
@@ -15,15 +19,22 @@ Groups (``size`` is 3kb or 100kb):
                                         collate_fn=identity)
                     webdataset          WebDataset(shardshuffle=all shards).shuffle(1000):
                                         shard shuffle and a 1,000-sample buffer shuffle
+                    mosaicml            StreamingDataset(local=MDS folder, shuffle=True,
+                                        batch_size=256) in a DataLoader (py1e shuffle)
+                    litdata             StreamingDataset(input_dir=..., shuffle=True) in
+                                        litdata.StreamingDataLoader
   first-batch-SIZE  from building the dataset and loader to the first batch in hand
-  split-SIZE        an epoch read by 2 ranks (RANK/WORLD_SIZE, one after the other) x 2
-                    workers each, with the benchmark's shards and with 7 uneven shards of
-                    the same records; ``extra_info`` records samples per rank, duplicates
-                    and missing samples. fastload must be exact; webdataset (split_by_node
-                    and split_by_worker over shards) is reported as it is.
-
-MosaicML streaming and litdata are not run: their packages pull their own torch build
-(CUDA) and would replace the CPU build this project tests with.
+  split-SIZE        an epoch read by a world of 2 ranks x 2 workers each: two processes at
+                    once, launched as torchrun launches them (RANK, WORLD_SIZE, LOCAL_RANK,
+                    LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and joined in a gloo process group
+                    (benchmarks/_split_rank.py), with the benchmark's data and with 7 uneven
+                    shards (6.5 shards' worth of records; the peers write 7 chunks of the
+                    same size); ``extra_info`` records samples per rank, duplicates, missing
+                    samples and ``correct`` (every sample, equal counts per rank, no
+                    duplicate beyond the one padding sample an odd count needs). fastload
+                    must be exact; webdataset (split_by_node and split_by_worker over
+                    shards), MosaicML streaming and litdata (their defaults; litdata-nodrop:
+                    drop_last=False) are reported as they are.
 
 Scale: full = 200,000 x 3 KB and 20,000 x 100 KB (1,000 and 100 per shard); small (CI
 smoke, ``--benchmark-disable``) = a few thousand samples.
@@ -34,14 +45,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import multiprocessing
-import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Union
 
 import pytest
 
+import _peers
 from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
+from _peers import PeerData
+from _split_rank import run_world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +73,8 @@ PLANS = {
 KB = {"3kb": 3, "100kb": 100}
 BATCH = 256
 WORKERS = 2
-STREAM_TOOLS = ["fastload", "fastload-batched", "webdataset"]
+STREAM_TOOLS = ["fastload", "fastload-batched", "webdataset", "mosaicml", "litdata"]
+SPLIT_TOOLS = ["fastload", "webdataset", "mosaicml", "litdata", "litdata-nodrop"]
 
 
 def _fastload() -> ModuleType:
@@ -70,6 +86,7 @@ def _webdataset() -> ModuleType:
 
 
 Shards = IndexedShards
+Data = Union[IndexedShards, PeerData]
 
 
 def _shards(tmp: pytest.TempPathFactory, n: int, per: int, kb: float, name: str) -> Shards:
@@ -104,8 +121,18 @@ def _payload(sample: dict[str, Any]) -> int:
     return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
 
 
-def _loader(tool: str, s: Shards, *, nodesplit: bool = False) -> Any:
+def _data(tool: str, s: Shards, *, per_chunk: int | None = None) -> Data:
+    """What ``tool`` reads: the tar shards, or a peer's copy of them in its own format."""
+    if _peers.is_peer(tool):
+        return _peers.peer_data(tool, s, per_chunk=per_chunk)
+    return s
+
+
+def _loader(tool: str, s: Data, *, nodesplit: bool = False, cache: Path | None = None) -> Any:
     """A DataLoader over ``s``: 2 fork workers, batches of 256 lists of samples."""
+    if isinstance(s, PeerData):
+        cache = cache or Path(tempfile.gettempdir()) / "fastload-bench-peer-cache"
+        return _peers.loader(tool, s, cache, batch=BATCH, workers=WORKERS)
     data = pytest.importorskip("torch.utils.data")
     common: dict[str, Any] = {
         "num_workers": WORKERS,
@@ -141,10 +168,13 @@ def _drain(loader: Any) -> tuple[list[str], int]:
 
 
 @pytest.mark.parametrize("tool", STREAM_TOOLS)
-def test_stream_epoch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale) -> None:
+def test_stream_epoch(
+    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale, tmp_path: Path
+) -> None:
     size = _size_of(shards)
-    warm(shards.folder)
-    loader = _loader(tool, shards)
+    d = _data(tool, shards)
+    warm(d.path if isinstance(d, PeerData) else shards.folder)
+    loader = _loader(tool, d, cache=tmp_path / "cache")
     describe(
         benchmark,
         group=f"stream-{size}",
@@ -156,18 +186,23 @@ def test_stream_epoch(benchmark: Any, tool: str, shards: Shards, plan: Plan, sca
         batch=BATCH,
     )
     keys, total = benchmark.pedantic(lambda: _drain(loader), rounds=plan.rounds, iterations=1)
+    benchmark.extra_info.update(delivered=len(keys), unique=len(set(keys)))
     assert len(keys) == shards.samples and total > 0
     assert len(set(keys)) == len(keys)
 
 
 @pytest.mark.parametrize("tool", STREAM_TOOLS)
-def test_first_batch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale) -> None:
+def test_first_batch(
+    benchmark: Any, tool: str, shards: Shards, plan: Plan, scale: Scale, tmp_path: Path
+) -> None:
     size = _size_of(shards)
-    warm(shards.folder)
-    _loader(tool, shards)  # imports done, index cached: what is timed is start-up
+    d = _data(tool, shards)  # a peer's format written (once, cached) before anything is timed
+    warm(d.path if isinstance(d, PeerData) else shards.folder)
+    cache = tmp_path / "cache"
+    _loader(tool, d, cache=cache)  # imports done, index cached: what is timed is start-up
 
     def first() -> int:
-        it: Iterator[Any] = iter(_loader(tool, shards))
+        it: Iterator[Any] = iter(_loader(tool, d, cache=cache))
         n = len(next(it))
         del it  # shuts the workers down
         return n
@@ -188,28 +223,27 @@ def test_first_batch(benchmark: Any, tool: str, shards: Shards, plan: Plan, scal
 # --- partitioning among 2 ranks x 2 workers ---------------------------------------------------
 
 
-def _split_check(tool: str, s: Shards) -> dict[str, Any]:
-    """One epoch read by rank 0 then rank 1 of a world of 2 (RANK/WORLD_SIZE; the fork
-    workers inherit them): samples per rank, duplicates, missing."""
-    per_rank: list[int] = []
-    seen: collections.Counter[str] = collections.Counter()
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    try:
-        for rank in range(2):
-            os.environ.update(RANK=str(rank), WORLD_SIZE="2")
-            keys, _ = _drain(_loader(tool, s, nodesplit=True))
-            per_rank.append(len(keys))
-            seen.update(keys)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def split_keys(tool: str, s: Data) -> list[str]:
+    """The keys this rank reads of one epoch (run in each rank process by _split_rank)."""
+    with tempfile.TemporaryDirectory(prefix="peer-cache-") as cache:
+        keys, _ = _drain(_loader(tool, s, nodesplit=True, cache=Path(cache)))
+    return keys
+
+
+def _split_check(tool: str, s: Data, samples: int, world: int = 2) -> dict[str, Any]:
+    """One epoch read by the ranks of a world of ``world`` (two processes at once, each
+    with 2 fork workers): samples per rank, duplicates, missing, and whether that is the
+    right split."""
+    ranks = run_world("test_bench_iterable", "split_keys", (tool, s), world=world)
+    per_rank = [len(k) for k in ranks]
+    seen: collections.Counter[str] = collections.Counter(k for keys in ranks for k in keys)
+    duplicates = sum(c - 1 for c in seen.values())
+    missing = samples - len(seen)
     return {
         "per_rank": per_rank,
-        "duplicates": sum(c - 1 for c in seen.values()),
-        "missing": s.samples - len(seen),
+        "duplicates": duplicates,
+        "missing": missing,
+        "correct": missing == 0 and len(set(per_rank)) == 1 and duplicates == -samples % world,
     }
 
 
@@ -220,7 +254,7 @@ def uneven(plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Shards:
     return _shards(tmp_path_factory, 6 * per + per // 2, per, 3, "uneven")
 
 
-@pytest.mark.parametrize("tool", ["fastload", "webdataset"])
+@pytest.mark.parametrize("tool", SPLIT_TOOLS)
 @pytest.mark.parametrize("which", ["benchmark", "7-shards"])
 def test_split(
     benchmark: Any,
@@ -234,7 +268,8 @@ def test_split(
     s = shards if which == "benchmark" else uneven
     if which == "7-shards" and _size_of(shards) != "3kb":
         pytest.skip("the 7-shard case runs once")
-    warm(s.folder)
+    d = _data(tool, s, per_chunk=None if which == "benchmark" else plan.per_shard["3kb"])
+    warm(d.path if isinstance(d, PeerData) else s.folder)
     name = f"split-{_size_of(s) if which == 'benchmark' else '7-shards'}"
     describe(
         benchmark,
@@ -247,8 +282,10 @@ def test_split(
         workers=WORKERS,
     )
     result: dict[str, Any] = benchmark.pedantic(
-        _split_check, args=(tool, s), rounds=1, iterations=1
+        _split_check, args=(tool, d, s.samples), rounds=1, iterations=1
     )
+    if isinstance(d, PeerData):
+        result["chunks"] = d.chunks
     benchmark.extra_info.update(result)
     print(f"\n{name} {tool}: {result}")
     if tool.startswith("fastload"):

@@ -12,26 +12,31 @@ Each sample is the file plus its class index. ``shuffle``: a full random permuta
 the samples (fastload computes it; the peers get the file list shuffled, which is what a
 full shuffle costs them: every file read at random). ``ordered``: in key order.
 
-Tools (a peer that is not installed is skipped):
+Tools (a peer that is not installed is skipped; scripts/bench-peers.sh sets up a venv
+with all of them):
   fastload          fastload.pack(tree, out) (native threads, default count)
   fastload-1thread  the same on one thread
   webdataset        webdataset.ShardWriter, files read in Python (a tar of tars: streamed
                     with tarfile, ordered only: a full shuffle of a stream needs it
                     extracted or held in memory first)
-  litdata           litdata.optimize(), its default workers
-  mosaicml          streaming.MDSWriter
+  litdata           litdata.optimize(fn=read one file, inputs=the file list), one worker
+                    process per CPU (fork), chunks of max_size bytes; no tar of tars (it
+                    maps a function over a list of inputs, not over a stream)
+  mosaicml          MosaicML streaming.MDSWriter (one process, uncompressed, shards of
+                    max_size), files read in Python; a tar of tars streamed like webdataset
 
 Groups ``pack-DATA-ORDER``; report.py derives samples/s ("files/s") and MB/s from the
 samples and source bytes recorded in ``extra_info``.
 
 Group ``writer-3kb``: the Python writers alone, samples already in memory (3 KB of bytes
 and a class number each, as many as the 3kb tree): fastload.ShardWriter,
-webdataset.ShardWriter, streaming.MDSWriter.
+webdataset.ShardWriter, streaming.MDSWriter, litdata.optimize (fn returning the sample).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import tarfile
@@ -42,6 +47,7 @@ from typing import Any, Callable
 import pytest
 
 from _harness import Rounds, Scale, Source, describe, import_fastload
+from _peers import import_litdata, import_streaming, quiet
 from data import imagenet_like_tree, keyed, tar_of_tars, tree_stats
 
 
@@ -120,9 +126,9 @@ def _read(path: Path) -> bytes:
 # --- the tools ----------------------------------------------------------------------------
 
 
-def _run_fastload(d: Data, shuffle: bool, max_size: str, threads: int | None) -> Callable[
-    [Path], int
-]:
+def _run_fastload(
+    d: Data, shuffle: bool, max_size: str, threads: int | None
+) -> Callable[[Path], int]:
     fl = _fastload()
 
     def run(dst: Path) -> int:
@@ -182,28 +188,43 @@ def _webdataset_stream(wds: ModuleType, d: Data, limit: int) -> Callable[[Path],
     return run
 
 
+def _litdata_optimize(fn: Callable[[Any], Any], inputs: list[Any], dst: Path, max_size: str) -> int:
+    """litdata.optimize over ``inputs`` into ``dst``; returns the samples its index holds
+    (optimize reports a failed worker but returns)."""
+    ld = import_litdata()
+    with quiet():
+        ld.optimize(fn=fn, inputs=inputs, output_dir=str(dst), chunk_bytes=max_size,
+                    num_workers=os.cpu_count() or 1, reorder_files=False,
+                    start_method="fork", verbose=False)  # fmt: skip
+    index = json.loads((dst / "index.json").read_text())
+    return sum(int(c["chunk_size"]) for c in index["chunks"])
+
+
 def _run_litdata(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
-    ld = pytest.importorskip("litdata")
+    import_litdata()
     root = d.source.path
 
+    # Forked workers (start_method="fork") inherit this closure; spawn, litdata's default,
+    # would re-import the test module in each worker.
     def load(item: tuple[str, str, int]) -> dict[str, Any]:
         rel, key, cls = item
         return {"key": key, "data": _read(root / rel), "cls": cls}
 
     def run(dst: Path) -> int:
-        files = _ordered(d, shuffle)
-        ld.optimize(fn=load, inputs=files, output_dir=str(dst), chunk_bytes=max_size,
-                    num_workers=os.cpu_count() or 1, reorder_files=False)  # fmt: skip
-        return len(files)
+        return _litdata_optimize(load, _ordered(d, shuffle), dst, max_size)
 
     return run
 
 
 def _run_mosaicml(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
-    streaming = pytest.importorskip("streaming")
+    streaming = import_streaming()
     fl = _fastload()
     limit = fl.writer.parse_size(max_size)
     columns = {"key": "str", "data": "bytes", "cls": "int"}
+    if d.name == "tot":
+        if shuffle:
+            pytest.skip("MDSWriter gets samples one by one: no full shuffle of a stream")
+        return _mosaicml_stream(streaming, d, limit, columns)
 
     def run(dst: Path) -> int:
         n = 0
@@ -216,9 +237,35 @@ def _run_mosaicml(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int
     return run
 
 
+def _mosaicml_stream(
+    streaming: ModuleType, d: Data, limit: int, columns: dict[str, str]
+) -> Callable[[Path], int]:
+    """A tar of tars into MDS, read as a stream with tarfile like _webdataset_stream."""
+
+    def run(dst: Path) -> int:
+        n = 0
+        with (
+            tarfile.open(d.source.path, "r|") as outer,
+            streaming.MDSWriter(out=str(dst), columns=columns, size_limit=limit) as w,
+        ):
+            for cls, m in enumerate(outer):
+                f = outer.extractfile(m)
+                assert f is not None
+                with tarfile.open(fileobj=f, mode="r|") as inner:
+                    for im in inner:
+                        g = inner.extractfile(im)
+                        assert g is not None
+                        key = im.name.split(".", 1)[0]
+                        w.write({"key": f"{m.name[:-4]}/{key}", "data": g.read(), "cls": cls})
+                        n += 1
+        return n
+
+    return run
+
+
 def _runner(tool: str, d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
-    if d.name == "tot" and tool in ("litdata", "mosaicml"):
-        pytest.skip(f"{tool} has no tar reader here")
+    if d.name == "tot" and tool == "litdata":
+        pytest.skip("litdata.optimize maps a function over a list of inputs, not a stream")
     if tool == "fastload":
         return _run_fastload(d, shuffle, max_size, None)
     if tool == "fastload-1thread":
@@ -257,7 +304,7 @@ def _memory_samples(n: int) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("tool", ["fastload", "webdataset", "mosaicml"])
+@pytest.mark.parametrize("tool", ["fastload", "webdataset", "mosaicml", "litdata"])
 def test_writer(benchmark: Any, fresh: Rounds, tool: str, scale: Scale, tmp_path: Path) -> None:
     plan = PLANS[scale.name]
     samples = _memory_samples(plan.small_files)
@@ -280,8 +327,16 @@ def test_writer(benchmark: Any, fresh: Rounds, tool: str, scale: Scale, tmp_path
                 for s in samples:
                     w.write(s)
             return len(samples)
+    elif tool == "litdata":
+        import_litdata()
+
+        def sample(i: int) -> dict[str, Any]:
+            return samples[i]  # forked workers: the samples are already in their memory
+
+        def run(dst: Path) -> int:
+            return _litdata_optimize(sample, list(range(len(samples))), dst, plan.max_size)
     else:
-        streaming = pytest.importorskip("streaming")
+        streaming = import_streaming()
         columns = {"__key__": "str", "jpg": "bytes", "cls": "int"}
 
         def run(dst: Path) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything from scratch and runs every test: lint, types, the Python suite on
 # both I/O backends, the native tests and the Python suite again under ASan+UBSan, and
-# the benchmarks once at a small size with timing off. CI (.ci/run) runs exactly this.
+# the benchmarks once at a small size with timing off, side by side with the peers (in a
+# venv of their own, scripts/bench-peers.sh). CI (.ci/run) runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -59,7 +60,18 @@ FASTLOAD_ENGINE=$FIRST_ENGINE LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTIONS=det
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=build/asan/pkg \
   FASTLOAD_TEST_SANITIZED=1 "$VENV/bin/python" -m pytest -q -m native -p no:cacheprovider tests
 
-step "benchmarks, once, small, timing off"
-FASTLOAD_BENCH_SCALE=small "$VENV/bin/python" -m pytest -q benchmarks --benchmark-disable
+step "benchmarks, once, small, timing off, with the peers (MosaicML streaming, litdata, HF datasets)"
+# The peers' pins clash with the test venv, and two of them would pull torchvision (another
+# torch): scripts/bench-peers.sh gives them a venv of their own, with this torch and this
+# fastload. Where it cannot be set up (no network), the benchmarks run in the test venv
+# and the peer cases skip, saying why.
+BENCH_VENV=${FASTLOAD_BENCH_VENV:-.venv-bench}
+BENCH_PY=$VENV/bin/python
+if PYTHON="$PY" ./scripts/bench-peers.sh "$BENCH_VENV"; then
+  BENCH_PY=$BENCH_VENV/bin/python
+else
+  echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
+fi
+FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-disable
 
 step "all tests passed"

@@ -374,6 +374,21 @@ def test_iterable_dataset_batches(shards: tuple[Path, list[Sample]]) -> None:
     assert got == expect
 
 
+def test_iterable_packed_fast_path(shards: tuple[Path, list[Sample]]) -> None:
+    """With fastload.collate (or a partial of it) and no transform, the iterable dataset
+    reads each batch straight into its packed block: the same batches as collating the
+    sample dicts."""
+    path, _ = shards
+    for collate in (fastload.collate, functools.partial(fastload.collate, ints="cls")):
+        fast = list(fastload.ShardIterableDataset(path, batch_size=16, collate_fn=collate))
+        slow = list(fastload.ShardIterableDataset(
+            path, batch_size=16, collate_fn=lambda b, c=collate: c(b)))  # type: ignore[misc]
+        assert len(fast) == len(slow) == 8
+        for f, s in zip(fast, slow, strict=True):
+            assert isinstance(f, PackedBatch) and f.keys == s.keys
+            assert f.to_samples() == s.to_samples()
+
+
 def test_packed_option_errors(shards: tuple[Path, list[Sample]]) -> None:
     path, _ = shards
     with pytest.raises(ValueError, match="packed=True"):

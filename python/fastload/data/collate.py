@@ -520,9 +520,11 @@ def _field_of(block: torch.Tensor, offsets: torch.Tensor, missing: list[int] | N
     return PackedField(block, offsets.view(torch.int64), present)
 
 
-def _finish(
+def finish(
     batch: PackedBatch, stack: Iterable[str] | str, ints: Iterable[str] | str
 ) -> PackedBatch:
+    """``batch`` with the fields named in ``stack`` and ``ints`` turned into tensors (see
+    :func:`collate`)."""
     for name in [stack] if isinstance(stack, str) else stack:
         f = batch._fields.get(name)
         if isinstance(f, PackedField):
@@ -600,7 +602,7 @@ def collate(
         block, offsets = arena.pieces[2 * c], arena.pieces[2 * c + 1]
         out[name] = _field_of(block, offsets, missing[c], n)
     batch = PackedBatch(keys, {f: out[f] for f in names}, meta)
-    return _finish(batch, stack, ints)
+    return finish(batch, stack, ints)
 
 
 def _int_column(name: str, col: list[Any], keys: list[str]) -> torch.Tensor:

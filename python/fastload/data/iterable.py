@@ -5,6 +5,7 @@ resumes where it stopped."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Callable, Union
@@ -16,6 +17,8 @@ from ..env.world import World, world
 from ..index import ShardIndex
 from . import partition
 from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
+from .collate import collate as _collate
+from .collate import fetch_packed, finish
 from .partition import Intervals
 from .shuffle import DEFAULT_BLOCK, EpochOrder
 
@@ -375,6 +378,15 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                     yield s if transform is None else transform(s)
         elif self.batch_by is None:
             collate = self.collate_fn
+            packed = _packed_fetch(collate, fields, access) if transform is None else None
+            if packed is not None:
+                # fastload.collate over untransformed samples: read the batch straight
+                # into its packed block, no dict or Payload per sample.
+                for ids in chunks:
+                    out = packed(index, ids.tolist())
+                    run.done += len(out)
+                    yield out
+                return
             for ids in chunks:
                 batch = read(ids)
                 if transform is not None:
@@ -528,3 +540,27 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
             f"drop_last={self.drop_last}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, epoch={self._epoch})"
         )
+
+
+def _packed_fetch(
+    collate_fn: Callable[[list[Any]], Any] | None, fields: Sequence[str] | None, access: str
+) -> Callable[[ShardIndex, list[int]], Any] | None:
+    """A fetch that makes what ``collate_fn`` would make of a batch of untransformed
+    samples, straight from the index (:func:`~fastload.data.collate.fetch_packed`), when
+    ``collate_fn`` is ``fastload.collate`` or a ``functools.partial`` of it setting
+    ``allow_missing``, ``stack`` or ``ints``; else ``None``."""
+    options: dict[str, Any] = {}
+    if isinstance(collate_fn, functools.partial) and collate_fn.func is _collate:
+        if collate_fn.args or set(collate_fn.keywords) - {"allow_missing", "stack", "ints"}:
+            return None
+        options = dict(collate_fn.keywords)
+    elif collate_fn is not _collate:
+        return None
+    allow_missing = bool(options.get("allow_missing", False))
+    stack, ints = options.get("stack", ()), options.get("ints", ())
+
+    def fetch_batch(index: ShardIndex, ids: list[int]) -> Any:
+        batch = fetch_packed(index, ids, fields, access, allow_missing=allow_missing)
+        return finish(batch, stack, ints)
+
+    return fetch_batch

@@ -18,7 +18,10 @@ Groups (``size`` is 3kb or 100kb):
                     HF ``load_from_disk(...)[i]`` (hf-datasets) and ``__getitems__`` in
                     batches of 256 (hf-datasets-batched)
   epoch-SIZE        a shuffled epoch through DataLoader(num_workers=2, batch_size=256):
-                    fastload (map-style, batched fetch), wids (map-style), webdataset
+                    fastload (map-style, batched fetch, samples as dicts pickled through
+                    the workers' pipes like every peer's; fastload-packed: packed=True +
+                    fastload.collate, each batch in a shared-memory block, every page of it
+                    touched in the main process), wids (map-style), webdataset
                     (iterable: shard shuffle plus a 1,000-sample shuffle buffer), MosaicML
                     streaming (iterable, its py1e shuffle), litdata (iterable, in its
                     StreamingDataLoader), HF datasets (map-style, batched fetch)
@@ -237,6 +240,7 @@ def test_random_access(
 EPOCH_TOOLS = [
     "fastload",
     "fastload-read",
+    "fastload-packed",
     "wids",
     "webdataset",
     "mosaicml",
@@ -267,7 +271,12 @@ def _epoch_loader(tool: str, s: Shards, cache: Path) -> Any:
         ds = _wids_dataset(s)
     else:
         fl = _fastload()
-        ds = fl.ShardIndexDataset(s.index, access="read" if tool == "fastload-read" else "mmap")
+        if tool == "fastload-packed":  # batches read into shared memory, see issue 8
+            ds = fl.ShardIndexDataset(s.index, packed=True)
+            common["collate_fn"] = fl.collate
+        else:
+            access = "read" if tool == "fastload-read" else "mmap"
+            ds = fl.ShardIndexDataset(s.index, access=access)
     return data.DataLoader(ds, shuffle=True, generator=torch.Generator().manual_seed(0), **common)
 
 
@@ -283,7 +292,13 @@ def test_epoch(
         n = total = 0
         for batch in loader:
             n += len(batch)
-            total += sum(_sample_bytes(s) for s in batch)
+            if isinstance(batch, list):
+                total += sum(_sample_bytes(s) for s in batch)
+                continue
+            for _name, field in batch.items():  # a fastload PackedBatch
+                if field.data.numel():
+                    field.data[::4096].sum()  # one read per page: its shared-memory faults
+                total += field.nbytes
         return n, total
 
     describe(

@@ -17,6 +17,10 @@ Groups (``size`` is 3kb or 100kb):
                     fastload-batched    the same, batches made by the dataset (one native
                                         fetch per batch), DataLoader(batch_size=None,
                                         collate_fn=identity)
+                    fastload-packed     batches made by the dataset with
+                                        collate_fn=fastload.collate: each read straight
+                                        into a shared-memory block (a PackedBatch), whose
+                                        every page the main process touches
                     webdataset          WebDataset(shardshuffle=all shards).shuffle(1000):
                                         shard shuffle and a 1,000-sample buffer shuffle
                     mosaicml            StreamingDataset(local=MDS folder, shuffle=True,
@@ -73,7 +77,14 @@ PLANS = {
 KB = {"3kb": 3, "100kb": 100}
 BATCH = 256
 WORKERS = 2
-STREAM_TOOLS = ["fastload", "fastload-batched", "webdataset", "mosaicml", "litdata"]
+STREAM_TOOLS = [
+    "fastload",
+    "fastload-batched",
+    "fastload-packed",
+    "webdataset",
+    "mosaicml",
+    "litdata",
+]
 SPLIT_TOOLS = ["fastload", "webdataset", "mosaicml", "litdata", "litdata-nodrop"]
 
 
@@ -146,6 +157,9 @@ def _loader(tool: str, s: Data, *, nodesplit: bool = False, cache: Path | None =
         ).shuffle(1000)
         return data.DataLoader(ds, batch_size=BATCH, collate_fn=_as_list, **common)
     fl = _fastload()
+    if tool == "fastload-packed":
+        ds = fl.ShardIterableDataset(s.index, batch_size=BATCH, collate_fn=fl.collate)
+        return data.DataLoader(ds, batch_size=None, collate_fn=fl.collate, **common)
     if tool == "fastload-batched":
         ds = fl.ShardIterableDataset(s.index, batch_size=BATCH)
         # collate_fn: without one, batch_size=None runs default_convert over every sample.
@@ -158,9 +172,16 @@ def _drain(loader: Any) -> tuple[list[str], int]:
     keys: list[str] = []
     total = 0
     for batch in loader:
-        for sample in batch:
-            keys.append(sample["__key__"])
-            total += _payload(sample)
+        if isinstance(batch, list):
+            for sample in batch:
+                keys.append(sample["__key__"])
+                total += _payload(sample)
+            continue
+        keys += batch.keys  # a fastload PackedBatch
+        for _name, field in batch.items():
+            if field.data.numel():
+                field.data[::4096].sum()  # one read per page: its shared-memory faults
+            total += field.nbytes
     return keys, total
 
 

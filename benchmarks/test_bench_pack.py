@@ -2,8 +2,8 @@
 
 Data (from the page cache; each round writes a fresh output folder and ends with
 syncfs(), so every tool is timed to data on disk):
-  tree   the ImageNet-like tree of the scale (class folders of ~100 KB JPEG-like files;
-         full: 20,000 files)
+  tree   an ImageNet-like tree (class folders of ~100 KB JPEG-like files; full: 40,000
+         files in 400 classes, the same files as the tar of tars; small: the scale's tree)
   3kb    a class tree of 3 KB files (full: 200,000 files in 1,000 classes)
   tot    a tar of tars, ImageNet's train layout (one tar per class; full: 400 x 100 files
          of ~100 KB, the extraction benchmark's archive), packed without extracting it
@@ -59,11 +59,13 @@ class Plan:
     tot_inner: int
     tot_per: int
     tot_kb: float
+    tree_files: int | None = None  # None: the scale's tree (conftest's tree_src)
+    tree_classes: int = 0
 
 
 PLANS = {
     "small": Plan(2_000, 20, "1MB", 10, 30, 8),
-    "full": Plan(200_000, 1_000, "100MB", 400, 100, 100),
+    "full": Plan(200_000, 1_000, "100MB", 400, 100, 100, 40_000, 400),
 }
 TOOLS = ["fastload", "fastload-1thread", "webdataset", "litdata", "mosaicml"]
 SEED = 0
@@ -101,9 +103,12 @@ def _tot(plan: Plan) -> Data:
 
 @pytest.fixture(scope="session", params=["tree", "3kb", "tot"])
 def data(request: pytest.FixtureRequest, scale: Scale, tree_src: Source) -> Data:
-    if request.param == "tree":
-        return _data("tree", tree_src.path)
     plan = PLANS[scale.name]
+    if request.param == "tree":
+        if plan.tree_files is None:
+            return _data("tree", tree_src.path)
+        n, c = plan.tree_files, plan.tree_classes
+        return _data("tree", imagenet_like_tree(keyed("tree", n=n, c=c, kb=100, s=0), n, c, 100))
     if request.param == "tot":
         return _tot(plan)
     n, c = plan.small_files, plan.small_classes

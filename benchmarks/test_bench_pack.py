@@ -40,6 +40,7 @@ import json
 import os
 import random
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -167,27 +168,33 @@ def _run_webdataset(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], i
     return run
 
 
+def _tot_members(path: Path) -> Iterator[tuple[int, str, str, bytes]]:
+    """A tar of tars read as a stream with tarfile, each member tar a class: (class
+    number, the member tar's name without ``.tar``, inner member name, its bytes)."""
+    with tarfile.open(path, "r|") as outer:
+        for cls, m in enumerate(outer):
+            f = outer.extractfile(m)
+            assert f is not None
+            with tarfile.open(fileobj=f, mode="r|") as inner:
+                for im in inner:
+                    g = inner.extractfile(im)
+                    assert g is not None
+                    yield cls, m.name[:-4], im.name, g.read()
+
+
 def _webdataset_stream(wds: ModuleType, d: Data, limit: int) -> Callable[[Path], int]:
     """A tar of tars, read as a stream with tarfile: each member tar is a class."""
 
     def run(dst: Path) -> int:
         dst.mkdir()
         n = 0
-        with (
-            tarfile.open(d.source.path, "r|") as outer,
-            wds.ShardWriter(str(dst / "shard-%06d.tar"), maxcount=10**9, maxsize=limit,
-                            verbose=0) as w,
-        ):  # fmt: skip
-            for cls, m in enumerate(outer):
-                f = outer.extractfile(m)
-                assert f is not None
-                with tarfile.open(fileobj=f, mode="r|") as inner:
-                    for im in inner:
-                        g = inner.extractfile(im)
-                        assert g is not None
-                        key, ext = im.name.split(".", 1)
-                        w.write({"__key__": f"{m.name[:-4]}/{key}", ext: g.read(), "cls": cls})
-                        n += 1
+        with wds.ShardWriter(
+            str(dst / "shard-%06d.tar"), maxcount=10**9, maxsize=limit, verbose=0
+        ) as w:
+            for cls, folder, name, payload in _tot_members(d.source.path):
+                key, ext = name.split(".", 1)
+                w.write({"__key__": f"{folder}/{key}", ext: payload, "cls": cls})
+                n += 1
         return n
 
     return run
@@ -249,20 +256,11 @@ def _mosaicml_stream(
 
     def run(dst: Path) -> int:
         n = 0
-        with (
-            tarfile.open(d.source.path, "r|") as outer,
-            streaming.MDSWriter(out=str(dst), columns=columns, size_limit=limit) as w,
-        ):
-            for cls, m in enumerate(outer):
-                f = outer.extractfile(m)
-                assert f is not None
-                with tarfile.open(fileobj=f, mode="r|") as inner:
-                    for im in inner:
-                        g = inner.extractfile(im)
-                        assert g is not None
-                        key = im.name.split(".", 1)[0]
-                        w.write({"key": f"{m.name[:-4]}/{key}", "data": g.read(), "cls": cls})
-                        n += 1
+        with streaming.MDSWriter(out=str(dst), columns=columns, size_limit=limit) as w:
+            for cls, folder, name, payload in _tot_members(d.source.path):
+                key = name.split(".", 1)[0]
+                w.write({"key": f"{folder}/{key}", "data": payload, "cls": cls})
+                n += 1
         return n
 
     return run

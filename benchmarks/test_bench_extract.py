@@ -68,8 +68,11 @@ def _run(cmd: list[str]) -> None:
 
 def _sh(script: str, *args: str) -> None:
     """``bash -c SCRIPT`` with positional arguments; a failing stage of a pipe fails."""
-    subprocess.run(["bash", "-c", "set -euo pipefail\n" + script, "bash", *args], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + script, "bash", *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -142,11 +145,13 @@ def _compressed(plain: Path, kind: str) -> Path:
     threads = str(os.cpu_count() or 1)
     with open(tmp, "wb") as f:
         if kind == "gzip":
-            subprocess.run([_need("pigz"), "-c", "-6", "-p", threads, str(plain)], stdout=f,
-                           check=True)
+            subprocess.run(
+                [_need("pigz"), "-c", "-6", "-p", threads, str(plain)], stdout=f, check=True
+            )
         else:
-            subprocess.run([_need("zstd"), "-q", "-c", "-3", f"-T{threads}", str(plain)],
-                           stdout=f, check=True)
+            subprocess.run(
+                [_need("zstd"), "-q", "-c", "-3", f"-T{threads}", str(plain)], stdout=f, check=True
+            )
     os.replace(tmp, out)
     rec.write_text(want)
     return out
@@ -160,8 +165,15 @@ def xscale(scale: Scale) -> ExtractScale:
 @pytest.fixture(scope="session")
 def plain_tar(xscale: ExtractScale) -> Archive:
     n, c, kb = xscale.files, xscale.classes, xscale.mean_kb
-    path = imagenet_like_tar(keyed("xtar", n=n, c=c, kb=kb, s=0) / "train.tar", n, c, kb,
-                             seed=0, fmt="gnu", tool="python")
+    path = imagenet_like_tar(
+        keyed("xtar", n=n, c=c, kb=kb, s=0) / "train.tar",
+        n,
+        c,
+        kb,
+        seed=0,
+        fmt="gnu",
+        tool="python",
+    )
     return Archive(path, *_count(path, nested=False))
 
 
@@ -169,8 +181,14 @@ def plain_tar(xscale: ExtractScale) -> Archive:
 def nested_tar(xscale: ExtractScale) -> Archive:
     inner, per = xscale.classes, xscale.files // xscale.classes
     kb = xscale.mean_kb
-    path = tar_of_tars(keyed("xtot", inner=inner, per=per, kb=kb, s=0) / "train.tar", inner,
-                       per, kb, seed=0, fmt="gnu")
+    path = tar_of_tars(
+        keyed("xtot", inner=inner, per=per, kb=kb, s=0) / "train.tar",
+        inner,
+        per,
+        kb,
+        seed=0,
+        fmt="gnu",
+    )
     return Archive(path, *_count(path, nested=True))
 
 
@@ -279,7 +297,8 @@ def make_tool(name: str) -> Tool:
 
 def _check(tool: Tool, archive: Archive, dst: Path, result: Any, nested: bool) -> None:
     assert tree_stats(dst) == (archive.files, archive.bytes), (
-        f"{tool.name}: extracted {tree_stats(dst)}, expected {(archive.files, archive.bytes)}")
+        f"{tool.name}: extracted {tree_stats(dst)}, expected {(archive.files, archive.bytes)}"
+    )
     if nested:
         left = list(dst.rglob("*.tar"))
         assert not left, f"{tool.name}: inner tars left: {left[:3]}"
@@ -288,13 +307,29 @@ def _check(tool: Tool, archive: Archive, dst: Path, result: Any, nested: bool) -
         assert (result.files, result.bytes) == (archive.files, archive.bytes)
 
 
-def _extract_case(benchmark: Any, fresh: Rounds, scale: Scale, archive: Archive,
-                  tool_name: str, cache: str, group: str, *, nested: bool = False) -> None:
+def _extract_case(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    archive: Archive,
+    tool_name: str,
+    cache: str,
+    group: str,
+    *,
+    nested: bool = False,
+) -> None:
     check_cache(cache)
     tool = make_tool(tool_name)
     src = archive.source()
-    describe(benchmark, group=f"{group}-{cache}", tool=tool.name, src=src, cache=cache,
-             scale=scale, archive_bytes=archive.path.stat().st_size)
+    describe(
+        benchmark,
+        group=f"{group}-{cache}",
+        tool=tool.name,
+        src=src,
+        cache=cache,
+        scale=scale,
+        archive_bytes=archive.path.stat().st_size,
+    )
     result = fresh.run(lambda dst: tool.run(archive.path, dst), src=src.path, cache=cache)
     if tool.name.startswith("fastload"):
         benchmark.extra_info["engine"] = result.engine
@@ -304,24 +339,30 @@ def _extract_case(benchmark: Any, fresh: Rounds, scale: Scale, archive: Archive,
 
 @pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "tar", "tarfile"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_extract_tar(benchmark: Any, fresh: Rounds, scale: Scale, plain_tar: Archive,
-                     tool: str, cache: str) -> None:
+def test_extract_tar(
+    benchmark: Any, fresh: Rounds, scale: Scale, plain_tar: Archive, tool: str, cache: str
+) -> None:
     _extract_case(benchmark, fresh, scale, plain_tar, tool, cache, "extract-tar")
 
 
-@pytest.mark.parametrize("tool", ["fastload-uring/nested", "fastload-pread/nested",
-                                  "shell-loop"])
+@pytest.mark.parametrize("tool", ["fastload-uring/nested", "fastload-pread/nested", "shell-loop"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_extract_nested(benchmark: Any, fresh: Rounds, scale: Scale, nested_tar: Archive,
-                        tool: str, cache: str) -> None:
-    _extract_case(benchmark, fresh, scale, nested_tar, tool, cache, "extract-nested",
-                  nested=True)
+def test_extract_nested(
+    benchmark: Any, fresh: Rounds, scale: Scale, nested_tar: Archive, tool: str, cache: str
+) -> None:
+    _extract_case(benchmark, fresh, scale, nested_tar, tool, cache, "extract-nested", nested=True)
 
 
 @pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "tar-z", "pigz"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_extract_gzip(benchmark: Any, fresh: Rounds, scale: Scale, tool: str,
-                      cache: str, request: pytest.FixtureRequest) -> None:
+def test_extract_gzip(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    tool: str,
+    cache: str,
+    request: pytest.FixtureRequest,
+) -> None:
     _need("pigz")  # makes the archive
     archive = request.getfixturevalue("gzip_tar")
     _extract_case(benchmark, fresh, scale, archive, tool, cache, "extract-gzip")
@@ -329,8 +370,14 @@ def test_extract_gzip(benchmark: Any, fresh: Rounds, scale: Scale, tool: str,
 
 @pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "zstd"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_extract_zstd(benchmark: Any, fresh: Rounds, scale: Scale, tool: str,
-                      cache: str, request: pytest.FixtureRequest) -> None:
+def test_extract_zstd(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    tool: str,
+    cache: str,
+    request: pytest.FixtureRequest,
+) -> None:
     _need("zstd")  # makes the archive
     archive = request.getfixturevalue("zstd_tar")
     _extract_case(benchmark, fresh, scale, archive, tool, cache, "extract-zstd")

@@ -395,9 +395,17 @@ struct ExtractJob::Impl {
     }
   }
 
+  // The decoder thread's output goes to the outer tar parser; while waiting for it, the
+  // parsing thread reaps write completions (and sees a cancel).
+  Output parse_output();
+  DecompressThread::Poll poll() {
+    return [this] { pump(false); };
+  }
+
   // After an error or cancel: let the kernel finish what it holds, then remove the
   // temporaries, so the destination keeps only whole files.
   void abort() noexcept {
+    if (decoder) decoder->stop();
     if (!eng) return;
     io::Completion cq[256];
     while (eng->in_flight() > 0) {
@@ -445,7 +453,7 @@ struct ExtractJob::Impl {
   ExtractOptions opt;
   std::unique_ptr<io::Engine> eng;
   UniqueFd root;
-  std::unique_ptr<Decompressor> dec;
+  std::unique_ptr<DecompressThread> decoder;  // compressed archives only
   std::unique_ptr<Level> outer;
   std::unique_ptr<char[]> arena;
   std::vector<Slot> slots;
@@ -555,6 +563,10 @@ struct Level final : tar::Sink {
   tar::StreamParser parser;
 };
 
+Output ExtractJob::Impl::parse_output() {
+  return [this](const char* p, size_t n) { outer->parser.feed(p, n, *outer); };
+}
+
 ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptions o)
     : job(j), dst(std::move(d)), name(std::move(n)), opt(std::move(o)) {
   opt.slot_size = std::max<size_t>(opt.slot_size, 4096);
@@ -568,7 +580,11 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   int err = 0;
   eng = io::make_engine(eo, &err);
   if (!eng) throw Error::os(-err, "start the I/O engine", "");
-  dec = make_decompressor(opt.compression, name);
+  if (getenv("FLX_CHUNK")) opt.decoded_chunk = size_t(atoi(getenv("FLX_CHUNK")));  // XXX exp
+  if (getenv("FLX_CHUNKS")) opt.decoded_chunks = unsigned(atoi(getenv("FLX_CHUNKS")));  // XXX exp
+  if (auto dec = make_decompressor(opt.compression, name))
+    decoder = std::make_unique<DecompressThread>(std::move(dec), opt.decoded_chunk,
+                                                 opt.decoded_chunks);
   arena.reset(new char[size_t(opt.slots) * opt.slot_size]);
   slots.resize(opt.slots);
   for (uint32_t s = opt.slots; s-- > 0;) free_slots.push_back(s);
@@ -589,7 +605,10 @@ void ExtractJob::feed(const char* data, size_t n) {
   if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
   try {
     bytes_in_.fetch_add(n, std::memory_order_relaxed);
-    im.dec->feed(data, n, [&](const char* p, size_t k) { im.outer->parser.feed(p, k, *im.outer); });
+    if (im.decoder)
+      im.decoder->feed(data, n, im.parse_output(), im.poll());
+    else
+      im.outer->parser.feed(data, n, *im.outer);
     im.pump(false);
   } catch (...) {
     im.dead = true;
@@ -602,7 +621,7 @@ void ExtractJob::finish() {
   Impl& im = *impl_;
   if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
   try {
-    im.dec->finish([&](const char* p, size_t k) { im.outer->parser.feed(p, k, *im.outer); });
+    if (im.decoder) im.decoder->finish(im.parse_output(), im.poll());
     im.outer->parser.finish(*im.outer);
     while (im.active > 0) im.pump(true);
     im.make_hardlinks();

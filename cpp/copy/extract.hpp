@@ -45,6 +45,11 @@ struct ExtractOptions {
   uint64_t chunk_size = 4u << 20;  // digest chunk
   size_t slot_size = 1u << 20;     // bytes per write
   unsigned slots = 96;
+  // Compressed archives: the decoder thread hands its output to the parser in chunks of
+  // this size, at most decoded_chunks of them ahead. Small enough for the chunk to be
+  // read while still in cache; larger chunks cost more than the handovers they save.
+  size_t decoded_chunk = 256u << 10;
+  unsigned decoded_chunks = 16;
 };
 
 struct ExtractedFile {
@@ -70,9 +75,11 @@ class ExtractJob {
   ExtractJob(const ExtractJob&) = delete;
   ExtractJob& operator=(const ExtractJob&) = delete;
 
-  // Feeds the next bytes of the (compressed) archive. Blocks while writes are pending
-  // beyond the buffer budget. Throws fastload::Error; after a throw the job is dead and
-  // its temporaries are removed.
+  // Feeds the next bytes of the (compressed) archive; they are not used after the call.
+  // A compressed archive is decoded on a thread of the job's own while the caller's
+  // thread parses and writes. Blocks while writes are pending beyond the buffer budget.
+  // Throws fastload::Error; after a throw the job is dead, its decoder thread stopped
+  // and its temporaries removed.
   void feed(const char* data, size_t n);
   // The archive ended: waits for every write, creates hard links, sets directory
   // modes and times. Throws like feed().

@@ -1,10 +1,11 @@
 """Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
 
 The archive is read once, in large positional reads kept in flight by a few threads
-(on a striped network file system each is served in parallel), hashed on the way when a
-published checksum is given, and fed to the native extractor, which decodes members as
-they arrive and writes them with many writes in flight. Skipped members of an
-uncompressed archive are seeked over, not read.
+(on a striped network file system each is served in parallel), hashed on the way (on a
+thread of its own) when a published checksum is given, and fed to the native extractor,
+which decompresses on a thread of its own, decodes members as they arrive and writes
+them with many writes in flight. Skipped members of an uncompressed archive are seeked
+over, not read.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 from . import _core
 from ._engine import resolve_engine
 from ._state import MANIFEST_VERSION, Journal, JournalFlusher, state_dir, write_json_atomic
-from .errors import ChecksumMismatchError, SourceChangedError, stage_error
+from .errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
 
 _BLOCK = 8 << 20
 _PREFETCH = 4
@@ -86,11 +87,28 @@ class _Prefetcher:
     Blocks are read into a ring of ``depth + 1`` reused buffers (fresh 8 MiB allocations
     per block would cost a page fault per 4 KiB): a block handed out stays valid until
     the consumer asks for the next one.
+
+    With ``hasher``, every block is also hashed, in order, on a thread of its own while
+    the consumer works on it (hashlib releases the GIL): a published checksum costs no
+    time on the thread that feeds the extraction.
     """
 
-    def __init__(self, fd: int, size: int, name: str, block: int = _BLOCK, depth: int = _PREFETCH):
+    def __init__(
+        self,
+        fd: int,
+        size: int,
+        name: str,
+        block: int = _BLOCK,
+        depth: int = _PREFETCH,
+        hasher: Any = None,
+    ):
         self._fd, self._size, self._name, self._block = fd, size, name, block
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="fastload-read")
+        self._hasher = hasher
+        self._hash_pool = None
+        if hasher is not None:
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-hash")
+        self._hashing: Future[None] | None = None
         self._depth = depth
         self._buffers = [bytearray(block) for _ in range(depth + 1)]
         self._free = list(range(depth + 1))
@@ -133,9 +151,18 @@ class _Prefetcher:
                     "staging began; stage again to pick up the new content",
                 )
             self._fill()
-            yield off, memoryview(self._buffers[buf])[:n]
-            self._free.append(buf)  # the consumer is done with it
+            view = memoryview(self._buffers[buf])[:n]
+            if self._hash_pool is not None:
+                self._hashing = self._hash_pool.submit(self._hasher.update, view)
+            yield off, view
+            self._wait_hash()
+            self._free.append(buf)  # the consumer and the hasher are done with it
             self._fill()
+
+    def _wait_hash(self) -> None:
+        hashing, self._hashing = self._hashing, None
+        if hashing is not None:
+            hashing.result()
 
     def _drain(self) -> None:
         for _, _, buf, fut in self._queue:
@@ -151,19 +178,23 @@ class _Prefetcher:
         self._fill()
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait_hash()  # still hashing a block the consumer gave up on
         self._drain()
         self._pool.shutdown(wait=True)
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
 
 
-def _python_decompressor(compression: str) -> Callable[[Buffer], bytes] | None:
-    """A faster (isal) or a fallback (zstandard) decoder run in Python, if one is needed."""
+def _python_decompressor(compression: str) -> Callable[[], Any] | None:
+    """A faster (isal) or a fallback (zstandard) decoder run in Python, if one is needed:
+    what makes its decompression object."""
     if compression == "gzip":
         try:
             from isal import isal_zlib  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             return None  # zlib in the native core
-        d = isal_zlib.decompressobj(wbits=31)
-        return d.decompress  # type: ignore[no-any-return]
+        return lambda: isal_zlib.decompressobj(wbits=31)
     if compression == "zstd" and not _core.zstd_available():
         try:
             import zstandard  # type: ignore[import-not-found,unused-ignore]
@@ -173,9 +204,56 @@ def _python_decompressor(compression: str) -> Callable[[Buffer], bytes] | None:
                 "cannot read .tar.zst archives here: neither libzstd.so.1 nor "
                 "the 'zstandard' package is installed (pip install zstandard)",
             ) from None
-        obj = zstandard.ZstdDecompressor().decompressobj()
-        return obj.decompress  # type: ignore[no-any-return]
+        return lambda: zstandard.ZstdDecompressor().decompressobj()
     return None
+
+
+class _PyDecoder:
+    """Decodes with Python decompression objects (zlib's interface) as the native decoder
+    does: across concatenated gzip members or zstd frames (one object each), skipping
+    zero padding after a gzip member; a corrupt stream, or one that ends inside a member
+    or frame, is a TarFormatError naming the archive."""
+
+    def __init__(self, new: Callable[[], Any], kind: str, src: Path) -> None:
+        self._new, self._kind, self._src = new, kind, src
+        self._d = new()
+        self._ended = False  # after a member's end, before the next one starts
+
+    def _corrupt(self, what: str) -> TarFormatError:
+        exc = TarFormatError(f"decompress '{self._src}': {what}")
+        exc.path = str(self._src)  # type: ignore[attr-defined]
+        return exc
+
+    def decode(self, data: Buffer) -> bytes:
+        out = []
+        try:
+            while True:
+                if self._ended:
+                    if self._kind == "gzip":
+                        data = bytes(data).lstrip(b"\0")  # padding (or the next member)
+                    if not len(memoryview(data)):
+                        break
+                    self._d = self._new()
+                    self._ended = False
+                out.append(self._d.decompress(data))
+                # Objects without eof (old zstandard) decode one frame, as they always did.
+                if not getattr(self._d, "eof", False):
+                    break
+                self._ended = True
+                data = self._d.unused_data
+        except Exception as e:  # zlib.error, zstandard.ZstdError
+            raise self._corrupt(f"corrupt {self._kind} data ({e})") from None
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The rest of the output, once the input has ended."""
+        if self._ended:
+            return b""
+        flush = getattr(self._d, "flush", None)
+        tail: bytes = flush() if flush is not None else b""
+        if hasattr(self._d, "eof") and not self._d.eof:
+            raise self._corrupt(f"truncated {self._kind} stream")
+        return tail
 
 
 def archive_fingerprint(src: Path, st: os.stat_result, options: dict[str, Any]) -> str:
@@ -243,7 +321,8 @@ def stage_archive(
         ) from None
     journal.open(done)
 
-    pydecomp = _python_decompressor(compression)
+    new_pydecomp = _python_decompressor(compression)
+    pydecomp = _PyDecoder(new_pydecomp, compression, src) if new_pydecomp else None
     hasher = hashlib.new(checksum[0]) if checksum else None
     can_seek = compression == "none" and hasher is None
     files_in_flight = max(1, workers or 64)
@@ -281,15 +360,13 @@ def stage_archive(
         flusher.add(batch)
 
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-    reader = _Prefetcher(fd, st.st_size, str(src))
+    reader = _Prefetcher(fd, st.st_size, str(src), hasher=hasher)
     last_report = 0.0
     try:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for off, block in reader:
-            if hasher is not None:
-                hasher.update(block)
-            job.feed(pydecomp(block) if pydecomp else block)
+            job.feed(pydecomp.decode(block) if pydecomp else block)
             if can_seek:
                 skip = job.skippable()
                 if skip >= _BLOCK:
@@ -301,21 +378,25 @@ def stage_archive(
                 last_report = now
                 on_progress(job.bytes_in, st.st_size, already + copied["files"], 0)
         if pydecomp is not None:
-            flush = getattr(pydecomp.__self__, "flush", None)  # type: ignore[attr-defined]
-            if flush is not None:
-                tail = flush()
-                if tail:
-                    job.feed(tail)
+            tail = pydecomp.finish()
+            if tail:
+                job.feed(tail)
         job.finish()
         collect(True)
         flusher.close()
-    except BaseException:
+    except BaseException as e:
         job.abort()
         with contextlib.suppress(Exception):
             collect(True)
         with contextlib.suppress(Exception):
             flusher.close()
-        journal.close()
+        if compression != "none" and isinstance(e, TarFormatError):
+            # A corrupt compressed stream shows at the end of its gzip member or zstd frame
+            # (their checksums), or earlier as a tar error: what was extracted before may
+            # hold corrupt data, so a later run must not trust (or adopt) any of it.
+            journal.remove()
+        else:
+            journal.close()
         raise
     finally:
         reader.close()

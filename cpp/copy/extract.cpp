@@ -580,8 +580,6 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   int err = 0;
   eng = io::make_engine(eo, &err);
   if (!eng) throw Error::os(-err, "start the I/O engine", "");
-  if (getenv("FLX_CHUNK")) opt.decoded_chunk = size_t(atoi(getenv("FLX_CHUNK")));  // XXX exp
-  if (getenv("FLX_CHUNKS")) opt.decoded_chunks = unsigned(atoi(getenv("FLX_CHUNKS")));  // XXX exp
   if (auto dec = make_decompressor(opt.compression, name))
     decoder = std::make_unique<DecompressThread>(std::move(dec), opt.decoded_chunk,
                                                  opt.decoded_chunks);

@@ -47,7 +47,15 @@ from typing import Any
 import pytest
 
 import _peers
-from _harness import IndexedShards, Scale, describe, import_fastload, indexed_shards, warm
+from _harness import (
+    IndexedShards,
+    Scale,
+    describe,
+    import_fastload,
+    indexed_shards,
+    touch_packed,
+    warm,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,6 @@ TOOLS = [
     "litdata",
     "hf-datasets",
 ]
-PAGE = 4096
 
 
 def _fastload() -> ModuleType:
@@ -159,13 +166,7 @@ def _consume(batch: Any) -> tuple[int, int]:
         return len(batch), sum(
             _nbytes(v) for s in batch for k, v in s.items() if not k.startswith("__")
         )
-    total = 0
-    for _name, field in batch.items():
-        data = field.data
-        if data.numel():
-            data[::PAGE].sum()  # one read per page: the shared-memory faults are timed
-        total += field.nbytes
-    return len(batch), total
+    return len(batch), touch_packed(batch)
 
 
 def _epoch(loader: Any) -> tuple[int, int]:

@@ -47,7 +47,16 @@ from typing import Any, Callable
 import pytest
 
 import _peers
-from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
+from _harness import (
+    IndexedShards,
+    Scale,
+    Source,
+    describe,
+    import_fastload,
+    indexed_shards,
+    touch_packed,
+    warm,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +304,7 @@ def test_epoch(
             if isinstance(batch, list):
                 total += sum(_sample_bytes(s) for s in batch)
                 continue
-            for _name, field in batch.items():  # a fastload PackedBatch
-                if field.data.numel():
-                    field.data[::4096].sum()  # one read per page: its shared-memory faults
-                total += field.nbytes
+            total += touch_packed(batch)
         return n, total
 
     describe(

@@ -58,7 +58,16 @@ from typing import Any, Union
 import pytest
 
 import _peers
-from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
+from _harness import (
+    IndexedShards,
+    Scale,
+    Source,
+    describe,
+    import_fastload,
+    indexed_shards,
+    touch_packed,
+    warm,
+)
 from _peers import PeerData
 from _split_rank import run_world
 
@@ -178,10 +187,7 @@ def _drain(loader: Any) -> tuple[list[str], int]:
                 total += _payload(sample)
             continue
         keys += batch.keys  # a fastload PackedBatch
-        for _name, field in batch.items():
-            if field.data.numel():
-                field.data[::4096].sum()  # one read per page: its shared-memory faults
-            total += field.nbytes
+        total += touch_packed(batch)
     return keys, total
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -111,6 +112,7 @@ class Rounds:
         self.last: Path | None = None
         self.result: Any = None
         self._n = 0
+        spread_subdirs(work)
 
     def run(
         self,
@@ -148,6 +150,33 @@ class Rounds:
         if self.last is not None:
             shutil.rmtree(self.last.parent, ignore_errors=True)
             self.last = None
+
+
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IOC_SETFLAGS = 0x40086602
+_FS_TOPDIR_FL = 0x00020000
+
+
+def spread_subdirs(path: Path) -> None:
+    """Marks ``path`` as the top of a directory hierarchy (``chattr +T``; ext2/3/4), so
+    each round's directory is placed in block groups of its own instead of where the
+    previous round's tree was just deleted. ext4 without a journal (this machine's) skips
+    inodes freed in the last minute on every create, rescanning them each time, which
+    makes every tool's creates several times slower in back-to-back rounds; a job
+    unpacking onto a node's local disk does not follow a 40,000-file deletion. Where the
+    flag is not supported this does nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        buf = bytearray(fcntl.ioctl(fd, _FS_IOC_GETFLAGS, b"\0" * 8))
+        flags = int.from_bytes(buf[:4], "little") | _FS_TOPDIR_FL
+        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags.to_bytes(4, "little") + bytes(4))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 _libc: Any = None

@@ -592,3 +592,28 @@ def test_result_counts_plain_members(stage: Stage, tmp_path: Path) -> None:
         (T("c"), b"c" * 1000)])
     res = stage(a, tmp_path / "dst")
     assert (res.files, res.bytes) == (3, 1010)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o000, 0o277])
+def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int) -> None:
+    """Files get the member's mode exactly, whatever the umask (files are created with
+    their mode and fixed up only where the umask took bits away); a temporary left by a
+    killed run with another mode is not reused as it is."""
+    T = ah.tinfo
+    modes = [0o644, 0o600, 0o755, 0o777, 0o666, 0o400, 0o640, 0o711, 0o000]
+    a = ah.members_archive(tmp_path / "in" / "modes.tar", [
+        (T(f"f{mode:03o}", mode=mode), b"x" * (mode + 1)) for mode in modes])
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    stale = dst / ".f644.fl-tmp"
+    stale.write_bytes(b"stale")
+    stale.chmod(0o600)
+    old = os.umask(umask)
+    try:
+        stage(a, dst)
+    finally:
+        os.umask(old)
+    for mode in modes:
+        p = dst / f"f{mode:03o}"
+        assert (p.stat().st_mode & 0o7777, p.stat().st_size) == (mode, mode + 1), p
+    assert not stale.exists()

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <unordered_set>
@@ -20,6 +21,21 @@ namespace fastload::copy {
 namespace {
 
 constexpr uint32_t kNone = ~0u;
+
+// The process umask, without changing it (umask(2) can only set): from /proc, else the
+// usual 022 (which at worst costs an fchmod per file).
+uint32_t read_umask() {
+  UniqueFd fd(::open("/proc/self/status", O_RDONLY | O_CLOEXEC));
+  if (!fd) return 022;
+  char buf[4096];
+  ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+  if (n <= 0) return 022;
+  buf[n] = 0;
+  const char* p = std::strstr(buf, "\nUmask:");
+  if (!p) return 022;
+  return uint32_t(std::strtoul(p + 8, nullptr, 8)) & 0777;
+}
+
 constexpr size_t kMaxCachedDirs = 512;
 enum Kind : uint64_t { kOpen = 1, kWrite, kClose };
 
@@ -54,7 +70,8 @@ struct ExtractJob::Impl {
     std::string path;  // output path, relative to the destination
     std::string base;
     std::string tmp;   // temporary name, in the parent directory
-    int dir_fd = -1;   // our own descriptor of the parent directory
+    std::shared_ptr<UniqueFd> dir;  // the parent directory (kept open while in flight)
+    int dir_fd = -1;                // dir's descriptor
     int fd = -1;
     bool opened = false;
     bool data_done = false;
@@ -62,6 +79,8 @@ struct ExtractJob::Impl {
     uint32_t mode = 0;
     int64_t mtime_ns = 0;
     uint64_t appended = 0;  // bytes of data received
+    uint32_t create_mode = 0600;
+    bool chmod = true;      // the umask strips bits of the mode: set it after writing
     uint32_t slot = kNone;  // the slot being filled
     size_t fill = 0;
     uint64_t slot_offset = 0;
@@ -98,8 +117,11 @@ struct ExtractJob::Impl {
   // Opens (creating if needed) the directory `path` below the destination, one
   // component at a time with O_NOFOLLOW from an already verified parent: no symlink,
   // whoever made it, is ever followed.
-  int ensure_dir(const std::string& path) {
-    if (path.empty()) return root.get();
+  int ensure_dir(const std::string& path) { return dir_ref(path)->get(); }
+
+  // The same, shared: a file in flight keeps its directory open after the cache drops it.
+  const std::shared_ptr<UniqueFd>& dir_ref(const std::string& path) {
+    if (path.empty()) return root;
     auto it = dir_fds.find(path);
     if (it != dir_fds.end()) return it->second;
     auto [parent, base] = split(path);
@@ -115,15 +137,11 @@ struct ExtractJob::Impl {
       throw Error::os(e == ELOOP ? ENOTDIR : e, "open directory", full(path));
     }
     if (dir_fds.size() >= kMaxCachedDirs) drop_dir_cache();
-    dir_fds.emplace(path, fd);
     dirs_made.insert(path);
-    return fd;
+    return dir_fds.emplace(path, std::make_shared<UniqueFd>(fd)).first->second;
   }
 
-  void drop_dir_cache() {
-    for (auto& [p, fd] : dir_fds) ::close(fd);
-    dir_fds.clear();
-  }
+  void drop_dir_cache() { dir_fds.clear(); }
 
   // ---- members -----------------------------------------------------------------------
 
@@ -135,7 +153,7 @@ struct ExtractJob::Impl {
     while (active_paths.count(out)) pump(true);
     while (free_files.empty()) pump(true);
     auto [parent, base] = split(out);
-    int pfd = ensure_dir(parent);
+    std::shared_ptr<UniqueFd> dir = dir_ref(parent);
     uint32_t i = free_files.back();
     free_files.pop_back();
     File& f = files[i];
@@ -146,13 +164,14 @@ struct ExtractJob::Impl {
     f.tmp = split(temp_name(base)).second;
     f.mode = m.mode;
     f.mtime_ns = m.mtime_ns;
-    f.dir_fd = ::fcntl(pfd, F_DUPFD_CLOEXEC, 0);
-    if (f.dir_fd < 0) throw Error::os(errno, "duplicate descriptor of", full(parent));
+    f.dir = dir;
+    f.dir_fd = dir->get();
     active_paths.insert(out);
     ++active;
-    push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
-          .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-         tag(i, kOpen));
+    // Created with its final mode when the umask keeps it (no fchmod after).
+    f.create_mode = uint32_t(m.mode & 0777);
+    f.chmod = (f.create_mode & ~umask_bits) != (m.mode & 07777);
+    push_open(i);
     *index = i;
   }
 
@@ -188,6 +207,14 @@ struct ExtractJob::Impl {
     }
   }
 
+  void push_open(uint32_t i) {
+    File& f = files[i];
+    push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
+          .flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+          .mode = f.create_mode},
+         tag(i, kOpen));
+  }
+
   void submit_slot(uint32_t i) {
     File& f = files[i];
     uint32_t s = f.slot;
@@ -221,7 +248,7 @@ struct ExtractJob::Impl {
     File& f = files[i];
     if (!f.data_done || !f.opened || f.writes > 0 || f.closing) return;
     timespec t[2] = {to_timespec(f.mtime_ns), to_timespec(f.mtime_ns)};
-    if (::fchmod(f.fd, mode_t(f.mode & 07777)) != 0)
+    if (f.chmod && ::fchmod(f.fd, mode_t(f.mode & 07777)) != 0)
       throw Error::os(errno, "set mode of", full(f.path));
     if (::futimens(f.fd, t) != 0) throw Error::os(errno, "set times of", full(f.path));
     f.closing = true;
@@ -233,7 +260,7 @@ struct ExtractJob::Impl {
     File& f = files[i];
     if (::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0)
       throw Error::os(errno, "rename into place", full(f.path));
-    ::close(f.dir_fd);
+    f.dir.reset();
     f.dir_fd = -1;
     done.push_back(
         ExtractedFile{f.path, f.appended, f.mode, f.mtime_ns, std::move(f.digests), false});
@@ -362,11 +389,12 @@ struct ExtractJob::Impl {
     bool retry = c.res == -EINTR || c.res == -EAGAIN;
     switch (Kind(c.user_data & 15)) {
       case kOpen:
-        if (retry) {
-          push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
-                .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-               tag(i, kOpen));
-          return;
+        if (retry) return push_open(i);
+        if (c.res == -EEXIST) {
+          // A temporary left by a killed run: a new inode, so the mode is the member's.
+          if (::unlinkat(f.dir_fd, f.tmp.c_str(), 0) != 0)
+            throw Error::os(errno, "remove stale temporary of", full(f.path));
+          return push_open(i);
         }
         if (c.res < 0) throw Error::os(int(-c.res), "create", full(f.path));
         f.fd = int(c.res);
@@ -420,10 +448,7 @@ struct ExtractJob::Impl {
     for (auto& f : files) {
       if (!f.active) continue;
       if (f.fd >= 0) ::close(f.fd);
-      if (f.dir_fd >= 0) {
-        ::unlinkat(f.dir_fd, f.tmp.c_str(), 0);
-        ::close(f.dir_fd);
-      }
+      if (f.dir_fd >= 0) ::unlinkat(f.dir_fd, f.tmp.c_str(), 0);
       f = File{};
     }
     drop_dir_cache();
@@ -452,7 +477,8 @@ struct ExtractJob::Impl {
   std::string name;
   ExtractOptions opt;
   std::unique_ptr<io::Engine> eng;
-  UniqueFd root;
+  std::shared_ptr<UniqueFd> root;
+  uint32_t umask_bits = 022;
   std::unique_ptr<DecompressThread> decoder;  // compressed archives only
   std::unique_ptr<Level> outer;
   std::unique_ptr<char[]> arena;
@@ -462,7 +488,7 @@ struct ExtractJob::Impl {
   std::vector<uint32_t> free_files;
   size_t active = 0;
   std::unordered_set<std::string> active_paths;
-  std::unordered_map<std::string, int> dir_fds;
+  std::unordered_map<std::string, std::shared_ptr<UniqueFd>> dir_fds;
   std::unordered_set<std::string> dirs_made;
   std::vector<DirMeta> dir_meta;
   std::vector<Hardlink> hardlinks;
@@ -573,8 +599,9 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   opt.slots = std::max(2u, opt.slots);
   opt.files_in_flight = std::max(1u, opt.files_in_flight);
   opt.chunk_size = std::max<uint64_t>(opt.chunk_size, 4096);
-  root.reset(::open(dst.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!root) throw Error::os(errno, "open directory", dst);
+  root = std::make_shared<UniqueFd>(::open(dst.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!*root) throw Error::os(errno, "open directory", dst);
+  umask_bits = read_umask();
   io::EngineOptions eo = opt.engine;
   eo.depth = std::max(eo.depth, opt.files_in_flight + opt.slots + 8);
   int err = 0;

@@ -594,11 +594,15 @@ def test_result_counts_plain_members(stage: Stage, tmp_path: Path) -> None:
     assert (res.files, res.bytes) == (3, 1010)
 
 
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["O_TMPFILE", "named-temporaries"])
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o000, 0o277])
-def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int) -> None:
+def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int,
+                                     monkeypatch: pytest.MonkeyPatch, tmpfile: str) -> None:
     """Files get the member's mode exactly, whatever the umask (files are created with
     their mode and fixed up only where the umask took bits away); a temporary left by a
-    killed run with another mode is not reused as it is."""
+    killed run with another mode is not reused as it is (without O_TMPFILE, the named
+    temporary is opened O_EXCL and replaced)."""
+    monkeypatch.setenv("FASTLOAD_TMPFILE", tmpfile)
     T = ah.tinfo
     modes = [0o644, 0o600, 0o755, 0o777, 0o666, 0o400, 0o640, 0o711, 0o000]
     a = ah.members_archive(tmp_path / "in" / "modes.tar", [
@@ -616,4 +620,68 @@ def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int) -
     for mode in modes:
         p = dst / f"f{mode:03o}"
         assert (p.stat().st_mode & 0o7777, p.stat().st_size) == (mode, mode + 1), p
-    assert not stale.exists()
+    # Written unnamed (O_TMPFILE) the member never touches the old temporary; written
+    # under that name it replaces it.
+    if tmpfile == "1":
+        assert stale.read_bytes() == b"stale"
+    else:
+        assert not stale.exists()
+
+
+def _replacing_archive(path: Path) -> tuple[Path, dict[str, bytes]]:
+    """Members that land on names already taken: a file repeated (the later wins) and a
+    symlink replaced by a file; what the destination must end with."""
+    T = ah.tinfo
+    a = ah.members_archive(path, [
+        (T("d", tarfile.DIRTYPE), None),
+        (T("d/x"), b"first" * 1000),
+        (T("d/l", tarfile.SYMTYPE, linkname="x"), None),
+        (T("d/y"), b"y" * 70_000),
+        (T("d/x"), b"second" * 3000),
+        (T("d/l"), b"a file now"),
+    ])
+    return a, {"d/x": b"second" * 3000, "d/y": b"y" * 70_000, "d/l": b"a file now"}
+
+
+def _check_replaced(dst: Path, want: dict[str, bytes]) -> None:
+    got = {str(p.relative_to(dst)): p for p in dst.rglob("*") if not p.is_dir()}
+    assert sorted(got) == sorted(want), got
+    for rel, data in want.items():
+        assert not got[rel].is_symlink() and got[rel].read_bytes() == data, rel
+    assert helpers.tmp_leftovers(dst) == []
+
+
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["O_TMPFILE", "named-temporaries"])
+def test_members_replace_earlier_names(stage: Stage, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, tmpfile: str) -> None:
+    """A repeated member and a file over an extracted symlink replace what is there
+    (files are named once whole; a taken name is replaced atomically), also on a re-run
+    over a destination holding other versions of the files."""
+    monkeypatch.setenv("FASTLOAD_TMPFILE", tmpfile)
+    a, want = _replacing_archive(tmp_path / "in" / "replace.tar")
+    dst = tmp_path / "dst"
+    stage(a, dst)
+    _check_replaced(dst, want)
+    # Other versions in place and no record of them (the state directory gone): every
+    # member is written again over them.
+    (dst / "d" / "y").write_bytes(b"changed by hand")
+    (dst / "d" / "x").unlink()
+    (dst / "d" / "x").symlink_to("y")
+    shutil.rmtree(tmp_path / ".dst.fastload")
+    res = stage(a, dst)
+    _check_replaced(dst, want)
+    assert (res.files, res.copied_files) == (3, 4), res  # d/x is written twice
+
+
+def test_unprivileged_extraction(engine: str, world_dir: Path,
+                                 unprivileged: dict[str, Any]) -> None:
+    """Without CAP_DAC_READ_SEARCH (or as nobody), files created unnamed are still named
+    (through /proc/self/fd where linkat by descriptor is refused)."""
+    a, want = _replacing_archive(world_dir / "replace.tar")
+    os.chmod(a, 0o644)
+    dst = world_dir / "dst"
+    child = helpers.run_child(helpers.stage_spec(a, dst, engine=engine), **unprivileged,
+                              env=helpers.child_env())
+    res = child.expect_result()
+    assert res["files"] == 3, res
+    _check_replaced(dst, want)

@@ -157,7 +157,12 @@ def kill_and_resume(a: Archive, tmp_path: Path, engine: str,
     return killed
 
 
-def test_sigkill_then_resume(engine: str, mixed_archive: Archive, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["O_TMPFILE", "named-temporaries"])
+def test_sigkill_then_resume(engine: str, mixed_archive: Archive, tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch, tmpfile: str) -> None:
+    """Files created unnamed and linked once whole, or (FASTLOAD_TMPFILE=0, as where the
+    file system has no O_TMPFILE) written under temporary names and renamed."""
+    monkeypatch.setenv("FASTLOAD_TMPFILE", tmpfile)
     killed = kill_and_resume(mixed_archive, tmp_path, engine, (0.3, 0.6))
     assert any(copied < mixed_archive.files for _, _, copied in killed), (
         "no resume skipped a member already complete: (fraction, complete files after the "

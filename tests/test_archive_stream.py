@@ -15,6 +15,7 @@ import hashlib
 import os
 import random
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -260,3 +261,36 @@ def test_python_gzip_path(stage: Stage, big: Callable[[str], Big], tmp_path: Pat
         stage(archive, dst)
     assert str(archive) in str(ei.value)
     assert_failed_cleanly(dst)
+
+
+def test_python_gzip_path_progress_and_stop(stage: Stage, big: Callable[[str], Big],
+                                            tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a Python decoder (decoding on a thread of its own, a block ahead of the
+    parser): progress counts archive bytes (never past the archive's size, which the
+    decoded output is), an exception from the callback stops the run with no decoding
+    thread left behind, and a re-run completes."""
+    import fastload._archive
+
+    monkeypatch.setattr(fastload._archive, "_python_decompressor", zlib_gzip)
+    b = big("gzip")
+    size = b.archive.stat().st_size
+    seen: list[tuple[int, ...]] = []
+    res = stage(b.archive, tmp_path / "ok", progress=lambda *a: seen.append(a))
+    assert res.files == len(b.files)
+    assert_extracted(b, tmp_path / "ok")
+    assert seen and all(0 <= a[0] <= a[1] == size for a in seen), seen
+    assert seen[-1][0] == size
+
+    def stop(*a: int) -> None:
+        if a[0] < a[1]:
+            raise Stop("stop here")
+
+    dst = tmp_path / "dst"
+    with pytest.raises(Stop):
+        stage(b.archive, dst, progress=stop)
+    assert_failed_cleanly(dst)
+    assert [t for t in threading.enumerate() if t.name.startswith("fastload-decode")] == []
+    res = stage(b.archive, dst)
+    assert res.files == len(b.files) and not res.skipped
+    assert_extracted(b, dst)

@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string_view>
 #include <unordered_set>
 
 #include "common/error.hpp"
@@ -80,6 +82,7 @@ struct ExtractJob::Impl {
     int64_t mtime_ns = 0;
     uint64_t appended = 0;  // bytes of data received
     uint32_t create_mode = 0600;
+    bool anon = false;      // an O_TMPFILE: linked into place by name once whole
     bool chmod = true;      // the umask strips bits of the mode: set it after writing
     uint32_t slot = kNone;  // the slot being filled
     size_t fill = 0;
@@ -207,8 +210,19 @@ struct ExtractJob::Impl {
     }
   }
 
+  // A member's file is created unnamed (O_TMPFILE) where the filesystem can, and given
+  // its name once whole: the inode is allocated without the directory's lock, which
+  // creates and renames in one directory otherwise hold in turn, and a killed run leaves
+  // no temporaries. Elsewhere it is written under a temporary name and renamed.
   void push_open(uint32_t i) {
     File& f = files[i];
+    f.anon = tmpfile_ok;
+    if (f.anon) {
+      push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = ".",
+            .flags = O_TMPFILE | O_WRONLY | O_CLOEXEC, .mode = f.create_mode},
+           tag(i, kOpen));
+      return;
+    }
     push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
           .flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
           .mode = f.create_mode},
@@ -251,14 +265,37 @@ struct ExtractJob::Impl {
     if (f.chmod && ::fchmod(f.fd, mode_t(f.mode & 07777)) != 0)
       throw Error::os(errno, "set mode of", full(f.path));
     if (::futimens(f.fd, t) != 0) throw Error::os(errno, "set times of", full(f.path));
+    if (f.anon) link_into_place(f);
     f.closing = true;
     push({.code = io::OpCode::kClose, .fd = f.fd}, tag(i, kClose));
     f.fd = -1;
   }
 
+  // Names a whole O_TMPFILE. Where the name is taken (a repeated member, a re-run, a
+  // symlink), it is linked under the temporary name and renamed over it, atomically.
+  void link_into_place(File& f) {
+    if (link_anon(f, f.base.c_str())) return;
+    if (errno != EEXIST) throw Error::os(errno, "link into place", full(f.path));
+    if (::unlinkat(f.dir_fd, f.tmp.c_str(), 0) != 0 && errno != ENOENT)
+      throw Error::os(errno, "remove stale temporary of", full(f.path));
+    if (!link_anon(f, f.tmp.c_str())) throw Error::os(errno, "link into place", full(f.path));
+    f.anon = false;  // now named: renamed once closed, removed on abort
+  }
+
+  // linkat(2) of the open file: by descriptor where allowed (CAP_DAC_READ_SEARCH),
+  // else through /proc/self/fd. Sets errno on failure.
+  bool link_anon(const File& f, const char* as) {
+    if (link_by_fd && ::linkat(f.fd, "", f.dir_fd, as, AT_EMPTY_PATH) == 0) return true;
+    if (link_by_fd && errno != EPERM && errno != ENOENT && errno != EINVAL) return false;
+    link_by_fd = false;
+    char proc[40];
+    std::snprintf(proc, sizeof proc, "/proc/self/fd/%d", f.fd);
+    return ::linkat(AT_FDCWD, proc, f.dir_fd, as, AT_SYMLINK_FOLLOW) == 0;
+  }
+
   void file_closed(uint32_t i) {
     File& f = files[i];
-    if (::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0)
+    if (!f.anon && ::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0)
       throw Error::os(errno, "rename into place", full(f.path));
     f.dir.reset();
     f.dir_fd = -1;
@@ -390,6 +427,12 @@ struct ExtractJob::Impl {
     switch (Kind(c.user_data & 15)) {
       case kOpen:
         if (retry) return push_open(i);
+        if (f.anon && !tmpfile_seen &&
+            (c.res == -EOPNOTSUPP || c.res == -EISDIR || c.res == -EINVAL)) {
+          tmpfile_ok = false;  // no O_TMPFILE here: named temporaries from now on
+          return push_open(i);
+        }
+        if (f.anon && c.res >= 0) tmpfile_seen = true;
         if (c.res == -EEXIST) {
           // A temporary left by a killed run: a new inode, so the mode is the member's.
           if (::unlinkat(f.dir_fd, f.tmp.c_str(), 0) != 0)
@@ -448,7 +491,7 @@ struct ExtractJob::Impl {
     for (auto& f : files) {
       if (!f.active) continue;
       if (f.fd >= 0) ::close(f.fd);
-      if (f.dir_fd >= 0) ::unlinkat(f.dir_fd, f.tmp.c_str(), 0);
+      if (f.dir_fd >= 0 && !f.anon) ::unlinkat(f.dir_fd, f.tmp.c_str(), 0);
       f = File{};
     }
     drop_dir_cache();
@@ -479,6 +522,9 @@ struct ExtractJob::Impl {
   std::unique_ptr<io::Engine> eng;
   std::shared_ptr<UniqueFd> root;
   uint32_t umask_bits = 022;
+  bool tmpfile_ok = true;     // O_TMPFILE works in the destination (until it fails)
+  bool tmpfile_seen = false;  // ... and has worked once
+  bool link_by_fd = true;     // linkat(AT_EMPTY_PATH) is allowed
   std::unique_ptr<DecompressThread> decoder;  // compressed archives only
   std::unique_ptr<Level> outer;
   std::unique_ptr<char[]> arena;
@@ -602,6 +648,9 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   root = std::make_shared<UniqueFd>(::open(dst.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!*root) throw Error::os(errno, "open directory", dst);
   umask_bits = read_umask();
+  // FASTLOAD_TMPFILE=0: named temporaries even where O_TMPFILE works (tests run both).
+  if (const char* v = std::getenv("FASTLOAD_TMPFILE"); v && std::string_view(v) == "0")
+    tmpfile_ok = false;
   io::EngineOptions eo = opt.engine;
   eo.depth = std::max(eo.depth, opt.files_in_flight + opt.slots + 8);
   int err = 0;

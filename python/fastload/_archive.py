@@ -361,12 +361,24 @@ def stage_archive(
 
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     reader = _Prefetcher(fd, st.st_size, str(src), hasher=hasher)
+    decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
+    ready = b""
     last_report = 0.0
     try:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for off, block in reader:
-            job.feed(pydecomp.decode(block) if pydecomp else block)
+            if pydecomp is not None:
+                # Block k decodes on a thread of its own while block k-1's output is parsed
+                # and written (both release the GIL), as the native decoder overlaps the
+                # parser; block k's buffer is reused once this iteration ends, so its
+                # decoding ends within it.
+                decoding = decode_pool.submit(pydecomp.decode, block)
+                if ready:
+                    job.feed(ready)
+                ready = decoding.result()
+            else:
+                job.feed(block)
             if can_seek:
                 skip = job.skippable()
                 if skip >= _BLOCK:
@@ -376,7 +388,11 @@ def stage_archive(
             now = time.monotonic()
             if on_progress is not None and now - last_report >= _PROGRESS_EVERY:
                 last_report = now
-                on_progress(job.bytes_in, st.st_size, already + copied["files"], 0)
+                # Bytes of the archive read so far (what a Python decoder feeds the job
+                # is its output, larger than the archive).
+                on_progress(off + len(block), st.st_size, already + copied["files"], 0)
+        if ready:
+            job.feed(ready)
         if pydecomp is not None:
             tail = pydecomp.finish()
             if tail:
@@ -399,6 +415,7 @@ def stage_archive(
             journal.close()
         raise
     finally:
+        decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
         reader.close()
         os.close(fd)
     st2 = os.stat(src)

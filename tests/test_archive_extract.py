@@ -685,3 +685,42 @@ def test_unprivileged_extraction(engine: str, world_dir: Path,
     res = child.expect_result()
     assert res["files"] == 3, res
     _check_replaced(dst, want)
+
+
+NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+
+
+def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             ) -> None:
+    """engine="auto" takes the thread pool for a tree on a network file system (its reads
+    go through the engine) but not for an archive there: the archive is read by a
+    prefetching thread and the engine only writes members to the local destination.
+    The source is a real FUSE mount adding 200 us per request (netsim)."""
+    import subprocess
+
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists() or not NETSIM.exists():
+        pytest.skip("needs root, /dev/fuse and the netsim tool")
+    if "uring" not in fastload.available_engines():
+        pytest.skip("io_uring is not available here")
+    monkeypatch.delenv("FASTLOAD_ENGINE", raising=False)
+    remote = tmp_path / "remote"
+    (remote / "tree").mkdir(parents=True)
+    for i in range(5):
+        (remote / "tree" / f"f{i}").write_bytes(bytes([i]) * 3000)
+    T = ah.tinfo
+    ah.members_archive(remote / "a.tar", [(T(f"f{i}"), bytes([i]) * 3000) for i in range(5)])
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run([str(NETSIM), "mount", str(remote), str(mnt), "200", "200"],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+    try:
+        res = fastload.stage(mnt / "a.tar", tmp_path / "x")
+        assert res.engine == "uring" and res.files == 5, res
+        assert (tmp_path / "x" / "f4").read_bytes() == b"\4" * 3000
+        res = fastload.stage(mnt / "tree", tmp_path / "t")
+        assert res.engine == "pread" and res.files == 5, res
+    finally:
+        subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)

@@ -334,7 +334,10 @@ def stage_archive(
         options["include"],
         options["exclude"],
         {p: (r[0], r[1]) for p, r in done.items()},
-        resolve_engine(engine, src),
+        # The engine only writes the members (a prefetching thread reads the archive):
+        # chosen for the destination, so an archive on NFS or Lustre is still written
+        # through io_uring.
+        resolve_engine(engine, dst),
         min(64, max(4, files_in_flight // 2)),
         files_in_flight,
         stripe,

@@ -27,7 +27,8 @@ _NETWORK_FS = {
 
 
 def resolve_engine(engine: str, src: Path | None) -> str:
-    """``"auto"`` becomes ``"pread"`` for a source on a network file system."""
+    """``"auto"`` becomes ``"pread"`` for a path on a network file system (the source of a
+    tree copy, whose reads go through the engine)."""
     if engine != "auto" or os.environ.get("FASTLOAD_ENGINE") or src is None:
         return engine
     try:

@@ -180,35 +180,21 @@ def _random_reader(tool: str, s: Shards, cache: Path) -> Callable[[list[int]], i
     if _peers.is_peer(tool):
         d = _peers.peer_data(tool, s)
         warm(d.path)
-        ds = _peers.random_dataset(tool, d, cache)
-        if tool == "hf-datasets-batched":
-
-            def run_hf_batched(indices: list[int]) -> int:
-                total = 0
-                for at in range(0, len(indices), BATCH):
-                    for sample in ds.__getitems__(indices[at : at + BATCH]):
-                        total += _sample_bytes(sample)
-                return total
-
-            return run_hf_batched
-
-        def run_peer(indices: list[int]) -> int:
-            return sum(_sample_bytes(ds[i]) for i in indices)
-
-        return run_peer
+        return _reader(_peers.random_dataset(tool, d, cache), tool == "hf-datasets-batched")
     if tool == "wids":
-        wds = _wids_dataset(s)
-
-        def run_wids(indices: list[int]) -> int:
-            return sum(_sample_bytes(wds[i]) for i in indices)
-
-        return run_wids
+        return _reader(_wids_dataset(s), batched=False)
     fl = _fastload()
     _torch_data()
     copy = tool == "fastload-mmap-copy"
     access = "read" if tool == "fastload-read" else "mmap"
     ds = fl.ShardIndexDataset(s.index, copy=copy, access=access)
-    if tool == "fastload-batched":
+    return _reader(ds, tool == "fastload-batched")
+
+
+def _reader(ds: Any, batched: bool) -> Callable[[list[int]], int]:
+    """Reads the samples at ``indices`` from ``ds`` (``__getitems__`` in batches of BATCH
+    when ``batched``, else ``ds[i]`` one by one) and returns their total size."""
+    if batched:
 
         def run_batched(indices: list[int]) -> int:
             total = 0

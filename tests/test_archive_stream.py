@@ -294,3 +294,82 @@ def test_python_gzip_path_progress_and_stop(stage: Stage, big: Callable[[str], B
     res = stage(b.archive, dst)
     assert res.files == len(b.files) and not res.skipped
     assert_extracted(b, dst)
+
+
+# ---- read blocks: an uncompressed archive's data written from the blocks it is read into
+
+
+def _job(dst: Path, name: Path, **kw: Any) -> Any:
+    from fastload import _core
+
+    dst.mkdir(parents=True, exist_ok=True)
+    return _core.ExtractJob(
+        str(dst), str(name), "none", kw.pop("nested", False), [], [], {},
+        kw.pop("engine", "auto"), 4, 8, 1 << 20, **kw,
+    )
+
+
+def test_read_blocks_lend_release_and_outlive_the_job(tmp_path: Path) -> None:
+    job = _job(tmp_path / "out", tmp_path / "a.tar", read_block_size=1 << 16, read_blocks=3)
+    assert job.block_size == 1 << 16
+    lent = [job.lend(False) for _ in range(3)]
+    assert all(x is not None for x in lent)
+    assert sorted(b for b, _ in lent) == [0, 1, 2]
+    assert job.lend(False) is None, "a fourth block out of three"
+    with pytest.raises(RuntimeError, match="every read block is lent"):
+        job.lend(True)  # nothing in flight could ever free one
+    b0, buf0 = lent[0]
+    job.release(b0)
+    with pytest.raises(IndexError, match="not lent"):
+        job.release(b0)
+    with pytest.raises(IndexError, match="not lent"):
+        job.feed_block(b0, 10)
+    again = job.lend(False)
+    assert again is not None and again[0] == b0
+    view = memoryview(lent[1][1])
+    assert len(view) == 1 << 16 and not view.readonly
+    del job, lent, again, buf0
+    view[:5] = b"still"  # the memory lives as long as a view of it
+    assert bytes(view[:5]) == b"still"
+
+
+@pytest.mark.parametrize("engine", ["uring", "pread"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_read_blocks_small_and_pinned(tmp_path: Path, nested: bool, engine: str) -> None:
+    """Blocks far smaller than the members and only three of them: data straddles block
+    boundaries (members, headers, an inner tar's members), and a block is reused (and
+    overwritten by the next read) while the writes of others are still in flight: what
+    lands on disk must still be what was read."""
+    if engine not in fastload.available_engines():
+        pytest.skip(f"{engine} is not available here")
+    rng = random.Random(3)
+    files = {f"d{i % 3}/f{i:02d}": rng.randbytes(rng.choice([0, 100, 70_000, 300_000]))
+             for i in range(40)}
+    files["big"] = rng.randbytes(3 << 20)
+    inner = ah.members_archive(tmp_path / "inner.tar", [(T(f"x/{p}"), d) for p, d in
+                                                         list(files.items())[:20]])
+    members = [(T(p), d) for p, d in files.items()]
+    members.append((T("n01.tar"), inner.read_bytes()))
+    archive = ah.members_archive(tmp_path / "a.tar", members)
+    out = tmp_path / "out"
+    job = _job(out, archive, nested=nested, engine=engine, read_block_size=1 << 16,
+               read_blocks=3)
+    data = archive.read_bytes()
+    pos = 0
+    while pos < len(data):
+        lent = job.lend(False) or job.lend(True)
+        b, buf = lent
+        n = min(job.block_size, len(data) - pos)
+        memoryview(buf)[:n] = data[pos:pos + n]
+        job.feed_block(b, n)
+        job.release(b)
+        pos += n
+    job.finish()
+    for p, d in files.items():
+        assert (out / p).read_bytes() == d, p
+    if nested:
+        for p, d in list(files.items())[:20]:
+            assert (out / "n01" / "x" / p).read_bytes() == d, p
+    else:
+        assert (out / "n01.tar").read_bytes() == inner.read_bytes()
+    ah.assert_no_tmp(out)

@@ -7,15 +7,35 @@
 
 namespace fastload::bindings {
 
+namespace {
+
+// A read block lent by an ExtractJob, as a writable buffer; it keeps the blocks' memory
+// alive, so a view outliving the job reads freed memory never.
+struct ReadBlock {
+  std::shared_ptr<char[]> memory;
+  char* data;
+  size_t size;
+};
+
+}  // namespace
+
 void register_extract(py::module_& m) {
   m.def("zstd_available", &copy::zstd_available, "True when libzstd.so.1 can be loaded.");
+
+  py::class_<ReadBlock>(m, "ReadBlock", py::buffer_protocol(),
+                        "A buffer an ExtractJob lends for reading the archive into.")
+      .def_buffer([](ReadBlock& b) {
+        return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {py::ssize_t(b.size)}, {py::ssize_t(1)}, false);
+      });
 
   py::class_<copy::ExtractJob>(m, "ExtractJob", "Streaming extraction of a tar archive.")
       .def(py::init([](const py::object& dst, const py::object& name, const std::string& compression,
                        bool nested, const std::vector<std::string>& include,
                        const std::vector<std::string>& exclude, const py::dict& complete,
                        const std::string& engine, unsigned threads, unsigned files_in_flight,
-                       uint64_t chunk_size, bool adopt_existing) {
+                       uint64_t chunk_size, bool adopt_existing, size_t read_block_size,
+                       unsigned read_blocks) {
              copy::ExtractOptions opt;
              if (compression == "gzip")
                opt.compression = copy::Compression::kGzip;
@@ -37,6 +57,8 @@ void register_extract(py::module_& m) {
              opt.files_in_flight = files_in_flight;
              opt.chunk_size = chunk_size;
              opt.adopt_existing = adopt_existing;
+             if (read_block_size) opt.read_block_size = read_block_size;
+             if (read_blocks) opt.read_blocks = read_blocks;
              std::string d = fs_bytes(dst), n = fs_bytes(name);
              py::gil_scoped_release nogil;
              return new copy::ExtractJob(d, n, std::move(opt));
@@ -44,7 +66,8 @@ void register_extract(py::module_& m) {
            py::arg("dst"), py::arg("name"), py::arg("compression"), py::arg("nested"),
            py::arg("include"), py::arg("exclude"), py::arg("complete"), py::arg("engine"),
            py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"),
-           py::arg("adopt_existing") = false)
+           py::arg("adopt_existing") = false, py::arg("read_block_size") = 0,
+           py::arg("read_blocks") = 0)
       .def(
           "feed",
           [](copy::ExtractJob& j, const py::buffer& data) {
@@ -55,6 +78,23 @@ void register_extract(py::module_& m) {
             j.feed(p, n);
           },
           py::arg("data"))
+      .def(
+          "lend",
+          [](copy::ExtractJob& j, bool wait) -> py::object {
+            int b;
+            {
+              py::gil_scoped_release nogil;
+              b = j.lend(wait);
+            }
+            if (b < 0) return py::none();
+            return py::make_tuple(b, ReadBlock{j.block_storage(), j.block(b), j.block_size()});
+          },
+          py::arg("wait"),
+          "(index, buffer) of a free read block, or None when none is free and not wait.")
+      .def("feed_block", &copy::ExtractJob::feed_block, py::arg("block"), py::arg("n"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release", &copy::ExtractJob::release, py::arg("block"))
+      .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)
       .def("skipped", &copy::ExtractJob::skipped, py::arg("n"))

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <string_view>
 #include <unordered_set>
 
@@ -84,20 +85,24 @@ struct ExtractJob::Impl {
     uint32_t create_mode = 0600;
     bool anon = false;      // an O_TMPFILE: linked into place by name once whole
     bool chmod = true;      // the umask strips bits of the mode: set it after writing
-    uint32_t slot = kNone;  // the slot being filled
+    uint32_t slot = kNone;  // the arena slot being filled (data copied in)
     size_t fill = 0;
     uint64_t slot_offset = 0;
     unsigned writes = 0;  // writes queued or in flight
-    std::vector<uint32_t> waiting;  // slots filled before the temporary was open
+    std::vector<uint32_t> waiting;  // pieces ready before the file was open
     hash::Fl64Stream stream = hash::Fl64Stream(0);
     uint64_t chunk_fill = 0;
     std::vector<uint64_t> digests;
   };
-  struct Slot {
+  // One write: a filled arena slot, or a span of a lent read block written in place.
+  struct Piece {
     uint32_t file = 0;
+    const char* buf = nullptr;
     size_t len = 0;
     size_t put = 0;
     uint64_t offset = 0;
+    uint32_t slot = kNone;   // the arena slot to free once written
+    uint32_t block = kNone;  // the read block to unpin once written
   };
   struct DirMeta {
     std::string path;
@@ -192,6 +197,16 @@ struct ExtractJob::Impl {
         f.chunk_fill = 0;
       }
     }
+    if (lent_block != kNone && p >= lent_lo && p + n <= lent_hi) {
+      // In a lent read block: written from where it lies, the block pinned till then.
+      if (f.slot != kNone) submit_slot(i);
+      uint32_t k = new_piece();
+      pieces[k] = Piece{i, p, n, 0, f.appended, kNone, lent_block};
+      ++block_pins[lent_block];
+      f.appended += n;
+      queue_piece(i, k);
+      return;
+    }
     while (n > 0) {
       if (f.slot == kNone) {
         while (free_slots.empty()) pump(true);
@@ -201,7 +216,7 @@ struct ExtractJob::Impl {
         f.slot_offset = f.appended;
       }
       size_t take = std::min(n, opt.slot_size - f.fill);
-      std::memcpy(arena.get() + size_t(f.slot) * opt.slot_size + f.fill, p, take);
+      std::memcpy(slot_data(f.slot) + f.fill, p, take);
       f.fill += take;
       f.appended += take;
       p += take;
@@ -229,25 +244,49 @@ struct ExtractJob::Impl {
          tag(i, kOpen));
   }
 
+  // The arena of write slots, allocated on first use (an uncompressed archive read
+  // into lent blocks never copies).
+  char* slot_data(uint32_t s) {
+    if (!arena) arena.reset(new char[size_t(opt.slots) * opt.slot_size]);
+    return arena.get() + size_t(s) * opt.slot_size;
+  }
+
+  uint32_t new_piece() {
+    while (free_pieces.empty()) pump(true);
+    uint32_t k = free_pieces.back();
+    free_pieces.pop_back();
+    return k;
+  }
+
   void submit_slot(uint32_t i) {
     File& f = files[i];
     uint32_t s = f.slot;
     f.slot = kNone;
-    slots[s] = Slot{i, f.fill, 0, f.slot_offset};
-    ++f.writes;
-    if (f.opened)
-      push_write(s);
-    else
-      f.waiting.push_back(s);
+    uint32_t k = new_piece();
+    pieces[k] = Piece{i, slot_data(s), f.fill, 0, f.slot_offset, s, kNone};
+    queue_piece(i, k);
   }
 
-  void push_write(uint32_t s) {
-    Slot& sl = slots[s];
-    File& f = files[sl.file];
-    push({.code = io::OpCode::kWrite, .fd = f.fd,
-          .buf = arena.get() + size_t(s) * opt.slot_size + sl.put, .len = uint32_t(sl.len - sl.put),
-          .offset = sl.offset + sl.put},
-         tag(sl.file, kWrite, s));
+  void queue_piece(uint32_t i, uint32_t k) {
+    File& f = files[i];
+    ++f.writes;
+    if (f.opened)
+      push_write(k);
+    else
+      f.waiting.push_back(k);
+  }
+
+  void push_write(uint32_t k) {
+    const Piece& pc = pieces[k];
+    // Writes only read .buf (it is not const because reads share io::Op).
+    push({.code = io::OpCode::kWrite, .fd = files[pc.file].fd,
+          .buf = const_cast<char*>(pc.buf + pc.put),
+          .len = uint32_t(pc.len - pc.put), .offset = pc.offset + pc.put},
+         tag(pc.file, kWrite, k));
+  }
+
+  void unpin(uint32_t b) {
+    if (--block_pins[b] == 0) free_blocks.push_back(b);
   }
 
   void end_file(uint32_t i) {
@@ -447,14 +486,16 @@ struct ExtractJob::Impl {
         maybe_close(i);
         return;
       case kWrite: {
-        Slot& sl = slots[s];
+        Piece& pc = pieces[s];
         if (retry) return push_write(s);
         if (c.res < 0) throw Error::os(int(-c.res), "write", full(f.path));
         if (c.res == 0) throw Error::os(EIO, "write", full(f.path));
-        sl.put += size_t(c.res);
-        if (sl.put < sl.len) return push_write(s);
-        job.bytes_out_.fetch_add(sl.len, std::memory_order_relaxed);
-        free_slots.push_back(s);
+        pc.put += size_t(c.res);
+        if (pc.put < pc.len) return push_write(s);
+        job.bytes_out_.fetch_add(pc.len, std::memory_order_relaxed);
+        if (pc.slot != kNone) free_slots.push_back(pc.slot);
+        if (pc.block != kNone) unpin(pc.block);
+        free_pieces.push_back(s);
         --f.writes;
         maybe_close(i);
         return;
@@ -511,6 +552,11 @@ struct ExtractJob::Impl {
 
   std::string full(const std::string& rel) const { return rel.empty() ? dst : dst + "/" + rel; }
 
+  void check_lent(int b) const {
+    if (b < 0 || size_t(b) >= block_lent.size() || !block_lent[size_t(b)])
+      throw std::out_of_range("ExtractJob: read block " + std::to_string(b) + " is not lent");
+  }
+
   Error unsafe(const std::string& member, const std::string& why) const {
     return Error(ErrorKind::kUnsafe, 0, "refusing archive member", name + ": " + member, why);
   }
@@ -527,9 +573,17 @@ struct ExtractJob::Impl {
   bool link_by_fd = true;     // linkat(AT_EMPTY_PATH) is allowed
   std::unique_ptr<DecompressThread> decoder;  // compressed archives only
   std::unique_ptr<Level> outer;
-  std::unique_ptr<char[]> arena;
-  std::vector<Slot> slots;
+  std::unique_ptr<char[]> arena;  // write slots
   std::vector<uint32_t> free_slots;
+  std::vector<Piece> pieces;  // fixed size: references stay valid across pump()
+  std::vector<uint32_t> free_pieces;
+  std::shared_ptr<char[]> blocks;      // lent read blocks
+  std::vector<uint32_t> block_pins;    // pieces writing from each, +1 while lent
+  std::vector<bool> block_lent;
+  std::vector<uint32_t> free_blocks;
+  uint32_t lent_block = kNone;         // the block being parsed by feed_block()
+  const char* lent_lo = nullptr;
+  const char* lent_hi = nullptr;
   std::vector<File> files;
   std::vector<uint32_t> free_files;
   size_t active = 0;
@@ -651,17 +705,24 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   // FASTLOAD_TMPFILE=0: named temporaries even where O_TMPFILE works (tests run both).
   if (const char* v = std::getenv("FASTLOAD_TMPFILE"); v && std::string_view(v) == "0")
     tmpfile_ok = false;
+  opt.read_block_size = std::max<size_t>(opt.read_block_size, 4096);
+  opt.read_blocks = std::max(1u, opt.read_blocks);
+  uint32_t n_pieces = opt.slots + 4 * opt.files_in_flight;
   io::EngineOptions eo = opt.engine;
-  eo.depth = std::max(eo.depth, opt.files_in_flight + opt.slots + 8);
+  eo.depth = std::max(eo.depth, 2 * opt.files_in_flight + n_pieces + 8);
   int err = 0;
   eng = io::make_engine(eo, &err);
   if (!eng) throw Error::os(-err, "start the I/O engine", "");
   if (auto dec = make_decompressor(opt.compression, name))
     decoder = std::make_unique<DecompressThread>(std::move(dec), opt.decoded_chunk,
                                                  opt.decoded_chunks);
-  arena.reset(new char[size_t(opt.slots) * opt.slot_size]);
-  slots.resize(opt.slots);
   for (uint32_t s = opt.slots; s-- > 0;) free_slots.push_back(s);
+  pieces.resize(n_pieces);
+  for (uint32_t k = n_pieces; k-- > 0;) free_pieces.push_back(k);
+  blocks.reset(new char[size_t(opt.read_blocks) * opt.read_block_size]);
+  block_pins.assign(opt.read_blocks, 0);
+  block_lent.assign(opt.read_blocks, false);
+  for (uint32_t b = opt.read_blocks; b-- > 0;) free_blocks.push_back(b);
   files.resize(opt.files_in_flight);
   for (uint32_t i = opt.files_in_flight; i-- > 0;) free_files.push_back(i);
   outer = std::make_unique<Level>(*this, "", name, false);
@@ -674,21 +735,76 @@ ExtractJob::ExtractJob(std::string dst, std::string name, ExtractOptions options
 
 ExtractJob::~ExtractJob() = default;
 
-void ExtractJob::feed(const char* data, size_t n) {
+void ExtractJob::feed(const char* data, size_t n) { feed_from(data, n, -1); }
+
+void ExtractJob::feed_from(const char* data, size_t n, int block) {
   Impl& im = *impl_;
   if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
   try {
     bytes_in_.fetch_add(n, std::memory_order_relaxed);
-    if (im.decoder)
+    if (im.decoder) {
       im.decoder->feed(data, n, im.parse_output(), im.poll());
-    else
+    } else {
+      if (block >= 0) {
+        im.lent_block = uint32_t(block);
+        im.lent_lo = data;
+        im.lent_hi = data + n;
+      }
       im.outer->parser.feed(data, n, *im.outer);
+      im.lent_block = kNone;
+    }
     im.pump(false);
   } catch (...) {
+    im.lent_block = kNone;
     im.dead = true;
     im.abort();
     throw;
   }
+}
+
+int ExtractJob::lend(bool wait) {
+  Impl& im = *impl_;
+  if (im.dead) throw Error(ErrorKind::kCancelled, 0, "extraction already failed", im.name);
+  try {
+    im.pump(false);
+    while (im.free_blocks.empty()) {
+      if (!wait) return -1;
+      if (im.eng->in_flight() == 0)
+        throw std::logic_error("ExtractJob::lend: every read block is lent and none released");
+      im.pump(true);
+    }
+  } catch (const Error&) {
+    im.dead = true;
+    im.abort();
+    throw;
+  }
+  uint32_t b = im.free_blocks.back();
+  im.free_blocks.pop_back();
+  im.block_pins[b] = 1;
+  im.block_lent[b] = true;
+  return int(b);
+}
+
+char* ExtractJob::block(int b) const {
+  impl_->check_lent(b);
+  return impl_->blocks.get() + size_t(b) * impl_->opt.read_block_size;
+}
+
+size_t ExtractJob::block_size() const { return impl_->opt.read_block_size; }
+
+std::shared_ptr<char[]> ExtractJob::block_storage() const { return impl_->blocks; }
+
+void ExtractJob::feed_block(int b, size_t n) {
+  impl_->check_lent(b);
+  if (n > impl_->opt.read_block_size) throw std::out_of_range("ExtractJob::feed_block: n > block size");
+  feed_from(impl_->blocks.get() + size_t(b) * impl_->opt.read_block_size, n, b);
+}
+
+void ExtractJob::release(int b) {
+  Impl& im = *impl_;
+  im.check_lent(b);
+  im.block_lent[size_t(b)] = false;
+  im.unpin(uint32_t(b));
 }
 
 void ExtractJob::finish() {

@@ -7,11 +7,18 @@
 // the I/O engine; nothing is staged to disk twice, and an inner tar ("nested") is parsed
 // from the outer one's data without ever being written.
 //
+// Read blocks: the caller may read the archive into buffers the job lends (lend(),
+// feed_block(), release()) instead of its own. An uncompressed archive's member data is
+// then written straight from those blocks, each pinned until its writes complete: the
+// bytes are copied once by the read and once by the write, never in between. Data fed
+// any other way (feed(), or decoded from gzip/zstd) is copied into write slots.
+//
 // Safety: every member path is normalised and refused if absolute or escaping; every
 // directory is opened component by component from the destination with O_NOFOLLOW, so
 // nothing is ever written through a symlink (an archive's own, or one planted before);
 // links leaving the destination, devices and FIFOs are refused; a file never replaces a
-// directory. Files are written to hidden temporaries and renamed into place when whole.
+// directory. Files are created unnamed (O_TMPFILE) or as hidden temporaries, and named
+// only once whole.
 #pragma once
 
 #include <atomic>
@@ -43,8 +50,10 @@ struct ExtractOptions {
   bool adopt_existing = false;
   unsigned files_in_flight = 64;
   uint64_t chunk_size = 4u << 20;  // digest chunk
-  size_t slot_size = 1u << 20;     // bytes per write
+  size_t slot_size = 1u << 20;     // bytes per write (data copied into slots)
   unsigned slots = 96;
+  size_t read_block_size = 8u << 20;  // lent read blocks (see lend())
+  unsigned read_blocks = 16;
   // Compressed archives: the decoder thread hands its output to the parser in chunks of
   // this size, at most decoded_chunks of them ahead. Small enough for the chunk to be
   // read while still in cache; larger chunks cost more than the handovers they save.
@@ -81,6 +90,18 @@ class ExtractJob {
   // Throws fastload::Error; after a throw the job is dead, its decoder thread stopped
   // and its temporaries removed.
   void feed(const char* data, size_t n);
+  // Read blocks. lend(): a free block's index, or -1 when every block is still being
+  // read, parsed or written from (with wait, reaps writes until one is free instead).
+  // block(b) is read_block_size bytes, writable by the caller until feed_block(b, n)
+  // (which feeds its first n bytes, like feed()) or release(b). The caller releases
+  // each block once it no longer reads it; the job reuses it once its writes are done.
+  int lend(bool wait);
+  char* block(int b) const;
+  size_t block_size() const;
+  // The memory behind every block: outlives the job while a holder keeps it.
+  std::shared_ptr<char[]> block_storage() const;
+  void feed_block(int b, size_t n);
+  void release(int b);
   // The archive ended: waits for every write, creates hard links, sets directory
   // modes and times. Throws like feed().
   void finish();
@@ -107,6 +128,7 @@ class ExtractJob {
   struct Impl;
 
  private:
+  void feed_from(const char* data, size_t n, int block);
   std::unique_ptr<Impl> impl_;
   std::atomic<bool> cancelled_{false};
   std::atomic<uint64_t> bytes_in_{0};

@@ -84,9 +84,11 @@ def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
 class _Prefetcher:
     """Positional reads of an open file, ``depth`` blocks in flight, delivered in order.
 
-    Blocks are read into a ring of ``depth + 1`` reused buffers (fresh 8 MiB allocations
-    per block would cost a page fault per 4 KiB): a block handed out stays valid until
-    the consumer asks for the next one.
+    The blocks are the extraction job's own read blocks (``job.lend()``): the job writes
+    members' data straight from them, so the data is copied by the read and by the
+    write, never in between. A block is handed to the consumer as ``(offset, index,
+    view)``; it is released to the job when the consumer asks for the next one, and the
+    job reuses it once the writes from it are done.
 
     With ``hasher``, every block is also hashed, in order, on a thread of its own while
     the consumer works on it (hashlib releases the GIL): a published checksum costs no
@@ -98,11 +100,12 @@ class _Prefetcher:
         fd: int,
         size: int,
         name: str,
-        block: int = _BLOCK,
+        job: _core.ExtractJob,
         depth: int = _PREFETCH,
         hasher: Any = None,
     ):
-        self._fd, self._size, self._name, self._block = fd, size, name, block
+        self._fd, self._size, self._name, self._job = fd, size, name, job
+        self._block = job.block_size
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="fastload-read")
         self._hasher = hasher
         self._hash_pool = None
@@ -110,14 +113,11 @@ class _Prefetcher:
             self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-hash")
         self._hashing: Future[None] | None = None
         self._depth = depth
-        self._buffers = [bytearray(block) for _ in range(depth + 1)]
-        self._free = list(range(depth + 1))
-        self._queue: deque[tuple[int, int, int, Future[int]]] = deque()
+        self._queue: deque[tuple[int, int, int, memoryview, Future[int]]] = deque()
         self._next = 0
         self._fill()
 
-    def _read(self, buf: int, n: int, off: int) -> int:
-        view = memoryview(self._buffers[buf])
+    def _read(self, view: memoryview, n: int, off: int) -> int:
         got = 0
         while got < n:
             k = os.preadv(self._fd, [view[got:n]], off + got)
@@ -127,36 +127,43 @@ class _Prefetcher:
         return got
 
     def _fill(self) -> None:
-        while len(self._queue) < self._depth and self._free and self._next < self._size:
+        while len(self._queue) < self._depth and self._next < self._size:
+            # Waits (reaping the job's writes) only when nothing else is being read.
+            lent = self._job.lend(not self._queue)
+            if lent is None:
+                return
+            b, buf = lent
+            view = memoryview(buf)
             n = min(self._block, self._size - self._next)
-            buf = self._free.pop()
             self._queue.append(
-                (self._next, n, buf, self._pool.submit(self._read, buf, n, self._next))
+                (self._next, n, b, view, self._pool.submit(self._read, view, n, self._next))
             )
             self._next += n
 
-    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+    def __iter__(self) -> Iterator[tuple[int, int, memoryview]]:
         while self._queue:
-            off, n, buf, fut = self._queue.popleft()
+            off, n, b, view, fut = self._queue.popleft()
             try:
-                got = fut.result()
-            except OSError as e:
-                raise stage_error(
-                    e.errno or errno.EIO, f"read '{self._name}': {e.strerror}", self._name
-                ) from None
-            if got != n:
-                raise SourceChangedError(
-                    errno.EIO,
-                    f"source file changed: '{self._name}' is shorter than when "
-                    "staging began; stage again to pick up the new content",
-                )
-            self._fill()
-            view = memoryview(self._buffers[buf])[:n]
-            if self._hash_pool is not None:
-                self._hashing = self._hash_pool.submit(self._hasher.update, view)
-            yield off, view
-            self._wait_hash()
-            self._free.append(buf)  # the consumer and the hasher are done with it
+                try:
+                    got = fut.result()
+                except OSError as e:
+                    raise stage_error(
+                        e.errno or errno.EIO, f"read '{self._name}': {e.strerror}", self._name
+                    ) from None
+                if got != n:
+                    raise SourceChangedError(
+                        errno.EIO,
+                        f"source file changed: '{self._name}' is shorter than when "
+                        "staging began; stage again to pick up the new content",
+                    )
+                self._fill()
+                data = view[:n]
+                if self._hash_pool is not None:
+                    self._hashing = self._hash_pool.submit(self._hasher.update, data)
+                yield off, b, data
+                self._wait_hash()
+            finally:
+                self._job.release(b)  # the consumer and the hasher are done with it
             self._fill()
 
     def _wait_hash(self) -> None:
@@ -165,11 +172,11 @@ class _Prefetcher:
             hashing.result()
 
     def _drain(self) -> None:
-        for _, _, buf, fut in self._queue:
+        for _, _, b, _, fut in self._queue:
             if not fut.cancel():
                 with contextlib.suppress(Exception):
-                    fut.result()  # still reading into buf: wait before reusing it
-            self._free.append(buf)
+                    fut.result()  # still reading into the block: wait before giving it back
+            self._job.release(b)
         self._queue.clear()
 
     def seek(self, offset: int) -> None:
@@ -363,14 +370,14 @@ def stage_archive(
         flusher.add(batch)
 
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-    reader = _Prefetcher(fd, st.st_size, str(src), hasher=hasher)
+    reader = _Prefetcher(fd, st.st_size, str(src), job, hasher=hasher)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""
     last_report = 0.0
     try:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for off, block in reader:
+        for off, b, block in reader:
             if pydecomp is not None:
                 # Block k decodes on a thread of its own while block k-1's output is parsed
                 # and written (both release the GIL), as the native decoder overlaps the
@@ -381,7 +388,7 @@ def stage_archive(
                     job.feed(ready)
                 ready = decoding.result()
             else:
-                job.feed(block)
+                job.feed_block(b, len(block))
             if can_seek:
                 skip = job.skippable()
                 if skip >= _BLOCK:

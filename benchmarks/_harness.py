@@ -107,7 +107,8 @@ class Rounds:
         self.work = work
         self.scale = scale
         # Time until the copy is on disk: each round ends with syncfs() of the destination
-        # (fastload syncs before it writes its manifest; cp, rsync and copytree do not).
+        # (none of the tools waits for the disk, fastload included unless sync=True).
+        # Without it, each tool is timed to its return.
         self.sync = sync
         self.last: Path | None = None
         self.result: Any = None

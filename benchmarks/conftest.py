@@ -35,8 +35,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--bench-sync",
         choices=["on", "off"],
         default=os.environ.get("FASTLOAD_BENCH_SYNC", "on"),
-        help="end each copy round with syncfs() of the destination, so every tool is timed "
-        "to data on disk as fastload is (FASTLOAD_BENCH_SYNC; default on)",
+        help="end each copy round with syncfs() of the destination: on, every tool is timed "
+        "to its data on disk (default); off, to its return, which is what a job waits for "
+        "(fastload, like cp and tar, returns before the disk has caught up unless "
+        "sync=True) (FASTLOAD_BENCH_SYNC)",
     )
 
 

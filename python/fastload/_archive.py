@@ -26,7 +26,18 @@ if TYPE_CHECKING:
 
 from . import _core
 from ._engine import resolve_engine
-from ._state import MANIFEST_VERSION, Journal, JournalFlusher, state_dir, write_json_atomic
+from ._state import (
+    MANIFEST_VERSION,
+    Journal,
+    JournalFlusher,
+    Records,
+    boot_id,
+    known_records,
+    reread,
+    state_dir,
+    trusted,
+    write_json_atomic,
+)
 from .errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
 
 _BLOCK = 8 << 20
@@ -288,18 +299,31 @@ def stage_archive(
     stripe: int,
     quick_same: Callable[[Path, int, int], bool],
     check_space: Callable[[Path, int, Path], None],
+    prove: Callable[[Records], Records],
+    make_durable: Callable[[dict[str, Any]], None],
+    sync: bool,
     t0: float,
 ) -> dict[str, Any]:
     """Extracts ``src`` into ``dst`` (under the node lock). Returns the summary the
-    caller turns into a StageResult."""
+    caller turns into a StageResult. ``prove`` reads records' files (in ``dst``) back and
+    keeps those still whole (for a manifest or journal of an earlier boot that was not
+    flushed); ``make_durable`` flushes a complete stage that was not, with ``sync``."""
     st = os.stat(src)
     fingerprint = archive_fingerprint(src, st, {**options, "chunk": stripe, "checksum": checksum})
+    whole = True
+    if old is not None and old.get("complete") and not trusted(old):
+        # Written on an earlier boot without a flush: only what reads back whole counts.
+        old, whole = reread(dst, old, prove)
+        if whole and old.get("fingerprint") == fingerprint:
+            write_json_atomic(state_dir(dst) / "manifest.json", old)
     if (
-        old is not None
+        whole
+        and old is not None
         and old.get("complete")
         and old.get("fingerprint") == fingerprint
         and dst.is_dir()
     ):
+        make_durable(old)
         return {
             "skipped": True,
             "files": old["files_count"],
@@ -309,11 +333,8 @@ def stage_archive(
             "copied_bytes": 0,
         }
 
-    journal = Journal(dst, stripe)
-    known = journal.load()
-    if old is not None and old.get("chunk_size") == stripe:
-        for p, rec in old.get("files", {}).items():
-            known.setdefault(p, (rec[0], rec[1], rec[2], rec[3]))
+    journal = Journal(dst, stripe, durable=sync)
+    known = known_records(journal, old, stripe, prove)
     done: dict[str, tuple[int, int, int, str]] = {
         p: rec for p, rec in known.items() if quick_same(dst / p, rec[0], rec[1])
     }
@@ -456,7 +477,8 @@ def stage_archive(
     total_bytes = sum(r[0] for r in done.values())
     if on_progress is not None:
         on_progress(st.st_size, st.st_size, len(done), len(done))
-    _core.syncfs(str(dst))
+    if sync:
+        _core.syncfs(str(dst))
     manifest = {
         "version": MANIFEST_VERSION,
         "complete": True,
@@ -472,6 +494,8 @@ def stage_archive(
         },
         "chunk_size": stripe,
         "digest": "fl64",
+        "boot_id": boot_id(),
+        "durable": sync,
         "files_count": len(done),
         "bytes": total_bytes,
         "engine": job.engine,

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MANIFEST_VERSION = 1
 
@@ -84,20 +84,54 @@ def boot_id() -> str:
         return ""
 
 
+def trusted(record: dict[str, Any]) -> bool:
+    """Whether the files a manifest (or journal header) describes can be taken as whole
+    without reading them back: they were flushed to disk before it was written
+    (``durable``), or it was written since the last boot, so whatever was not flushed
+    yet is still in the page cache. Manifests of versions that always flushed have no
+    ``durable`` key."""
+    if record.get("durable", "boot_id" not in record):
+        return True
+    return bool(record.get("boot_id")) and record.get("boot_id") == boot_id()
+
+
+Records = dict[str, tuple[int, int, int, str]]  # path -> size, mtime_ns, mode, digests
+
+
+def reread(
+    root: Path, manifest: dict[str, Any], prove: Callable[[Records], Records]
+) -> tuple[dict[str, Any], bool]:
+    """For a complete manifest written on an earlier boot without a flush: the manifest
+    keeping only the files read back whole (``prove``), marked durable (they came from
+    the disk), and whether every file and link was."""
+    files = {p: (r[0], r[1], r[2], r[3]) for p, r in manifest.get("files", {}).items()}
+    proven = prove(files)
+    whole = len(proven) == len(files) and all(
+        os.path.islink(root / p) and os.readlink(root / p) == t
+        for p, t in manifest.get("symlinks", {}).items()
+    )
+    return {**manifest, "files": proven, "durable": True, "boot_id": boot_id()}, whole
+
+
 class Journal:
     """Files known to be complete at their final path, appended as they finish.
 
-    A record is written only after the data it describes was flushed to disk (syncfs),
-    so after a power loss every journalled file is whole. Files renamed into place but
-    not yet journalled are trusted only if the machine has not rebooted since
-    (``same_boot``): a killed process loses nothing of what it wrote.
+    With ``durable``, a record is written only after the data it describes was flushed
+    to disk (syncfs), so after a power loss every journalled file is whole. Without it
+    (the default: staging does not wait for the disk), the records are ``trusted`` only
+    on the boot that wrote them; after a reboot the caller reads the files back and
+    compares their digests. Files renamed into place but not yet journalled are trusted
+    only if the machine has not rebooted since (``same_boot``): a killed process loses
+    nothing of what it wrote.
     """
 
-    def __init__(self, dst: Path, chunk_size: int) -> None:
+    def __init__(self, dst: Path, chunk_size: int, durable: bool = False) -> None:
         self.path = state_dir(dst) / "journal.jsonl"
         self.chunk_size = chunk_size
+        self.durable = durable
         self.found = False  # a journal of an interrupted run was there
         self.same_boot = False  # ... and was written since the last boot
+        self.trusted = False  # ... and its records need not be read back
         self._f: Any | None = None
 
     def load(self) -> dict[str, tuple[int, int, int, str]]:
@@ -118,6 +152,7 @@ class Journal:
             return out
         self.found = True
         self.same_boot = bool(header.get("boot_id")) and header.get("boot_id") == boot_id()
+        self.trusted = trusted(header)
         for line in lines[1:]:
             try:
                 p, size, mtime, mode, digests = json.loads(line)
@@ -131,7 +166,8 @@ class Journal:
         self.path.parent.mkdir(exist_ok=True)
         tmp = self.path.with_name("journal.jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"chunk_size": self.chunk_size, "boot_id": boot_id()}) + "\n")
+            header = {"chunk_size": self.chunk_size, "boot_id": boot_id(), "durable": self.durable}
+            f.write(json.dumps(header) + "\n")
             for p, rec in keep.items():
                 f.write(json.dumps([p, *rec]) + "\n")
             f.flush()
@@ -155,9 +191,31 @@ class Journal:
             self.path.unlink()
 
 
+def known_records(
+    journal: Journal,
+    old: dict[str, Any] | None,
+    chunk_size: int,
+    prove: Callable[[Records], Records],
+) -> Records:
+    """What is already in place: the interrupted run's journal, then the previous
+    complete manifest's files (a re-stage after the source changed redoes only the
+    changes). Records written on an earlier boot without a flush are read back first
+    (``prove`` keeps those whose files are whole)."""
+    known = journal.load()
+    if known and not journal.trusted:
+        known = prove(known)
+    if old is not None and old.get("chunk_size") == chunk_size:
+        previous = {p: (r[0], r[1], r[2], r[3]) for p, r in old.get("files", {}).items()}
+        if not trusted(old):
+            previous = prove({p: r for p, r in previous.items() if p not in known})
+        for p, r in previous.items():
+            known.setdefault(p, r)
+    return known
+
+
 class JournalFlusher:
-    """Appends finished files to a journal from a background thread, each batch only
-    after a syncfs of the destination made its data durable.
+    """Appends finished files to a journal from a background thread; for a durable
+    journal, each batch only after a syncfs of the destination made its data durable.
 
     syncfs waits for the file system's writeback, which can take seconds on a busy disk;
     done on the thread that feeds the copy or the extraction, it would stall it.
@@ -187,7 +245,8 @@ class JournalFlusher:
         with self._lock:
             batch, self._pending = self._pending, []
         if batch:
-            self._syncfs(self._sync_path)  # every file of the batch is on disk after this
+            if self._journal.durable:
+                self._syncfs(self._sync_path)  # every file of the batch is on disk after this
             self._journal.append(batch)
 
     def _run(self) -> None:

@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
         help="published checksum of the archive or file (md5:... or sha256:...)",
     )
     s.add_argument(
+        "--sync",
+        action="store_true",
+        help="flush the data to disk before returning (default: return once it is in the "
+        "page cache, like cp and tar; it is read back and checked after a reboot)",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
@@ -194,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 on_special="skip" if args.skip_special else "error",
                 unpack=False if args.no_unpack else ("nested" if args.nested else "auto"),
                 checksum=args.checksum,
+                sync=args.sync,
                 progress=_want_progress(args),
             )
             if r.skipped:

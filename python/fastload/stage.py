@@ -28,9 +28,14 @@ from ._state import (
     MANIFEST_VERSION,
     Journal,
     JournalFlusher,
+    Records,
+    boot_id,
+    known_records,
     node_lock,
     read_manifest,
+    reread,
     state_dir,
+    trusted,
     write_json_atomic,
 )
 from .errors import ChecksumMismatchError, NotEnoughSpaceError, StageError, stage_error
@@ -271,6 +276,7 @@ def stage(
     check_source: bool = True,
     unpack: bool | Literal["auto", "nested"] = "auto",
     checksum: str | None = None,
+    sync: bool = False,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -299,6 +305,13 @@ def stage(
             tree: ``"error"`` (default) or ``"skip"``.
         check_source: list the source again to see whether it changed since the last
             complete stage (default). ``False`` trusts a complete manifest for this source.
+        sync: flush the staged data to disk before returning. By default ``stage()``
+            returns once every file is whole in the page cache, as ``cp``, ``tar`` and
+            ``rsync`` do, and the disk catches up while the job starts (a node's
+            ``$SLURM_TMPDIR`` does not outlive the job anyway). The manifest records the
+            boot: after a reboot (a power loss may have cut the writeback), the next
+            ``stage()`` reads the files back and checks their digests before trusting
+            them, and redoes only those that differ.
 
     Returns:
         A :class:`StageResult`; ``skipped`` is True when nothing had to be copied.
@@ -379,6 +392,7 @@ def stage(
             t0,
             compression,
             algo_hex,
+            sync,
         )
 
 
@@ -395,6 +409,7 @@ def _stage_with_lock(
     t0: float,
     compression: str | None,
     checksum: tuple[str, str] | None,
+    sync: bool,
 ) -> StageResult:
     with node_lock(dst_abs):
         old = read_manifest(dst_abs)
@@ -404,9 +419,11 @@ def _stage_with_lock(
             and old.get("source") == str(src_abs)
             and old.get("options") == options
             and os.path.lexists(dst_abs)
+            and trusted(old)
         )
         if same_request and not check_source:
             assert old is not None
+            _make_durable(dst_abs, old, sync)
             return StageResult(
                 dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
             )
@@ -423,9 +440,10 @@ def _stage_with_lock(
                 stripe,
                 checksum,
                 t0,
+                sync,
             )
         result = _stage_locked(
-            src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0
+            src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0, sync
         )
         if checksum is not None:
             _check_file_checksum(result.path, src_abs, checksum)
@@ -463,6 +481,7 @@ def _stage_archive_locked(
     stripe: int,
     checksum: tuple[str, str] | None,
     t0: float,
+    sync: bool,
 ) -> StageResult:
     size = os.stat(src_abs).st_size
     on_progress, bar = _progress_callback(progress, f"extract {src_abs.name}", size, 0)
@@ -481,6 +500,9 @@ def _stage_archive_locked(
             stripe=stripe,
             quick_same=_quick_same,
             check_space=_check_space,
+            prove=lambda records: _prove(dst_abs, records, engine, workers, stripe),
+            make_durable=lambda old: _make_durable(dst_abs, old, sync),
+            sync=sync,
             t0=t0,
         )
     finally:
@@ -509,6 +531,7 @@ def _stage_locked(
     workers: int | None,
     stripe: int,
     t0: float,
+    sync: bool,
 ) -> StageResult:
     threads = min(64, max(8, (workers or DEFAULT_FILES_IN_FLIGHT)))
     if is_file:
@@ -539,21 +562,29 @@ def _stage_locked(
     files = [e for e in entries if e[1] == _FILE]
     total_bytes = sum(e[2] for e in files)
 
+    def prove(records: Records) -> Records:
+        return _prove(dst_root, records, engine, workers, stripe)
+
+    whole = True
+    if old is not None and old.get("complete") and not trusted(old):
+        # Written on an earlier boot without a flush: only what reads back whole counts.
+        old, whole = reread(dst_root, old, prove)
+        if whole and old.get("fingerprint") == fingerprint:
+            write_json_atomic(state_dir(dst_abs) / "manifest.json", old)
     if (
-        old is not None
+        whole
+        and old is not None
         and old.get("complete")
         and old.get("fingerprint") == fingerprint
         and os.path.lexists(dst_abs)
     ):
+        _make_durable(dst_abs, old, sync)
         return StageResult(dst_abs, len(files), total_bytes, time.monotonic() - t0, "none", True)
 
     # What is already in place: from the interrupted run's journal, or from the previous
     # complete manifest (a re-stage after the source changed copies only the changes).
-    journal = Journal(dst_abs, stripe)
-    known = journal.load()
-    if old is not None and old.get("chunk_size") == stripe:
-        for p, rec in old.get("files", {}).items():
-            known.setdefault(p, (rec[0], rec[1], rec[2], rec[3]))
+    journal = Journal(dst_abs, stripe, durable=sync)
+    known = known_records(journal, old, stripe, prove)
     done: dict[str, tuple[int, int, int, str]] = {}
     todo: list[int] = []
     for i, e in enumerate(files):
@@ -656,7 +687,8 @@ def _stage_locked(
             on_progress(total_bytes, total_bytes, len(files), len(files))
         flusher.close()
         _finish_tree(src_abs, dst_abs, dst_root, entries, is_file)
-        _core.syncfs(str(dst_root))
+        if sync:
+            _core.syncfs(str(dst_root))
     finally:
         with contextlib.suppress(Exception):
             flusher.close()  # after an error: keep what finished, report the first error
@@ -673,6 +705,8 @@ def _stage_locked(
         "kind": "file" if is_file else "tree",
         "chunk_size": stripe,
         "digest": "fl64",
+        "boot_id": boot_id(),
+        "durable": sync,
         "files_count": len(files),
         "bytes": total_bytes,
         "engine": engine_name,
@@ -693,6 +727,33 @@ def _stage_locked(
         copied_files,
         copied_bytes,
     )
+
+
+def _prove(
+    root: Path,
+    records: dict[str, tuple[int, int, int, str]],
+    engine: str,
+    workers: int | None,
+    stripe: int,
+) -> dict[str, tuple[int, int, int, str]]:
+    """The records (path -> size, mtime_ns, mode, digests) whose files, read back from
+    ``root``, still have their size, time and digests: what a manifest or journal written
+    on an earlier boot without a flush may take as done."""
+    entries = [
+        (p, _FILE, r[0], (r[0] + 511) // 512, r[2], r[1])
+        for p, r in records.items()
+        if _quick_same(root / p, r[0], r[1])
+    ]
+    got = _digest_local(root, entries, engine, workers, stripe) if entries else {}
+    return {p: records[p] for p, rec in got.items() if rec[3] == records[p][3]}
+
+
+def _make_durable(dst: Path, manifest: dict[str, Any], sync: bool) -> None:
+    """With ``sync``, flushes a complete stage that was not, and says so in its manifest."""
+    if sync and not manifest.get("durable", True):
+        root = dst.parent if manifest.get("kind") == "file" else dst
+        _core.syncfs(str(root))
+        write_json_atomic(state_dir(dst) / "manifest.json", {**manifest, "durable": True})
 
 
 def _digest_local(

@@ -47,6 +47,14 @@ def make_archive(path: Path, files: dict[str, bytes], src: Path) -> Path:
     return path
 
 
+def source(tmp_path: Path, kind: str) -> tuple[Path, dict[str, bytes]]:
+    """A tree, or a tar of the same files; and what the files hold."""
+    files = make_tree(tmp_path / "src")
+    if kind == "tree":
+        return tmp_path / "src", files
+    return make_archive(tmp_path / "a.tar", files, tmp_path / "src"), files
+
+
 def manifest(dst: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((state_dir(dst) / "manifest.json").read_text())
     return data
@@ -76,9 +84,7 @@ def assert_files(dst: Path, files: dict[str, bytes]) -> None:
 def test_default_returns_unflushed_and_is_trusted_on_this_boot(
     stage: Stage, tmp_path: Path, kind: str
 ) -> None:
-    files = make_tree(tmp_path / "src")
-    src = tmp_path / "src" if kind == "tree" else make_archive(tmp_path / "a.tar", files,
-                                                               tmp_path / "src")
+    src, files = source(tmp_path, kind)
     dst = tmp_path / "dst"
     r = stage(src, dst)
     assert not r.skipped
@@ -93,21 +99,18 @@ def test_default_returns_unflushed_and_is_trusted_on_this_boot(
 
 @pytest.mark.parametrize("kind", ["tree", "archive"])
 def test_sync_stage_is_durable(stage: Stage, tmp_path: Path, kind: str) -> None:
-    files = make_tree(tmp_path / "src")
-    src = tmp_path / "src" if kind == "tree" else make_archive(tmp_path / "a.tar", files,
-                                                               tmp_path / "src")
+    src, files = source(tmp_path, kind)
     dst = tmp_path / "dst"
     assert not stage(src, dst, sync=True).skipped
     assert manifest(dst)["durable"] is True
     as_if_rebooted(dst)
     assert stage(src, dst).skipped  # flushed before it was marked complete: trusted
+    assert_files(dst, files)
 
 
 @pytest.mark.parametrize("kind", ["tree", "archive"])
 def test_after_reboot_unflushed_stage_is_read_back(stage: Stage, tmp_path: Path, kind: str) -> None:
-    files = make_tree(tmp_path / "src")
-    src = tmp_path / "src" if kind == "tree" else make_archive(tmp_path / "a.tar", files,
-                                                               tmp_path / "src")
+    src, files = source(tmp_path, kind)
     dst = tmp_path / "dst"
     stage(src, dst)
 

@@ -93,12 +93,13 @@ def spec(a: Archive, dst: Path, engine: str, **more: Any) -> dict[str, Any]:
     return helpers.stage_spec(a.path, dst, engine=engine, **a.kwargs, **more)
 
 
-_durations: dict[tuple[str, str], float] = {}
+_durations: dict[tuple[str, str, str], float] = {}
 
 
 def full_seconds(a: Archive, tmp_path: Path, engine: str) -> float:
     """Wall time of one uninterrupted child extraction, from START to exit."""
-    key = (str(a.path), engine)
+    # Per creation mode too: named temporaries and O_TMPFILE differ in speed.
+    key = (str(a.path), engine, os.environ.get("FASTLOAD_TMPFILE", ""))
     if key not in _durations:
         dst = tmp_path / "calibration"
         child = helpers.Child(spec(a, dst, engine), env=helpers.child_env())
@@ -163,7 +164,7 @@ def test_sigkill_then_resume(engine: str, mixed_archive: Archive, tmp_path: Path
     """Files created unnamed and linked once whole, or (FASTLOAD_TMPFILE=0, as where the
     file system has no O_TMPFILE) written under temporary names and renamed."""
     monkeypatch.setenv("FASTLOAD_TMPFILE", tmpfile)
-    killed = kill_and_resume(mixed_archive, tmp_path, engine, (0.3, 0.6))
+    killed = kill_and_resume(mixed_archive, tmp_path, engine, (0.4, 0.7))
     assert any(copied < mixed_archive.files for _, _, copied in killed), (
         "no resume skipped a member already complete: (fraction, complete files after the "
         f"kill, files extracted by the resume) = {killed}, files = {mixed_archive.files}")

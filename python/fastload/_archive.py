@@ -41,7 +41,10 @@ from ._state import (
 from .errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
 
 _BLOCK = 8 << 20
-_PREFETCH = 4
+# Reads in flight. Uncached, what counts is the bytes in flight: 4 x 8 MiB read the 4 GB
+# benchmark archive in 3.7-3.8 s on this VM's disk, 8 x 8 MiB in 2.1-2.2 s (as fast as
+# O_DIRECT; more is no faster). Cached, the count makes no difference.
+_PREFETCH = 8
 _SUFFIXES = {
     ".tar": "none",
     ".tar.gz": "gzip",
@@ -391,13 +394,13 @@ def stage_archive(
         flusher.add(batch)
 
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # before the first read
     reader = _Prefetcher(fd, st.st_size, str(src), job, hasher=hasher)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""
     last_report = 0.0
     try:
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for off, b, block in reader:
             if pydecomp is not None:
                 # Block k decodes on a thread of its own while block k-1's output is parsed

@@ -6,6 +6,7 @@
 #include "common/error.hpp"
 #include "common/unique_fd.hpp"
 #include "io/engine.hpp"
+#include "io/residency.hpp"
 
 namespace fastload::bindings {
 
@@ -24,6 +25,22 @@ void register_io(py::module_& m) {
         return static_cast<unsigned long>(st.f_type) & 0xffffffffUL;
       },
       py::arg("path"), "The file system's magic number (statfs(2) f_type).");
+  m.def(
+      "cached_bytes",
+      [](int fd, uint64_t offset, uint64_t length) {
+        int err;
+        uint64_t n;
+        {
+          py::gil_scoped_release nogil;
+          n = io::cached_bytes(fd, offset, length, &err);
+        }
+        if (err != 0) throw Error::os(-err, "check the page cache of file descriptor",
+                                      std::to_string(fd));
+        return n;
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("length"),
+      "How many bytes of the range of fd are in the page cache (mincore(2); reads "
+      "nothing).");
   m.def(
       "syncfs",
       [](const py::object& path) {

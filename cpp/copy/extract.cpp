@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string_view>
@@ -40,6 +41,7 @@ uint32_t read_umask() {
 }
 
 constexpr size_t kMaxCachedDirs = 512;
+constexpr size_t kBlockAlign = 4096;  // read blocks: O_DIRECT needs page alignment
 enum Kind : uint64_t { kOpen = 1, kWrite, kClose };
 
 uint64_t tag(uint32_t file, Kind kind, uint32_t slot = 0) {
@@ -705,7 +707,9 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   // FASTLOAD_TMPFILE=0: named temporaries even where O_TMPFILE works (tests run both).
   if (const char* v = std::getenv("FASTLOAD_TMPFILE"); v && std::string_view(v) == "0")
     tmpfile_ok = false;
-  opt.read_block_size = std::max<size_t>(opt.read_block_size, 4096);
+  // A multiple of the alignment, so every block of the arena starts aligned.
+  opt.read_block_size = std::max<size_t>(opt.read_block_size, kBlockAlign);
+  opt.read_block_size -= opt.read_block_size % kBlockAlign;
   opt.read_blocks = std::max(1u, opt.read_blocks);
   uint32_t n_pieces = opt.slots + 4 * opt.files_in_flight;
   io::EngineOptions eo = opt.engine;
@@ -719,7 +723,11 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   for (uint32_t s = opt.slots; s-- > 0;) free_slots.push_back(s);
   pieces.resize(n_pieces);
   for (uint32_t k = n_pieces; k-- > 0;) free_pieces.push_back(k);
-  blocks.reset(new char[size_t(opt.read_blocks) * opt.read_block_size]);
+  // Page-aligned, so the reader may fill them with O_DIRECT reads.
+  blocks = std::shared_ptr<char[]>(
+      static_cast<char*>(::operator new[](size_t(opt.read_blocks) * opt.read_block_size,
+                                          std::align_val_t{kBlockAlign})),
+      [](char* p) { ::operator delete[](p, std::align_val_t{kBlockAlign}); });
   block_pins.assign(opt.read_blocks, 0);
   block_lent.assign(opt.read_blocks, false);
   for (uint32_t b = opt.read_blocks; b-- > 0;) free_blocks.push_back(b);

@@ -52,7 +52,7 @@ struct ExtractOptions {
   uint64_t chunk_size = 4u << 20;  // digest chunk
   size_t slot_size = 1u << 20;     // bytes per write (data copied into slots)
   unsigned slots = 96;
-  size_t read_block_size = 8u << 20;  // lent read blocks (see lend())
+  size_t read_block_size = 8u << 20;  // lent read blocks (see lend()); rounded to 4 KiB
   unsigned read_blocks = 16;
   // Compressed archives: the decoder thread hands its output to the parser in chunks of
   // this size, at most decoded_chunks of them ahead. Small enough for the chunk to be
@@ -92,9 +92,10 @@ class ExtractJob {
   void feed(const char* data, size_t n);
   // Read blocks. lend(): a free block's index, or -1 when every block is still being
   // read, parsed or written from (with wait, reaps writes until one is free instead).
-  // block(b) is read_block_size bytes, writable by the caller until feed_block(b, n)
-  // (which feeds its first n bytes, like feed()) or release(b). The caller releases
-  // each block once it no longer reads it; the job reuses it once its writes are done.
+  // block(b) is read_block_size bytes, page-aligned (fit for O_DIRECT reads), writable
+  // by the caller until feed_block(b, n) (which feeds its first n bytes, like feed()) or
+  // release(b). The caller releases each block once it no longer reads it; the job
+  // reuses it once its writes are done.
   int lend(bool wait);
   char* block(int b) const;
   size_t block_size() const;

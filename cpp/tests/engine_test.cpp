@@ -24,6 +24,7 @@
 #include "io/engine.hpp"
 #include "io/faults.hpp"
 #include "io/pread_pool.hpp"
+#include "io/residency.hpp"
 #include "io/uring.hpp"
 #include "tests/check.hpp"
 
@@ -595,9 +596,46 @@ void fault_injection(const char* label, const Factory& make, int dir_fd) {
   close(fd);
 }
 
+// cached_bytes(): all of a range just read, none of it once its pages are dropped
+// (where the file system drops clean pages on request: not tmpfs), page by page, and
+// asking reads nothing.
+void page_residency(int dir_fd) {
+  using fastload::io::cached_bytes;
+  const int fd = openat(dir_fd, "resident.bin", O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  CHECK(fd >= 0);
+  if (fd < 0) return;
+  const uint64_t size = 1 << 20;
+  std::vector<char> buf(size, 'r');
+  CHECK_EQ(pwrite(fd, buf.data(), size, 0), ssize_t(size));
+  CHECK_EQ(fsync(fd), 0);
+  int err = -1;
+  CHECK_EQ(cached_bytes(fd, 0, 0, &err), uint64_t{0});  // an empty range
+  CHECK_EQ(err, 0);
+  CHECK_EQ(pread(fd, buf.data(), size, 0), ssize_t(size));
+  CHECK_EQ(cached_bytes(fd, 0, size, &err), size);
+  CHECK_EQ(cached_bytes(fd, 4097, 10000, &err), uint64_t{10000});  // not page-aligned
+  CHECK_EQ(err, 0);
+  CHECK_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  if (cached_bytes(fd, 0, size, &err) == 0) {
+    // Reading 10 bytes at 8190 brings back two pages; asking about them reads nothing.
+    for (int k = 0; k < 3; ++k) CHECK_EQ(cached_bytes(fd, 4096 * 5, 4096, &err), uint64_t{0});
+    CHECK_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);  // no readahead
+    CHECK_EQ(pread(fd, buf.data(), 10, 8190), ssize_t(10));
+    CHECK_EQ(cached_bytes(fd, 0, size, &err), uint64_t{8192});
+    CHECK_EQ(cached_bytes(fd, 8000, 4096 + 192 + 100, &err), uint64_t{4096 + 192});
+    CHECK_EQ(err, 0);
+  } else {
+    std::fprintf(stderr, "page_residency: clean pages not dropped here (tmpfs?)\n");
+  }
+  close(fd);
+  CHECK_EQ(cached_bytes(fd, 0, 4096, &err), uint64_t{0});  // closed: an error, not 0 bytes
+  CHECK_EQ(err, -EBADF);
+}
+
 // Removes what the test wrote; the directory was made by mkdtemp.
 void cleanup(const std::string& dir) {
-  for (const char* f : {"data.bin", "fixed.bin"}) unlink((dir + "/" + f).c_str());
+  for (const char* f : {"data.bin", "fixed.bin", "resident.bin"})
+    unlink((dir + "/" + f).c_str());
   rmdir(dir.c_str());
 }
 
@@ -624,6 +662,7 @@ int main() {
   };
   conformance("pread", pool, dir_fd, data, /*fixed_supported=*/false);
   fault_injection("pread", pool, dir_fd);
+  page_residency(dir_fd);
 
   int err = 0;
   const bool have_uring = UringEngine::create(4, &err) != nullptr;

@@ -1,0 +1,231 @@
+"""An archive that is not in the page cache is read with O_DIRECT (issue 3): the disk
+writes straight into the extractor's read blocks, with no copy through the cache and
+without filling it with an archive read once. Blocks that are cached are still read
+through the cache. What must hold either way: the extraction is GNU tar's, byte for
+byte, across blocks read both ways, after a seek over skipped members (which leaves
+blocks unaligned), with a published checksum, gzip, a tar of tars, and a truncated
+archive; and the archive's pages are left as they were found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import archive_helpers as ah
+import fastload
+import helpers
+from fastload import _core
+
+pytestmark = pytest.mark.native
+
+Stage = Callable[..., Any]
+MiB = helpers.MiB
+
+
+def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
+    """Bytes of the range of ``path`` in the page cache (reads nothing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        return _core.cached_bytes(fd, offset, size - offset if length is None else length)
+    finally:
+        os.close(fd)
+
+
+def drop(path: Path) -> None:
+    """Evicts ``path`` from the page cache; skips where the file system keeps it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached(path):
+        pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")
+
+
+def warm(path: Path, offset: int, length: int) -> None:
+    """Reads [offset, offset + length) into the page cache, no readahead beyond it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        done = 0
+        while done < length:
+            done += len(os.pread(fd, min(MiB, length - done), offset + done))
+    finally:
+        os.close(fd)
+    assert cached(path, offset, length) == length
+
+
+@contextlib.contextmanager
+def direct_reads(enabled: bool) -> Iterator[None]:
+    old = os.environ.get("FASTLOAD_DIRECT_READS")
+    os.environ["FASTLOAD_DIRECT_READS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FASTLOAD_DIRECT_READS"]
+        else:
+            os.environ["FASTLOAD_DIRECT_READS"] = old
+
+
+class Made:
+    def __init__(self, archive: Path, ref: Path, size: int) -> None:
+        self.archive, self.ref, self.size = archive, ref, size
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
+    """A GNU tar (posix format) of ~48 MiB: the shapes of build_archive_tree, members of
+    17 MiB + 1,234 B and 13 MiB (bigger than a read block, ending mid-block), and 300
+    small files of odd sizes, so read blocks start and end inside members and headers;
+    and GNU tar's own extraction of it."""
+    base = tmp_path_factory.mktemp("direct")
+    src = ah.build_archive_tree(base / "src")
+    rng = random.Random(5)
+    (src / "big").mkdir()
+    helpers.write_patterned(src / "big" / "a.bin", 17 * MiB + 1234, 1)
+    helpers.write_patterned(src / "big" / "b.bin", 13 * MiB, 2)
+    for i in range(300):
+        body = rng.randbytes(rng.randrange(1, 90_000))
+        helpers.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
+    archive = ah.gnu_create(src, base / "a.tar", "posix")
+    ref = ah.gnu_extract(archive, base / "ref")
+    return Made(archive, ref, archive.stat().st_size)
+
+
+def test_uncached_archive_is_read_direct_and_left_uncached(stage: Stage, made: Made,
+                                                           tmp_path: Path) -> None:
+    drop(made.archive)
+    with direct_reads(True):
+        stage(made.archive, tmp_path / "out")
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    # Only what sniffing the format read is cached (its first bytes and their readahead).
+    assert cached(made.archive, 2 * MiB) == 0
+    assert fastload.verify(tmp_path / "out").ok
+
+
+def test_buffered_reads_when_disabled(stage: Stage, made: Made, tmp_path: Path) -> None:
+    """FASTLOAD_DIRECT_READS=0: the same archive read through the page cache (which is
+    what shows the test above read around it). This VM's cache drops pages now and then
+    on its own, so "most of it", not all."""
+    drop(made.archive)
+    with direct_reads(False):
+        stage(made.archive, tmp_path / "out")
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    assert cached(made.archive, 2 * MiB) > (made.size - 2 * MiB) // 2
+
+
+def test_partly_cached_archive(stage: Stage, made: Made, tmp_path: Path) -> None:
+    """MiB 8-16 cached, the rest not: blocks of both kinds in one extraction; what was
+    not cached still is not."""
+    drop(made.archive)
+    warm(made.archive, 8 * MiB, 8 * MiB)
+    with direct_reads(True):
+        stage(made.archive, tmp_path / "out")
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    assert cached(made.archive, 16 * MiB) == 0
+    assert cached(made.archive, 2 * MiB, 6 * MiB) == 0
+
+
+@pytest.mark.parametrize("engine", ["uring", "pread"])
+def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
+                                                 engine: str) -> None:
+    """The reader itself, 1 MiB blocks: the cached ones are copied out of the cache, the
+    others read direct, and the extraction fed from both is GNU tar's."""
+    from fastload._archive import _Prefetcher
+
+    if engine not in fastload.available_engines():
+        pytest.skip(f"{engine} is not available here")
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _core.ExtractJob(str(out), str(made.archive), "none", False, [], [], {}, engine,
+                           4, 8, 1 << 20, read_block_size=MiB, read_blocks=8)
+    blocks = -(-made.size // MiB)
+    drop(made.archive)
+    warm(made.archive, 8 * MiB, 8 * MiB)
+    fd = os.open(made.archive, os.O_RDONLY | os.O_CLOEXEC)
+    dfd = os.open(made.archive, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    reader = _Prefetcher(fd, made.size, str(made.archive), job, depth=4, direct_fd=dfd)
+    try:
+        for _off, b, data in reader:
+            job.feed_block(b, len(data))
+    finally:
+        reader.close()
+        os.close(fd)
+        os.close(dfd)
+    job.finish()
+    # Every uncached block direct, and (unless this VM dropped all 8 on its own) not
+    # the cached ones.
+    assert blocks - 8 <= reader.direct_reads < blocks
+    assert cached(made.archive, 16 * MiB) == 0
+    ah.assert_same_extraction(made.ref, out)
+
+
+def test_seek_over_skipped_members_realigns(stage: Stage, made: Made, tmp_path: Path) -> None:
+    """Excluding the 17 MiB member makes the reader seek past the 9 MiB it has not read
+    of it, to the header after it (512-byte, not page, aligned): one short block up to
+    the next page, then the blocks are aligned again and read direct."""
+    with tarfile.open(made.archive) as tf:
+        skipped = tf.getmember("./big/a.bin")
+        after = next(m for m in tf.getmembers() if m.offset > skipped.offset)
+    assert after.offset % 4096  # the seek lands off a page boundary
+    drop(made.archive)
+    with direct_reads(True):
+        stage(made.archive, tmp_path / "out", exclude=["big/a.bin"])
+    assert not (tmp_path / "out" / "big" / "a.bin").exists()
+    helpers.assert_same_file(made.ref / "big" / "b.bin", tmp_path / "out" / "big" / "b.bin")
+    for rel in helpers.regular_files(made.ref / "small"):
+        helpers.assert_same_file(made.ref / "small" / rel, tmp_path / "out" / "small" / rel)
+    # Only the page the short block read is cached: everything after it was read direct.
+    page = after.offset - after.offset % 4096
+    assert cached(made.archive, 2 * MiB) == cached(made.archive, page, 4096)
+
+
+def test_checksum_over_direct_reads(stage: Stage, made: Made, tmp_path: Path) -> None:
+    digest = hashlib.sha256(made.archive.read_bytes()).hexdigest()
+    drop(made.archive)
+    with direct_reads(True):
+        stage(made.archive, tmp_path / "ok", checksum=f"sha256:{digest}")
+        drop(made.archive)
+        with pytest.raises(fastload.ChecksumMismatchError):
+            stage(made.archive, tmp_path / "bad", checksum="sha256:" + "0" * 64)
+    ah.assert_same_extraction(made.ref, tmp_path / "ok")
+
+
+def test_gzip_and_nested_uncached(stage: Stage, made: Made, tmp_path: Path) -> None:
+    gz = ah.gzip_file(made.archive, tmp_path / "a.tar.gz")
+    tot = ah.members_archive(tmp_path / "tot.tar", [
+        (ah.tinfo("part1.tar"), made.archive.read_bytes()),
+        (ah.tinfo("part2.tar"), made.archive.read_bytes()),
+    ])
+    drop(gz)
+    drop(tot)
+    with direct_reads(True):
+        stage(gz, tmp_path / "gz")
+        stage(tot, tmp_path / "tot", unpack="nested")
+    ah.assert_same_extraction(made.ref, tmp_path / "gz")
+    for part in ("part1", "part2"):
+        ah.assert_same_extraction(made.ref, tmp_path / "tot" / part)
+    assert cached(gz, 2 * MiB) == 0
+    assert cached(tot, 2 * MiB) == 0
+
+
+def test_truncated_uncached_archive_names_it(stage: Stage, made: Made, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.tar"
+    with open(made.archive, "rb") as f, open(cut, "wb") as g:
+        g.write(f.read(made.size // 2 + 777))  # mid-member, not at a page boundary
+    drop(cut)
+    with direct_reads(True), pytest.raises(fastload.TarFormatError, match=r"cut\.tar"):
+        stage(cut, tmp_path / "out")
+    ah.assert_no_tmp(tmp_path / "out")

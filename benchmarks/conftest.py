@@ -48,6 +48,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _streaming_lock_files() -> Iterator[None]:
+    """MosaicML streaming leaves a lock file per dataset in the temporary directory
+    (``000012_barrier_filelock``, ``..._cache_filelock``); removes the ones this run made."""
+    import tempfile
+
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("*_filelock"))
+    yield
+    for path in set(tmp.glob("*_filelock")) - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def scale(pytestconfig: pytest.Config) -> Scale:
     name = pytestconfig.getoption("--bench-scale")

@@ -523,3 +523,22 @@ def test_auto_engine_picks_first_available(rich_src: Path, tmp_path: Path,
     monkeypatch.delenv("FASTLOAD_ENGINE", raising=False)
     res = fastload.stage(rich_src, tmp_path / "dst")
     assert res.engine == fastload.available_engines()[0]
+
+
+def test_staging_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:
+    """A job that only stages pays for neither: numpy (with its BLAS threads) is
+    imported by the writer on first use, torch by the datasets."""
+    import subprocess
+    import sys
+
+    helpers.build_small_files(tmp_path / "src", 50)
+    code = (
+        "import sys, fastload\n"
+        f"fastload.stage({str(tmp_path / 'src')!r}, {str(tmp_path / 'dst')!r})\n"
+        "fastload.verify; fastload.ShardIndex\n"
+        "assert not {'numpy', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
+        "assert fastload.pack is fastload.writer.pack and 'numpy' in sys.modules\n"
+        "from fastload import ShardWriter, register_encoder, PackResult, pack_dataset\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    helpers.assert_same_tree(tmp_path / "src", tmp_path / "dst")

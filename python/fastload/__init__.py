@@ -17,10 +17,12 @@ from .errors import (
 from .index import ShardIndex
 from .resolve import resolve
 from .stage import StageResult, VerifyResult, available_engines, stage, verify
-from .writer import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
-if TYPE_CHECKING:  # at run time, __getattr__ below imports it (and torch) on first use
+if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset, collate
+    from .writer import PackResult, ShardWriter, pack, pack_dataset, register_encoder
+
+_WRITER = ("PackResult", "ShardWriter", "pack", "pack_dataset", "register_encoder")
 
 __version__ = "0.1.0"
 
@@ -56,8 +58,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The datasets need torch: imported on first use, so `import fastload` never
-    # imports torch.
+    # The datasets need torch, the writer numpy: imported on first use, so `import
+    # fastload` to stage a dataset imports neither (numpy's BLAS threads alone cost a
+    # staging job CPU time).
+    if name in _WRITER:
+        from . import writer
+
+        return getattr(writer, name)
     if name == "ShardIndexDataset":
         from .data import ShardIndexDataset
 

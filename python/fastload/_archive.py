@@ -1,11 +1,12 @@
 """Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
 
 The archive is read once, in large positional reads kept in flight by a few threads
-(on a striped network file system each is served in parallel), hashed on the way (on a
-thread of its own) when a published checksum is given, and fed to the native extractor,
-which decompresses on a thread of its own, decodes members as they arrive and writes
-them with many writes in flight. Skipped members of an uncompressed archive are seeked
-over, not read.
+(on a striped network file system each is served in parallel; on a local disk, what is
+not cached is read with O_DIRECT straight into the extractor's blocks), hashed on the
+way (on a thread of its own) when a published checksum is given, and fed to the native
+extractor, which decompresses on a thread of its own, decodes members as they arrive
+and writes them with many writes in flight. Skipped members of an uncompressed archive
+are seeked over, not read.
 """
 
 from __future__ import annotations

@@ -49,14 +49,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _streaming_lock_files() -> Iterator[None]:
-    """MosaicML streaming leaves a lock file per dataset in the temporary directory
-    (``000012_barrier_filelock``, ``..._cache_filelock``); removes the ones this run made."""
+def _peer_scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keeps the peers' scratch files out of the shared temp dir: litdata's optimize()
+    stages chunks in ``$TMPDIR/chunks`` and ``$TMPDIR/data`` unless told otherwise
+    (pointed at this session's temp dir here); MosaicML streaming leaves a lock file per
+    dataset (``000012_barrier_filelock``, ``..._cache_filelock``), removed at the end."""
     import tempfile
 
+    scratch = tmp_path_factory.mktemp("peer-scratch")
     tmp = Path(tempfile.gettempdir())
     before = set(tmp.glob("*_filelock"))
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DATA_OPTIMIZER_CACHE_FOLDER", str(scratch / "chunks"))
+        mp.setenv("DATA_OPTIMIZER_DATA_CACHE_FOLDER", str(scratch / "data"))
+        yield
     for path in set(tmp.glob("*_filelock")) - before:
         path.unlink(missing_ok=True)
 

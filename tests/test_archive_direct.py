@@ -154,16 +154,13 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
     blocks = -(-made.size // MiB)
     drop(made.archive)
     warm(made.archive, 8 * MiB, 8 * MiB)
-    fd = os.open(made.archive, os.O_RDONLY | os.O_CLOEXEC)
-    dfd = os.open(made.archive, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    reader = _Prefetcher(fd, made.size, str(made.archive), job, depth=4, direct_fd=dfd)
+    with direct_reads(True):
+        reader = _Prefetcher(made.archive, made.size, job, depth=4)
     try:
         for _off, b, data in reader:
             job.feed_block(b, len(data))
     finally:
         reader.close()
-        os.close(fd)
-        os.close(dfd)
     job.finish()
     # Every uncached block direct, and (unless this VM dropped all 8 on its own) not
     # the cached ones.

@@ -36,7 +36,6 @@ from ._state import (
     known_records,
     reread,
     state_dir,
-    trusted,
     write_json_atomic,
 )
 from .errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
@@ -100,7 +99,8 @@ def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
 
 
 class _Prefetcher:
-    """Positional reads of an open file, ``depth`` blocks in flight, delivered in order.
+    """Positional reads of a file, ``depth`` blocks in flight, delivered in order. Owns
+    its descriptors: ``close()`` closes them.
 
     The blocks are the extraction job's own read blocks (``job.lend()``): the job writes
     members' data straight from them, so the data is copied by the read and by the
@@ -112,8 +112,8 @@ class _Prefetcher:
     the consumer works on it (hashlib releases the GIL): a published checksum costs no
     time on the thread that feeds the extraction.
 
-    With ``direct_fd`` (the same file opened ``O_DIRECT``, or -1), a block whose bytes
-    are not all in the page cache is read with it: the disk writes straight into the
+    Where the file can also be opened ``O_DIRECT`` (:func:`_open_direct`), a block whose
+    bytes are not all in the page cache is read that way: the disk writes straight into the
     block, with no copy through the page cache (CPU the extraction needs on a small
     node) and without filling the cache with an archive that is read once, which would
     push out the extracted files the job is about to read. Cached blocks are still
@@ -123,17 +123,19 @@ class _Prefetcher:
 
     def __init__(
         self,
-        fd: int,
+        path: Path,
         size: int,
-        name: str,
         job: _core.ExtractJob,
         depth: int = _PREFETCH,
         hasher: Any = None,
-        direct_fd: int = -1,
     ):
-        self._fd, self._size, self._name, self._job = fd, size, name, job
+        self._size, self._name, self._job = size, str(path), job
         self._block = job.block_size
-        self._direct = direct_fd if self._block % _ALIGN == 0 else -1
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # before any read
+        self._direct_fd = _open_direct(path) if self._block % _ALIGN == 0 else -1
+        self._direct = self._direct_fd  # -1 once the file system refuses a direct read
         self.direct_reads = 0  # blocks read with O_DIRECT (for tests and reports)
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="fastload-read")
         self._hasher = hasher
@@ -144,7 +146,11 @@ class _Prefetcher:
         self._depth = depth
         self._queue: deque[tuple[int, int, int, memoryview, Future[int]]] = deque()
         self._next = 0
-        self._fill()
+        try:
+            self._fill()
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self, view: memoryview, n: int, off: int) -> int:
         if self._direct >= 0 and off % _ALIGN == 0:
@@ -250,6 +256,9 @@ class _Prefetcher:
         self._pool.shutdown(wait=True)
         if self._hash_pool is not None:
             self._hash_pool.shutdown(wait=True)
+        os.close(self._fd)
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
 
 
 def _open_direct(src: Path) -> int:
@@ -372,12 +381,8 @@ def stage_archive(
     flushed); ``make_durable`` flushes a complete stage that was not, with ``sync``."""
     st = os.stat(src)
     fingerprint = archive_fingerprint(src, st, {**options, "chunk": stripe, "checksum": checksum})
-    whole = True
-    if old is not None and old.get("complete") and not trusted(old):
-        # Written on an earlier boot without a flush: only what reads back whole counts.
-        old, whole = reread(dst, old, prove)
-        if whole and old.get("fingerprint") == fingerprint:
-            write_json_atomic(state_dir(dst) / "manifest.json", old)
+    # Written on an earlier boot without a flush: only what reads back whole counts.
+    old, whole = reread(dst, dst, old, fingerprint, prove)
     if (
         whole
         and old is not None
@@ -452,17 +457,7 @@ def stage_archive(
                 copied["bytes"] += size
         flusher.add(batch)
 
-    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-    with contextlib.suppress(OSError):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # before the first read
-    direct_fd = _open_direct(src)
-    try:
-        reader = _Prefetcher(fd, st.st_size, str(src), job, hasher=hasher, direct_fd=direct_fd)
-    except BaseException:
-        os.close(fd)
-        if direct_fd >= 0:
-            os.close(direct_fd)
-        raise
+    reader = _Prefetcher(src, st.st_size, job, hasher=hasher)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""
     last_report = 0.0
@@ -517,9 +512,6 @@ def stage_archive(
     finally:
         decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
         reader.close()
-        os.close(fd)
-        if direct_fd >= 0:
-            os.close(direct_fd)
     st2 = os.stat(src)
     if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         journal.remove()

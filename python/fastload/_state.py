@@ -101,18 +101,30 @@ Records = dict[str, tuple[int, int, int, str]]  # path -> size, mtime_ns, mode, 
 
 
 def reread(
-    root: Path, manifest: dict[str, Any], prove: Callable[[Records], Records]
-) -> tuple[dict[str, Any], bool]:
-    """For a complete manifest written on an earlier boot without a flush: the manifest
-    keeping only the files read back whole (``prove``), marked durable (they came from
-    the disk), and whether every file and link was."""
+    root: Path,
+    dst: Path,
+    manifest: dict[str, Any] | None,
+    fingerprint: str,
+    prove: Callable[[Records], Records],
+) -> tuple[dict[str, Any] | None, bool]:
+    """The previous manifest as far as it can be trusted, and whether all of it can.
+
+    A complete manifest written on an earlier boot without a flush keeps only the files
+    of ``root`` read back whole (``prove``) and is marked durable (they came from the
+    disk); when every file and link was, and it is for this ``fingerprint``, it is
+    rewritten so (``dst``'s state). Any other manifest is returned as it is."""
+    if manifest is None or not manifest.get("complete") or trusted(manifest):
+        return manifest, True
     files = {p: (r[0], r[1], r[2], r[3]) for p, r in manifest.get("files", {}).items()}
     proven = prove(files)
     whole = len(proven) == len(files) and all(
         os.path.islink(root / p) and os.readlink(root / p) == t
         for p, t in manifest.get("symlinks", {}).items()
     )
-    return {**manifest, "files": proven, "durable": True, "boot_id": boot_id()}, whole
+    manifest = {**manifest, "files": proven, "durable": True, "boot_id": boot_id()}
+    if whole and manifest.get("fingerprint") == fingerprint:
+        write_json_atomic(state_dir(dst) / "manifest.json", manifest)
+    return manifest, whole
 
 
 class Journal:

@@ -565,12 +565,8 @@ def _stage_locked(
     def prove(records: Records) -> Records:
         return _prove(dst_root, records, engine, workers, stripe)
 
-    whole = True
-    if old is not None and old.get("complete") and not trusted(old):
-        # Written on an earlier boot without a flush: only what reads back whole counts.
-        old, whole = reread(dst_root, old, prove)
-        if whole and old.get("fingerprint") == fingerprint:
-            write_json_atomic(state_dir(dst_abs) / "manifest.json", old)
+    # Written on an earlier boot without a flush: only what reads back whole counts.
+    old, whole = reread(dst_root, dst_abs, old, fingerprint, prove)
     if (
         whole
         and old is not None

@@ -35,7 +35,7 @@ void register_extract(py::module_& m) {
                        const std::vector<std::string>& exclude, const py::dict& complete,
                        const std::string& engine, unsigned threads, unsigned files_in_flight,
                        uint64_t chunk_size, bool adopt_existing, size_t read_block_size,
-                       unsigned read_blocks) {
+                       unsigned read_blocks, uint64_t direct_write_min) {
              copy::ExtractOptions opt;
              if (compression == "gzip")
                opt.compression = copy::Compression::kGzip;
@@ -59,6 +59,7 @@ void register_extract(py::module_& m) {
              opt.adopt_existing = adopt_existing;
              if (read_block_size) opt.read_block_size = read_block_size;
              if (read_blocks) opt.read_blocks = read_blocks;
+             opt.direct_write_min = direct_write_min;
              std::string d = fs_bytes(dst), n = fs_bytes(name);
              py::gil_scoped_release nogil;
              return new copy::ExtractJob(d, n, std::move(opt));
@@ -67,7 +68,8 @@ void register_extract(py::module_& m) {
            py::arg("include"), py::arg("exclude"), py::arg("complete"), py::arg("engine"),
            py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"),
            py::arg("adopt_existing") = false, py::arg("read_block_size") = 0,
-           py::arg("read_blocks") = 0)
+           py::arg("read_blocks") = 0,
+           py::arg("direct_write_min") = copy::ExtractOptions{}.direct_write_min)
       .def(
           "feed",
           [](copy::ExtractJob& j, const py::buffer& data) {
@@ -135,6 +137,7 @@ void register_extract(py::module_& m) {
            })
       .def_property_readonly("bytes_in", &copy::ExtractJob::bytes_in)
       .def_property_readonly("bytes_out", &copy::ExtractJob::bytes_out)
+      .def_property_readonly("bytes_direct", &copy::ExtractJob::bytes_direct)
       .def_property_readonly("files_done", &copy::ExtractJob::files_done)
       .def_property_readonly("files_skipped", &copy::ExtractJob::files_skipped)
       .def_property_readonly("engine", &copy::ExtractJob::engine_name);

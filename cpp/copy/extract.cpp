@@ -48,6 +48,13 @@ uint64_t tag(uint32_t file, Kind kind, uint32_t slot = 0) {
   return (uint64_t(file) << 32) | (uint64_t(slot) << 4) | kind;
 }
 
+// Page-aligned memory: buffers for O_DIRECT reads and writes.
+std::shared_ptr<char[]> aligned_buffer(size_t n) {
+  return std::shared_ptr<char[]>(
+      static_cast<char*>(::operator new[](n, std::align_val_t{kBlockAlign})),
+      [](char* p) { ::operator delete[](p, std::align_val_t{kBlockAlign}); });
+}
+
 std::pair<std::string, std::string> split(const std::string& path) {
   auto slash = path.rfind('/');
   if (slash == std::string::npos) return {"", path};
@@ -91,7 +98,10 @@ struct ExtractJob::Impl {
     size_t fill = 0;
     uint64_t slot_offset = 0;
     unsigned writes = 0;  // writes queued or in flight
-    std::vector<uint32_t> waiting;  // pieces ready before the file was open
+    std::vector<uint32_t> waiting;  // pieces not yet pushed, in file order (see flush())
+    size_t waiting_head = 0;
+    bool direct = false;        // opened O_DIRECT: see direct_end
+    uint64_t direct_end = 0;    // pages below this are written O_DIRECT, the rest buffered
     hash::Fl64Stream stream = hash::Fl64Stream(0);
     uint64_t chunk_fill = 0;
     std::vector<uint64_t> digests;
@@ -105,6 +115,7 @@ struct ExtractJob::Impl {
     uint64_t offset = 0;
     uint32_t slot = kNone;   // the arena slot to free once written
     uint32_t block = kNone;  // the read block to unpin once written
+    bool direct = false;     // issued O_DIRECT
   };
   struct DirMeta {
     std::string path;
@@ -121,6 +132,27 @@ struct ExtractJob::Impl {
 
   Impl(ExtractJob& j, std::string d, std::string n, ExtractOptions o);
   ~Impl() { abort(); }
+
+  // Direct writes where the destination's filesystem reports the alignment they need
+  // (ext4, XFS, btrfs; not tmpfs or network filesystems) and it divides the page and our
+  // buffers' alignment.
+  void init_direct_writes() {
+    page_size = size_t(::sysconf(_SC_PAGESIZE));
+    if (opt.direct_write_min == 0) return;
+#ifdef STATX_DIOALIGN
+    // Filesystems report it for regular files only: asked of an unnamed one.
+    UniqueFd probe(::openat(root->get(), ".", O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600));
+    struct statx sx;
+    if (!probe || ::statx(probe.get(), "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) != 0 ||
+        !(sx.stx_mask & STATX_DIOALIGN) || sx.stx_dio_mem_align == 0 ||
+        sx.stx_dio_offset_align == 0 || page_size % sx.stx_dio_offset_align != 0 ||
+        kBlockAlign % sx.stx_dio_mem_align != 0 || page_size > kBlockAlign)
+      return;
+    dio_mem_align = sx.stx_dio_mem_align;
+    dio_offset_align = sx.stx_dio_offset_align;
+    direct_writes = true;
+#endif
+  }
 
   // ---- directories -------------------------------------------------------------------
 
@@ -181,6 +213,8 @@ struct ExtractJob::Impl {
     // Created with its final mode when the umask keeps it (no fchmod after).
     f.create_mode = uint32_t(m.mode & 0777);
     f.chmod = (f.create_mode & ~umask_bits) != (m.mode & 07777);
+    f.direct = direct_writes && m.size >= opt.direct_write_min;
+    f.direct_end = m.size - m.size % page_size;
     push_open(i);
     *index = i;
   }
@@ -234,14 +268,15 @@ struct ExtractJob::Impl {
   void push_open(uint32_t i) {
     File& f = files[i];
     f.anon = tmpfile_ok;
+    int direct = f.direct ? O_DIRECT : 0;
     if (f.anon) {
       push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = ".",
-            .flags = O_TMPFILE | O_WRONLY | O_CLOEXEC, .mode = f.create_mode},
+            .flags = O_TMPFILE | O_WRONLY | O_CLOEXEC | direct, .mode = f.create_mode},
            tag(i, kOpen));
       return;
     }
     push({.code = io::OpCode::kOpenAt, .dir_fd = f.dir_fd, .path = f.tmp.c_str(),
-          .flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+          .flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | direct,
           .mode = f.create_mode},
          tag(i, kOpen));
   }
@@ -249,7 +284,7 @@ struct ExtractJob::Impl {
   // The arena of write slots, allocated on first use (an uncompressed archive read
   // into lent blocks never copies).
   char* slot_data(uint32_t s) {
-    if (!arena) arena.reset(new char[size_t(opt.slots) * opt.slot_size]);
+    if (!arena) arena = aligned_buffer(size_t(opt.slots) * opt.slot_size);
     return arena.get() + size_t(s) * opt.slot_size;
   }
 
@@ -271,11 +306,55 @@ struct ExtractJob::Impl {
 
   void queue_piece(uint32_t i, uint32_t k) {
     File& f = files[i];
+    Piece& pc = pieces[k];
+    if (f.direct && pc.offset < f.direct_end && pc.offset + pc.len > f.direct_end) {
+      // Split where the buffered tail begins: the part below goes first and direct.
+      uint32_t head = new_piece();
+      Piece& tail = pieces[k];
+      size_t n = size_t(f.direct_end - tail.offset);
+      pieces[head] = Piece{i, tail.buf, n, 0, tail.offset, kNone, tail.block};
+      if (tail.block != kNone) ++block_pins[tail.block];
+      tail.buf += n;
+      tail.len -= n;
+      tail.offset += n;
+      ++f.writes;
+      f.waiting.push_back(head);
+    }
     ++f.writes;
-    if (f.opened)
+    f.waiting.push_back(k);
+    flush(i);
+  }
+
+  // O_DIRECT writes need the buffer and the file offset aligned and whole sectors.
+  bool direct_ok(const Piece& pc) const {
+    return pc.offset + pc.len <= files[pc.file].direct_end &&
+           reinterpret_cast<uintptr_t>(pc.buf) % dio_mem_align == 0 &&
+           pc.offset % dio_offset_align == 0 && pc.len % dio_offset_align == 0;
+  }
+
+  // Pushes the file's waiting pieces, in order, once it is open. A piece O_DIRECT
+  // cannot write (the tail below a page, a misaligned buffer) waits until the file's
+  // direct writes are done: then O_DIRECT is cleared and the rest is written buffered.
+  // A buffered write must never share a page with a direct write in flight.
+  void flush(uint32_t i) {
+    File& f = files[i];
+    if (!f.opened) return;
+    while (f.waiting_head < f.waiting.size()) {
+      uint32_t k = f.waiting[f.waiting_head];
+      if (f.direct && !direct_ok(pieces[k])) {
+        size_t pending = f.waiting.size() - f.waiting_head;
+        if (f.writes > pending) return;  // direct writes still in flight
+        int fl = ::fcntl(f.fd, F_GETFL);
+        if (fl < 0 || ::fcntl(f.fd, F_SETFL, fl & ~O_DIRECT) != 0)
+          throw Error::os(errno, "clear O_DIRECT on", full(f.path));
+        f.direct = false;
+      }
+      ++f.waiting_head;
+      pieces[k].direct = f.direct;
       push_write(k);
-    else
-      f.waiting.push_back(k);
+    }
+    f.waiting.clear();
+    f.waiting_head = 0;
   }
 
   void push_write(uint32_t k) {
@@ -473,6 +552,11 @@ struct ExtractJob::Impl {
           tmpfile_ok = false;  // no O_TMPFILE here: named temporaries from now on
           return push_open(i);
         }
+        if (f.direct && c.res == -EINVAL) {
+          direct_writes = false;  // no O_DIRECT here: buffered writes from now on
+          f.direct = false;
+          return push_open(i);
+        }
         if (f.anon && c.res >= 0) tmpfile_seen = true;
         if (c.res == -EEXIST) {
           // A temporary left by a killed run: a new inode, so the mode is the member's.
@@ -483,22 +567,31 @@ struct ExtractJob::Impl {
         if (c.res < 0) throw Error::os(int(-c.res), "create", full(f.path));
         f.fd = int(c.res);
         f.opened = true;
-        for (uint32_t w : f.waiting) push_write(w);
-        f.waiting.clear();
+        flush(i);
         maybe_close(i);
         return;
       case kWrite: {
         Piece& pc = pieces[s];
         if (retry) return push_write(s);
+        if (c.res == -EINVAL && f.direct) {
+          // The destination refuses this direct write after all: the file (and every
+          // later one) is written buffered, this piece once no direct write is in flight.
+          direct_writes = false;
+          f.direct_end = 0;
+          f.waiting.insert(f.waiting.begin() + ptrdiff_t(f.waiting_head), s);
+          return flush(i);
+        }
         if (c.res < 0) throw Error::os(int(-c.res), "write", full(f.path));
         if (c.res == 0) throw Error::os(EIO, "write", full(f.path));
         pc.put += size_t(c.res);
         if (pc.put < pc.len) return push_write(s);
         job.bytes_out_.fetch_add(pc.len, std::memory_order_relaxed);
+        if (pc.direct) job.bytes_direct_.fetch_add(pc.len, std::memory_order_relaxed);
         if (pc.slot != kNone) free_slots.push_back(pc.slot);
         if (pc.block != kNone) unpin(pc.block);
         free_pieces.push_back(s);
         --f.writes;
+        flush(i);
         maybe_close(i);
         return;
       }
@@ -573,9 +666,15 @@ struct ExtractJob::Impl {
   bool tmpfile_ok = true;     // O_TMPFILE works in the destination (until it fails)
   bool tmpfile_seen = false;  // ... and has worked once
   bool link_by_fd = true;     // linkat(AT_EMPTY_PATH) is allowed
+  // O_DIRECT writes: whether new files use them, and the alignment the destination asks
+  // of buffers and offsets (statx STATX_DIOALIGN).
+  bool direct_writes = false;
+  size_t dio_mem_align = kBlockAlign;
+  size_t dio_offset_align = kBlockAlign;
+  size_t page_size = kBlockAlign;
   std::unique_ptr<DecompressThread> decoder;  // compressed archives only
   std::unique_ptr<Level> outer;
-  std::unique_ptr<char[]> arena;  // write slots
+  std::shared_ptr<char[]> arena;  // write slots (page-aligned, fit for O_DIRECT writes)
   std::vector<uint32_t> free_slots;
   std::vector<Piece> pieces;  // fixed size: references stay valid across pump()
   std::vector<uint32_t> free_pieces;
@@ -697,7 +796,8 @@ Output ExtractJob::Impl::parse_output() {
 
 ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptions o)
     : job(j), dst(std::move(d)), name(std::move(n)), opt(std::move(o)) {
-  opt.slot_size = std::max<size_t>(opt.slot_size, 4096);
+  opt.slot_size = std::max<size_t>(opt.slot_size, kBlockAlign);
+  opt.slot_size -= opt.slot_size % kBlockAlign;  // every slot page-aligned
   opt.slots = std::max(2u, opt.slots);
   opt.files_in_flight = std::max(1u, opt.files_in_flight);
   opt.chunk_size = std::max<uint64_t>(opt.chunk_size, 4096);
@@ -707,6 +807,7 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   // FASTLOAD_TMPFILE=0: named temporaries even where O_TMPFILE works (tests run both).
   if (const char* v = std::getenv("FASTLOAD_TMPFILE"); v && std::string_view(v) == "0")
     tmpfile_ok = false;
+  init_direct_writes();
   // A multiple of the alignment, so every block of the arena starts aligned.
   opt.read_block_size = std::max<size_t>(opt.read_block_size, kBlockAlign);
   opt.read_block_size -= opt.read_block_size % kBlockAlign;
@@ -724,10 +825,7 @@ ExtractJob::Impl::Impl(ExtractJob& j, std::string d, std::string n, ExtractOptio
   pieces.resize(n_pieces);
   for (uint32_t k = n_pieces; k-- > 0;) free_pieces.push_back(k);
   // Page-aligned, so the reader may fill them with O_DIRECT reads.
-  blocks = std::shared_ptr<char[]>(
-      static_cast<char*>(::operator new[](size_t(opt.read_blocks) * opt.read_block_size,
-                                          std::align_val_t{kBlockAlign})),
-      [](char* p) { ::operator delete[](p, std::align_val_t{kBlockAlign}); });
+  blocks = aligned_buffer(size_t(opt.read_blocks) * opt.read_block_size);
   block_pins.assign(opt.read_blocks, 0);
   block_lent.assign(opt.read_blocks, false);
   for (uint32_t b = opt.read_blocks; b-- > 0;) free_blocks.push_back(b);

@@ -49,6 +49,11 @@ struct ExtractOptions {
   // files are renamed into place only once whole.
   bool adopt_existing = false;
   unsigned files_in_flight = 64;
+  // Members at least this large are written O_DIRECT where the destination supports it
+  // (statx reports its alignment): from the read blocks or write slots straight to the
+  // disk, no copy into the page cache and no dirty pages left to write back. The last
+  // partial page of each goes through the page cache. 0: everything buffered.
+  uint64_t direct_write_min = 64u << 10;
   uint64_t chunk_size = 4u << 20;  // digest chunk
   size_t slot_size = 1u << 20;     // bytes per write (data copied into slots)
   unsigned slots = 96;
@@ -122,6 +127,8 @@ class ExtractJob {
   std::vector<std::string> dirs() const;
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
+  // Of bytes_out, those written O_DIRECT.
+  uint64_t bytes_direct() const { return bytes_direct_.load(std::memory_order_relaxed); }
   uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
   uint64_t files_skipped() const { return files_skipped_; }
   std::string engine_name() const;
@@ -134,6 +141,7 @@ class ExtractJob {
   std::atomic<bool> cancelled_{false};
   std::atomic<uint64_t> bytes_in_{0};
   std::atomic<uint64_t> bytes_out_{0};
+  std::atomic<uint64_t> bytes_direct_{0};
   std::atomic<uint64_t> files_done_{0};
   uint64_t files_skipped_ = 0;
   friend struct Impl;

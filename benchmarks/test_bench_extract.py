@@ -2,7 +2,8 @@
 what people run today, each group one parametrisation so report.py turns it into ratios.
 
 Groups (each in a warm and a cold page-cache variant):
-  extract-tar     ImageNet-like tar: fastload (uring, pread), ``tar -xf``,
+  extract-tar     ImageNet-like tar: fastload (uring, uring with every write buffered,
+                  pread), ``tar -xf``,
                   Python ``tarfile.extractall(filter="data")``
   extract-nested  the same files as a tar of class tars: fastload ``unpack="nested"``,
                   and the shell loop users write (``tar -xf`` the outer archive, then
@@ -213,15 +214,28 @@ class Tool:
     run: Callable[[Path, Path], Any]
 
 
-def _fastload_tool(engine: str, unpack: Any) -> Tool:
+def _fastload_tool(engine: str, unpack: Any, *, buffered: bool = False) -> Tool:
+    """``buffered``: every member written through the page cache
+    (``FASTLOAD_DIRECT_WRITES=0``), the way it was before members of 64 KiB or more
+    went O_DIRECT: shows what direct writes bring on this machine."""
     fl = _fastload()
     if engine not in fl.available_engines():
         pytest.skip(f"fastload engine {engine!r} is not available here")
 
     def run(archive: Path, dst: Path) -> Any:
-        return fl.stage(archive, dst, engine=engine, unpack=unpack)
+        if not buffered:
+            return fl.stage(archive, dst, engine=engine, unpack=unpack)
+        old = os.environ.get("FASTLOAD_DIRECT_WRITES")
+        os.environ["FASTLOAD_DIRECT_WRITES"] = "0"
+        try:
+            return fl.stage(archive, dst, engine=engine, unpack=unpack)
+        finally:
+            if old is None:
+                del os.environ["FASTLOAD_DIRECT_WRITES"]
+            else:
+                os.environ["FASTLOAD_DIRECT_WRITES"] = old
 
-    return Tool(f"fastload-{engine}", run)
+    return Tool(f"fastload-{engine}" + (" (buffered writes)" if buffered else ""), run)
 
 
 def _tar_x(*flags: str) -> Callable[[Path, Path], None]:
@@ -270,8 +284,8 @@ def _tarfile_extractall(archive: Path, dst: Path) -> None:
 def make_tool(name: str) -> Tool:
     if name.startswith("fastload-"):
         engine, _, mode = name.removeprefix("fastload-").partition("/")
-        unpack = {"": "auto", "nested": "nested"}[mode]
-        return _fastload_tool(engine, unpack)
+        unpack = {"": "auto", "buffered": "auto", "nested": "nested"}[mode]
+        return _fastload_tool(engine, unpack, buffered=mode == "buffered")
     if name == "tar":
         return Tool("tar -xf", _tar_x("-xf"))
     if name == "tar-z":
@@ -337,7 +351,9 @@ def _extract_case(
     _check(tool, archive, fresh.last, result, nested)
 
 
-@pytest.mark.parametrize("tool", ["fastload-uring", "fastload-pread", "tar", "tarfile"])
+@pytest.mark.parametrize(
+    "tool", ["fastload-uring", "fastload-uring/buffered", "fastload-pread", "tar", "tarfile"]
+)
 @pytest.mark.parametrize("cache", CACHES)
 def test_extract_tar(
     benchmark: Any, fresh: Rounds, scale: Scale, plain_tar: Archive, tool: str, cache: str

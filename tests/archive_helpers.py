@@ -527,3 +527,32 @@ def assert_only_expected(dst: Path, files: dict[str, bytes],
             assert os.readlink(p) == symlinks[rel]
         else:
             raise AssertionError(f"{rel!r} in dst is a special file ({stat.S_IFMT(st.st_mode):o})")
+
+
+# --------------------------------------------------------------------------------------
+# The page cache
+# --------------------------------------------------------------------------------------
+
+
+def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
+    """Bytes of the range of ``path`` in the page cache (reads nothing)."""
+    from fastload import _core
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        return _core.cached_bytes(fd, offset, size - offset if length is None else length)
+    finally:
+        os.close(fd)
+
+
+def drop(path: Path) -> None:
+    """Evicts ``path`` from the page cache; skips where the file system keeps it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached(path):
+        pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")

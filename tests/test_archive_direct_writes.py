@@ -2,11 +2,15 @@
 the extractor's read blocks (or, for compressed archives, its write slots) to the disk,
 with no copy into the page cache and no dirty pages left for writeback. Only the last
 partial page of each member goes through the cache, written once the member's direct
-writes are done. What must hold: the extraction is GNU tar's byte for byte whatever the
-member sizes (below, at and around the threshold and page boundaries, bigger than a read
-block), the members' bodies never enter the page cache, exactly the expected bytes go
-direct (plain, seeked, gzip, nested), and a destination that cannot take O_DIRECT
-(tmpfs) or ``FASTLOAD_DIRECT_WRITES=0`` writes everything buffered.
+writes are done. stage() does so when the archive is read without touching the
+destination's disk (another device, or the page cache); an uncached archive on the
+same disk is extracted through the cache, so the writes do not compete with its reads.
+
+What must hold: the extraction is GNU tar's byte for byte whatever the member sizes
+(below, at and around the threshold and page boundaries, bigger than a read block), the
+members' bodies never enter the page cache, exactly the expected bytes go direct (plain,
+Python's three formats, gzip, nested), stage() chooses as above, and a destination that
+cannot take O_DIRECT (tmpfs) or ``FASTLOAD_DIRECT_WRITES=0`` writes everything buffered.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
 MiB = helpers.MiB
+cached = ah.cached
 PAGE = 4096
 # Sizes around what decides how a member is written: the threshold the tests set (8 KiB),
 # the page (the buffered tail), the 512-byte tar block, and more than one read block.
@@ -37,6 +42,7 @@ SIZES = [1, 511, 4095, 4096, 4097, 8191, 8192, 8193, 8704, 12288, 12289, 65536 +
          3 * MiB, 3 * MiB + 1, 9 * MiB + 4096 + 5]
 THRESHOLD = 8192
 TMPFS_MAGIC = 0x01021994
+BIG = sum(s >= 64 << 10 for s in SIZES)  # members stage() writes direct by default
 
 
 def direct_capable(directory: Path) -> bool:
@@ -55,15 +61,6 @@ def direct_capable(directory: Path) -> bool:
     finally:
         os.close(fd)
         path.unlink()
-
-
-def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        return _core.cached_bytes(fd, offset, size - offset if length is None else length)
-    finally:
-        os.close(fd)
 
 
 def expected_direct(sizes: list[int], threshold: int = THRESHOLD) -> int:
@@ -105,20 +102,31 @@ def capable(tmp_path: Path) -> None:
         pytest.skip(f"{tmp_path} does not take O_DIRECT writes")
 
 
+def assert_bodies_uncached(out: Path, threshold: int = 64 << 10) -> int:
+    """Every member of ``threshold`` bytes or more was written around the cache (nothing
+    has read the files yet): none of its whole pages is there. Returns how many."""
+    n = 0
+    for rel, size in helpers.regular_files(out).items():
+        if size >= threshold:
+            assert cached(out / rel, 0, size - size % PAGE) == 0, rel
+            n += 1
+    return n
+
+
+def assert_bodies_cached(out: Path) -> None:
+    """Written through the cache: most of the big members' bytes are there (dirty, or
+    just written back)."""
+    big = {rel: size for rel, size in helpers.regular_files(out).items() if size >= 3 * MiB}
+    assert sum(cached(out / rel) for rel in big) > sum(big.values()) // 2
+
+
 def test_extraction_is_gnu_tars_and_bodies_stay_out_of_the_cache(
         stage: Stage, made: Made, tmp_path: Path, capable: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTLOAD_DIRECT_WRITES", str(THRESHOLD))
     out = tmp_path / "out"
     stage(made.archive, out)
-    direct = 0
-    for rel, size in helpers.regular_files(out).items():
-        if size >= THRESHOLD:
-            # Written around the cache: none of its whole pages is there (nothing has
-            # read the file yet).
-            body = size - size % PAGE
-            assert cached(out / rel, 0, body) == 0, rel
-            direct += 1
+    direct = assert_bodies_uncached(out, THRESHOLD)
     assert direct == sum(s >= THRESHOLD for s in made.sizes) > 10
     ah.assert_same_extraction(made.ref, out)
     assert fastload.verify(out).ok
@@ -131,10 +139,51 @@ def test_everything_buffered_when_disabled(stage: Stage, made: Made, tmp_path: P
     just written back when the test looks, so nearly all of them are there)."""
     monkeypatch.setenv("FASTLOAD_DIRECT_WRITES", "0")
     out = tmp_path / "out"
+    made.archive.read_bytes()  # what would make it choose direct writes
     stage(made.archive, out)
+    assert_bodies_cached(out)
     ah.assert_same_extraction(made.ref, out)
-    big = {rel: size for rel, size in helpers.regular_files(out).items() if size >= 3 * MiB}
-    assert sum(cached(out / rel) for rel in big) > sum(big.values()) // 2
+
+
+def test_auto_direct_when_the_archive_is_cached(stage: Stage, made: Made, tmp_path: Path,
+                                                capable: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
+    made.archive.read_bytes()
+    stage(made.archive, tmp_path / "out")
+    assert assert_bodies_uncached(tmp_path / "out") == BIG
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
+
+
+def test_auto_buffered_when_the_archive_comes_from_the_same_disk(
+        stage: Stage, made: Made, tmp_path: Path, capable: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
+    if os.stat(made.archive).st_dev != os.stat(tmp_path).st_dev:
+        pytest.skip("the archive and the destination are on different devices here")
+    ah.drop(made.archive)
+    stage(made.archive, tmp_path / "out")
+    assert_bodies_cached(tmp_path / "out")
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
+
+
+def test_auto_direct_from_another_device(stage: Stage, made: Made, tmp_path: Path,
+                                         capable: None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The archive on tmpfs (like network storage: reading it does not touch the
+    destination's disk), not in any sense "cached" by the destination."""
+    monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no /dev/shm on another device")
+    archive = shm / f"fastload-dw-{os.getpid()}.tar"
+    try:
+        shutil.copyfile(made.archive, archive)
+        stage(archive, tmp_path / "out")
+    finally:
+        archive.unlink(missing_ok=True)
+    assert assert_bodies_uncached(tmp_path / "out") == BIG
+    ah.assert_same_extraction(made.ref, tmp_path / "out")
 
 
 def _run_job(archive: Path, out: Path, engine: str, *, compression: str = "none",

@@ -277,17 +277,39 @@ def _open_direct(src: Path) -> int:
         return -1
 
 
-def _direct_write_min() -> int:
-    """The smallest member the extractor writes O_DIRECT (0: none). Set by
-    ``FASTLOAD_DIRECT_WRITES``: ``0`` writes everything through the page cache, a number
-    of bytes moves the threshold."""
+def _direct_write_min(src: Path, dst: Path, size: int) -> int:
+    """The smallest member the extractor writes O_DIRECT (0: none).
+
+    Direct writes go to the disk as the members arrive, where buffered writes return
+    once the data is in the page cache and leave its writeback for later. They pay when
+    the archive is read without touching the destination's disk: from another device
+    (network storage, another disk, tmpfs) or from the page cache. Then the disk is
+    otherwise idle, nothing is left to write back, and the copy into the cache is saved
+    (on this machine: 3.9 vs 4.2 s to return, 4.4 vs 5.2 s to disk, from tmpfs). An
+    archive read from the same disk, uncached, would have the writes compete with its
+    reads: they go through the cache (5.4 vs 3.6 s to return here).
+
+    ``FASTLOAD_DIRECT_WRITES`` overrides: ``0`` never, ``1`` always, a number of bytes
+    always, from members that large (the default threshold is 64 KiB)."""
     value = os.environ.get("FASTLOAD_DIRECT_WRITES", "").strip()
-    if value in ("", "1"):
+    if value == "1":
         return _DIRECT_WRITE_MIN
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            pass
     try:
-        return max(0, int(value))
-    except ValueError:
-        return _DIRECT_WRITE_MIN
+        if os.stat(src).st_dev != os.stat(dst).st_dev:
+            return _DIRECT_WRITE_MIN
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cached = _core.cached_bytes(fd, 0, size) if size else 0
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0
+    return _DIRECT_WRITE_MIN if cached >= size * 0.9 and size else 0
 
 
 def _python_decompressor(compression: str) -> Callable[[], Any] | None:
@@ -452,7 +474,7 @@ def stage_archive(
         files_in_flight,
         stripe,
         journal.found and journal.same_boot,
-        direct_write_min=_direct_write_min(),
+        direct_write_min=_direct_write_min(src, dst, st.st_size),
     )
     already = len(done)
     reused: set[str] = set()

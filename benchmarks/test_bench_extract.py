@@ -29,6 +29,7 @@ import tarfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 
@@ -222,18 +223,11 @@ def _fastload_tool(engine: str, unpack: Any, *, buffered: bool = False) -> Tool:
     if engine not in fl.available_engines():
         pytest.skip(f"fastload engine {engine!r} is not available here")
 
+    env = {"FASTLOAD_DIRECT_WRITES": "0"} if buffered else {}
+
     def run(archive: Path, dst: Path) -> Any:
-        if not buffered:
+        with mock.patch.dict(os.environ, env):
             return fl.stage(archive, dst, engine=engine, unpack=unpack)
-        old = os.environ.get("FASTLOAD_DIRECT_WRITES")
-        os.environ["FASTLOAD_DIRECT_WRITES"] = "0"
-        try:
-            return fl.stage(archive, dst, engine=engine, unpack=unpack)
-        finally:
-            if old is None:
-                del os.environ["FASTLOAD_DIRECT_WRITES"]
-            else:
-                os.environ["FASTLOAD_DIRECT_WRITES"] = old
 
     return Tool(f"fastload-{engine}" + (" (buffered writes)" if buffered else ""), run)
 

@@ -17,6 +17,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 
@@ -47,15 +48,8 @@ def warm(path: Path, offset: int, length: int) -> None:
 
 @contextlib.contextmanager
 def direct_reads(enabled: bool) -> Iterator[None]:
-    old = os.environ.get("FASTLOAD_DIRECT_READS")
-    os.environ["FASTLOAD_DIRECT_READS"] = "1" if enabled else "0"
-    try:
+    with mock.patch.dict(os.environ, {"FASTLOAD_DIRECT_READS": "1" if enabled else "0"}):
         yield
-    finally:
-        if old is None:
-            del os.environ["FASTLOAD_DIRECT_READS"]
-        else:
-            os.environ["FASTLOAD_DIRECT_READS"] = old
 
 
 class Made:

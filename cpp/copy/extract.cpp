@@ -306,11 +306,10 @@ struct ExtractJob::Impl {
 
   void queue_piece(uint32_t i, uint32_t k) {
     File& f = files[i];
-    Piece& pc = pieces[k];
-    if (f.direct && pc.offset < f.direct_end && pc.offset + pc.len > f.direct_end) {
+    Piece& tail = pieces[k];  // pieces never moves: the reference outlives new_piece()
+    if (f.direct && tail.offset < f.direct_end && tail.offset + tail.len > f.direct_end) {
       // Split where the buffered tail begins: the part below goes first and direct.
       uint32_t head = new_piece();
-      Piece& tail = pieces[k];
       size_t n = size_t(f.direct_end - tail.offset);
       pieces[head] = Piece{i, tail.buf, n, 0, tail.offset, kNone, tail.block};
       if (tail.block != kNone) ++block_pins[tail.block];

@@ -130,7 +130,7 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
     with direct_reads(True):
         reader = _Prefetcher(made.archive, made.size, job, depth=4)
     try:
-        for _off, b, data in reader:
+        for _off, _n, b, data in reader:
             job.feed_block(b, len(data))
     finally:
         reader.close()

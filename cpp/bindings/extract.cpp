@@ -96,6 +96,11 @@ void register_extract(py::module_& m) {
       .def("feed_block", &copy::ExtractJob::feed_block, py::arg("block"), py::arg("n"),
            py::call_guard<py::gil_scoped_release>())
       .def("release", &copy::ExtractJob::release, py::arg("block"))
+      .def("map_source", &copy::ExtractJob::map_source, py::arg("fd"), py::arg("size"))
+      .def("populate", &copy::ExtractJob::populate, py::arg("offset"), py::arg("n"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("feed_mapped", &copy::ExtractJob::feed_mapped, py::arg("offset"), py::arg("n"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)

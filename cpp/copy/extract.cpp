@@ -19,12 +19,16 @@
 #include "copy/copier.hpp"
 #include "copy/walk.hpp"
 #include "hash/digest.hpp"
+#include "io/mapped.hpp"
 #include "tar/reader.hpp"
 
 namespace fastload::copy {
 namespace {
 
 constexpr uint32_t kNone = ~0u;
+constexpr uint32_t kMapped = kNone - 1;  // lent_block while parsing the mapped archive
+constexpr int kFeedMapped = -2;          // feed_from(): the data lies in the mapping
+constexpr uint64_t kMappedLag = 64u << 20;  // mapped pages kept this far behind the parser
 
 // The process umask, without changing it (umask(2) can only set): from /proc, else the
 // usual 022 (which at worst costs an fchmod per file).
@@ -234,11 +238,13 @@ struct ExtractJob::Impl {
       }
     }
     if (lent_block != kNone && p >= lent_lo && p + n <= lent_hi) {
-      // In a lent read block: written from where it lies, the block pinned till then.
+      // In a lent read block (or the mapped archive): written from where it lies, the
+      // block pinned till then.
       if (f.slot != kNone) submit_slot(i);
       uint32_t k = new_piece();
-      pieces[k] = Piece{i, p, n, 0, f.appended, kNone, lent_block};
-      ++block_pins[lent_block];
+      uint32_t b = lent_block == kMapped ? kNone : lent_block;
+      pieces[k] = Piece{i, p, n, 0, f.appended, kNone, b};
+      if (b != kNone) ++block_pins[b];
       f.appended += n;
       queue_piece(i, k);
       return;
@@ -580,6 +586,8 @@ struct ExtractJob::Impl {
           f.waiting.insert(f.waiting.begin() + ptrdiff_t(f.waiting_head), s);
           return flush(i);
         }
+        // Written from the mapped archive: a page of it is gone, the archive shrank.
+        if (c.res == -EFAULT && mapped) throw mapped->truncated();
         if (c.res < 0) throw Error::os(int(-c.res), "write", full(f.path));
         if (c.res == 0) throw Error::os(EIO, "write", full(f.path));
         pc.put += size_t(c.res);
@@ -681,7 +689,10 @@ struct ExtractJob::Impl {
   std::vector<uint32_t> block_pins;    // pieces writing from each, +1 while lent
   std::vector<bool> block_lent;
   std::vector<uint32_t> free_blocks;
-  uint32_t lent_block = kNone;         // the block being parsed by feed_block()
+  uint32_t lent_block = kNone;         // the block being parsed by feed_block(), or kMapped
+  std::unique_ptr<io::MappedFile> mapped;  // the archive, with map_source()
+  uint64_t mapped_released = 0;            // pages below this were released
+  const io::MappedFile& mapping() const;
   const char* lent_lo = nullptr;
   const char* lent_hi = nullptr;
   std::vector<File> files;
@@ -849,6 +860,14 @@ void ExtractJob::feed_from(const char* data, size_t n, int block) {
     bytes_in_.fetch_add(n, std::memory_order_relaxed);
     if (im.decoder) {
       im.decoder->feed(data, n, im.parse_output(), im.poll());
+    } else if (block == kFeedMapped) {
+      // Data anywhere in the mapping is written from where it lies. Parsing reads the
+      // mapping: a SIGBUS there (the archive shrank) throws, and the job is dead.
+      im.lent_block = kMapped;
+      im.lent_lo = im.mapped->data();
+      im.lent_hi = im.lent_lo + im.mapped->size();
+      im.mapped->guard([&] { im.outer->parser.feed(data, n, *im.outer); });
+      im.lent_block = kNone;
     } else {
       if (block >= 0) {
         im.lent_block = uint32_t(block);
@@ -903,6 +922,36 @@ void ExtractJob::feed_block(int b, size_t n) {
   impl_->check_lent(b);
   if (n > impl_->opt.read_block_size) throw std::out_of_range("ExtractJob::feed_block: n > block size");
   feed_from(impl_->blocks.get() + size_t(b) * impl_->opt.read_block_size, n, b);
+}
+
+void ExtractJob::map_source(int fd, uint64_t size) {
+  Impl& im = *impl_;
+  if (im.opt.compression != Compression::kNone)
+    throw std::logic_error("ExtractJob::map_source: the archive is compressed");
+  if (im.mapped) throw std::logic_error("ExtractJob::map_source: already mapped");
+  im.mapped = std::make_unique<io::MappedFile>(fd, size, im.name);
+}
+
+const io::MappedFile& ExtractJob::Impl::mapping() const {
+  if (!mapped) throw std::logic_error("ExtractJob: the archive is not mapped (map_source)");
+  return *mapped;
+}
+
+void ExtractJob::populate(uint64_t offset, uint64_t n) const { impl_->mapping().populate(offset, n); }
+
+void ExtractJob::feed_mapped(uint64_t offset, size_t n) {
+  Impl& im = *impl_;
+  const io::MappedFile& m = im.mapping();
+  if (offset > m.size() || n > m.size() - offset)
+    throw std::out_of_range("ExtractJob::feed_mapped: past the end of the archive");
+  feed_from(m.data() + offset, n, kFeedMapped);
+  // Pages well behind are taken out of the process (the page cache keeps them): the
+  // mapping adds little to the resident size, whatever the archive's.
+  uint64_t behind = offset > kMappedLag ? offset - kMappedLag : 0;
+  if (behind > im.mapped_released + kMappedLag) {
+    m.release(im.mapped_released, behind - im.mapped_released);
+    im.mapped_released = behind;
+  }
 }
 
 void ExtractJob::release(int b) {

@@ -108,6 +108,15 @@ class ExtractJob {
   std::shared_ptr<char[]> block_storage() const;
   void feed_block(int b, size_t n);
   void release(int b);
+  // The archive mapped instead (uncompressed only): map_source() maps fd's first size
+  // bytes (fd may be closed afterwards); feed_mapped(offset, n) feeds that range, like
+  // feed(), and members are written straight from the mapping, with no read into a
+  // buffer: for an archive in the page cache, its pages are the write's source.
+  // populate() (any thread, ahead of feed_mapped) maps a range in, reading what is not
+  // cached. A file found shorter than mapped throws Error(kSourceChanged).
+  void map_source(int fd, uint64_t size);
+  void populate(uint64_t offset, uint64_t n) const;
+  void feed_mapped(uint64_t offset, size_t n);
   // The archive ended: waits for every write, creates hard links, sets directory
   // modes and times. Throws like feed().
   void finish();

@@ -50,6 +50,8 @@ _PREFETCH = 8
 _ALIGN = 4096
 # Members at least this large are written O_DIRECT where the destination allows it.
 _DIRECT_WRITE_MIN = 64 << 10
+# An archive with this share of its bytes in the page cache counts as cached.
+_CACHED_ENOUGH = 0.9
 _SUFFIXES = {
     ".tar": "none",
     ".tar.gz": "gzip",
@@ -207,7 +209,7 @@ class _Prefetcher:
             )
             self._next += n
 
-    def __iter__(self) -> Iterator[tuple[int, int, memoryview]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int, memoryview]]:
         while self._queue:
             off, n, b, view, fut = self._queue.popleft()
             try:
@@ -227,7 +229,7 @@ class _Prefetcher:
                 data = view[:n]
                 if self._hash_pool is not None:
                     self._hashing = self._hash_pool.submit(self._hasher.update, data)
-                yield off, b, data
+                yield off, n, b, data
                 self._wait_hash()
             finally:
                 self._job.release(b)  # the consumer and the hasher are done with it
@@ -263,6 +265,93 @@ class _Prefetcher:
             os.close(self._direct_fd)
 
 
+class _MappedReader:
+    """The archive mapped into the job (``ExtractJob.map_source``) instead of read: the
+    job writes members straight from the mapping, so the bytes of a cached archive are
+    copied once, by the buffered write, or not at all, by an O_DIRECT one (a read into a
+    block copies them out of the cache first: on a small node, the CPU the extraction
+    needs). Iterates like :class:`_Prefetcher`, yielding ``(offset, n, -1, None)``: the
+    consumer feeds ``job.feed_mapped(offset, n)``.
+
+    A thread of its own maps ``depth`` blocks ahead in (``job.populate``), so the
+    consumer takes no page faults, and reads what is not cached. A file found shorter
+    than when mapped raises SourceChangedError, here or from the job."""
+
+    def __init__(self, path: Path, size: int, job: _core.ExtractJob, depth: int = _PREFETCH):
+        self._size, self._job, self._depth = size, job, depth
+        self._block = job.block_size
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            job.map_source(fd, size)
+        finally:
+            os.close(fd)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-map")
+        self._queue: deque[tuple[int, int, Future[None]]] = deque()
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._queue) < self._depth and self._next < self._size:
+            n = min(self._block, self._size - self._next)
+            populated = self._pool.submit(self._job.populate, self._next, n)
+            self._queue.append((self._next, n, populated))
+            self._next += n
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, memoryview | None]]:
+        while self._queue:
+            off, n, fut = self._queue.popleft()
+            fut.result()
+            self._fill()
+            yield off, n, -1, None
+
+    def _drain(self) -> None:
+        for _, _, fut in self._queue:
+            if not fut.cancel():
+                with contextlib.suppress(Exception):
+                    fut.result()
+        self._queue.clear()
+
+    def seek(self, offset: int) -> None:
+        self._drain()
+        self._next = offset
+        self._fill()
+
+    def close(self) -> None:
+        self._drain()
+        self._pool.shutdown(wait=True)
+
+
+def _mapped_reads(src: Path, cached: float) -> bool:
+    """Whether to map the (uncompressed) archive rather than read it: when it is in the
+    page cache (``cached``: the share of its bytes), on a local file system. An archive
+    that must come from the disk is better read O_DIRECT (:class:`_Prefetcher`), which
+    does not fill the cache with it. ``FASTLOAD_MAPPED_READS`` overrides: ``0`` never,
+    ``1`` always."""
+    value = os.environ.get("FASTLOAD_MAPPED_READS", "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    try:
+        if _core.fs_type(str(src)) in _NETWORK_FS:
+            return False
+    except OSError:
+        return False
+    return cached >= _CACHED_ENOUGH
+
+
+def _cached_share(src: Path, size: int) -> float:
+    """The share of ``src``'s bytes in the page cache (0 when it cannot tell)."""
+    if not size:
+        return 0.0
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _core.cached_bytes(fd, 0, size) / size
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0.0
+
+
 def _open_direct(src: Path) -> int:
     """``src`` opened for O_DIRECT reads, or -1 where they are not used: on network and
     FUSE file systems (where O_DIRECT bypasses the client's cache and read-ahead, or is
@@ -277,7 +366,7 @@ def _open_direct(src: Path) -> int:
         return -1
 
 
-def _direct_write_min(src: Path, dst: Path, size: int) -> int:
+def _direct_write_min(src: Path, dst: Path, cached: float) -> int:
     """The smallest member the extractor writes O_DIRECT (0: none).
 
     Direct writes go to the disk as the members arrive, where buffered writes return
@@ -302,14 +391,9 @@ def _direct_write_min(src: Path, dst: Path, size: int) -> int:
     try:
         if os.stat(src).st_dev != os.stat(dst).st_dev:
             return _DIRECT_WRITE_MIN
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            cached = _core.cached_bytes(fd, 0, size) if size else 0
-        finally:
-            os.close(fd)
     except OSError:
         return 0
-    return _DIRECT_WRITE_MIN if cached >= size * 0.9 and size else 0
+    return _DIRECT_WRITE_MIN if cached >= _CACHED_ENOUGH else 0
 
 
 def _python_decompressor(compression: str) -> Callable[[], Any] | None:
@@ -457,6 +541,7 @@ def stage_archive(
     pydecomp = _PyDecoder(new_pydecomp, compression, src) if new_pydecomp else None
     hasher = hashlib.new(checksum[0]) if checksum else None
     can_seek = compression == "none" and hasher is None
+    cached = _cached_share(src, st.st_size)
     files_in_flight = max(1, workers or 64)
     job = _core.ExtractJob(
         str(dst),
@@ -474,7 +559,7 @@ def stage_archive(
         files_in_flight,
         stripe,
         journal.found and journal.same_boot,
-        direct_write_min=_direct_write_min(src, dst, st.st_size),
+        direct_write_min=_direct_write_min(src, dst, cached),
     )
     already = len(done)
     reused: set[str] = set()
@@ -495,13 +580,19 @@ def stage_archive(
                 copied["bytes"] += size
         flusher.add(batch)
 
-    reader = _Prefetcher(src, st.st_size, job, hasher=hasher)
+    reader: _Prefetcher | _MappedReader
+    if can_seek and _mapped_reads(src, cached):
+        reader = _MappedReader(src, st.st_size, job)
+    else:
+        reader = _Prefetcher(src, st.st_size, job, hasher=hasher)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""
     last_report = 0.0
     try:
-        for off, b, block in reader:
-            if pydecomp is not None:
+        for off, n, b, block in reader:
+            if block is None:  # mapped
+                job.feed_mapped(off, n)
+            elif pydecomp is not None:
                 # Block k decodes on a thread of its own while block k-1's output is parsed
                 # and written (both release the GIL), as the native decoder overlaps the
                 # parser; block k's buffer is reused once this iteration ends, so its
@@ -511,19 +602,19 @@ def stage_archive(
                     job.feed(ready)
                 ready = decoding.result()
             else:
-                job.feed_block(b, len(block))
+                job.feed_block(b, n)
             if can_seek:
                 skip = job.skippable()
                 if skip >= _BLOCK:
                     job.skipped(skip)
-                    reader.seek(off + len(block) + skip)
+                    reader.seek(off + n + skip)
             collect(False)
             now = time.monotonic()
             if on_progress is not None and now - last_report >= _PROGRESS_EVERY:
                 last_report = now
                 # Bytes of the archive read so far (what a Python decoder feeds the job
                 # is its output, larger than the archive).
-                on_progress(off + len(block), st.st_size, already + copied["files"], 0)
+                on_progress(off + n, st.st_size, already + copied["files"], 0)
         if ready:
             job.feed(ready)
         if pydecomp is not None:

@@ -3,7 +3,7 @@ what people run today, each group one parametrisation so report.py turns it into
 
 Groups (each in a warm and a cold page-cache variant):
   extract-tar     ImageNet-like tar: fastload (uring, uring with every write buffered,
-                  pread), ``tar -xf``,
+                  uring reading the archive instead of mapping it, pread), ``tar -xf``,
                   Python ``tarfile.extractall(filter="data")``
   extract-nested  the same files as a tar of class tars: fastload ``unpack="nested"``,
                   and the shell loop users write (``tar -xf`` the outer archive, then
@@ -215,21 +215,28 @@ class Tool:
     run: Callable[[Path, Path], Any]
 
 
-def _fastload_tool(engine: str, unpack: Any, *, buffered: bool = False) -> Tool:
-    """``buffered``: every member written through the page cache
-    (``FASTLOAD_DIRECT_WRITES=0``), the way it was before members of 64 KiB or more
-    went O_DIRECT: shows what direct writes bring on this machine."""
+# Variants that turn one technique off, to show what it brings on this machine in the
+# same rounds: "buffered" writes every member through the page cache (as before members
+# of 64 KiB or more went O_DIRECT); "read" reads a cached archive into buffers instead of
+# mapping it (as before extraction wrote members straight from the mapped archive).
+_VARIANTS = {
+    "": ("", {}),
+    "buffered": (" (buffered writes)", {"FASTLOAD_DIRECT_WRITES": "0"}),
+    "read": (" (archive read, not mapped)", {"FASTLOAD_MAPPED_READS": "0"}),
+}
+
+
+def _fastload_tool(engine: str, unpack: Any, variant: str = "") -> Tool:
     fl = _fastload()
     if engine not in fl.available_engines():
         pytest.skip(f"fastload engine {engine!r} is not available here")
-
-    env = {"FASTLOAD_DIRECT_WRITES": "0"} if buffered else {}
+    label, env = _VARIANTS[variant]
 
     def run(archive: Path, dst: Path) -> Any:
         with mock.patch.dict(os.environ, env):
             return fl.stage(archive, dst, engine=engine, unpack=unpack)
 
-    return Tool(f"fastload-{engine}" + (" (buffered writes)" if buffered else ""), run)
+    return Tool(f"fastload-{engine}{label}", run)
 
 
 def _tar_x(*flags: str) -> Callable[[Path, Path], None]:
@@ -278,8 +285,9 @@ def _tarfile_extractall(archive: Path, dst: Path) -> None:
 def make_tool(name: str) -> Tool:
     if name.startswith("fastload-"):
         engine, _, mode = name.removeprefix("fastload-").partition("/")
-        unpack = {"": "auto", "buffered": "auto", "nested": "nested"}[mode]
-        return _fastload_tool(engine, unpack, buffered=mode == "buffered")
+        if mode == "nested":
+            return _fastload_tool(engine, "nested")
+        return _fastload_tool(engine, "auto", mode)
     if name == "tar":
         return Tool("tar -xf", _tar_x("-xf"))
     if name == "tar-z":
@@ -346,7 +354,15 @@ def _extract_case(
 
 
 @pytest.mark.parametrize(
-    "tool", ["fastload-uring", "fastload-uring/buffered", "fastload-pread", "tar", "tarfile"]
+    "tool",
+    [
+        "fastload-uring",
+        "fastload-uring/buffered",
+        "fastload-uring/read",
+        "fastload-pread",
+        "tar",
+        "tarfile",
+    ],
 )
 @pytest.mark.parametrize("cache", CACHES)
 def test_extract_tar(

@@ -12,6 +12,7 @@ import fnmatch
 import gzip
 import importlib.util
 import io
+import mmap
 import os
 import shutil
 import stat
@@ -556,3 +557,21 @@ def drop(path: Path) -> None:
         os.close(fd)
     if cached(path):
         pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")
+
+
+def direct_capable(directory: Path) -> bool:
+    """Whether a file in ``directory`` takes an O_DIRECT write of one aligned page."""
+    path = directory / ".direct-probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, 4096)  # page-aligned
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink()

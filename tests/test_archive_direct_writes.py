@@ -16,7 +16,6 @@ cannot take O_DIRECT (tmpfs) or ``FASTLOAD_DIRECT_WRITES=0`` writes everything b
 from __future__ import annotations
 
 import gzip
-import mmap
 import os
 import random
 import shutil
@@ -43,24 +42,6 @@ SIZES = [1, 511, 4095, 4096, 4097, 8191, 8192, 8193, 8704, 12288, 12289, 65536 +
 THRESHOLD = 8192
 TMPFS_MAGIC = 0x01021994
 BIG = sum(s >= 64 << 10 for s in SIZES)  # members stage() writes direct by default
-
-
-def direct_capable(directory: Path) -> bool:
-    """Whether a file in ``directory`` takes an O_DIRECT write of one aligned page."""
-    path = directory / ".direct-probe"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    try:
-        buf = mmap.mmap(-1, PAGE)  # page-aligned
-        os.write(fd, buf)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        path.unlink()
 
 
 def expected_direct(sizes: list[int], threshold: int = THRESHOLD) -> int:
@@ -98,7 +79,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
 
 @pytest.fixture
 def capable(tmp_path: Path) -> None:
-    if not direct_capable(tmp_path):
+    if not ah.direct_capable(tmp_path):
         pytest.skip(f"{tmp_path} does not take O_DIRECT writes")
 
 

@@ -17,18 +17,9 @@
 #include <vector>
 
 #include "common/error.hpp"
+#include "tests/check.hpp"
 
 namespace {
-
-int g_failures = 0;
-
-#define MAP_CHECK(cond)                                                             \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                                 \
-    }                                                                               \
-  } while (0)
 
 using fastload::Error;
 using fastload::ErrorKind;
@@ -59,7 +50,7 @@ int guarded_sum(const MappedFile& m, size_t off, size_t n, uint64_t* sum) {
     });
     return -1;
   } catch (const Error& e) {
-    MAP_CHECK(std::strstr(e.what(), "shorter than when staging began") != nullptr);
+    CHECK(std::strstr(e.what(), "shorter than when staging began") != nullptr);
     return int(e.kind());
   }
 }
@@ -70,15 +61,15 @@ void test_reads_and_truncation() {
   int fd = ::open(path.c_str(), O_RDONLY);
   MappedFile m(fd, size, path);
   ::close(fd);  // the mapping outlives the descriptor
-  MAP_CHECK(m.size() == size);
+  CHECK(m.size() == size);
   m.populate(0, size);
   uint64_t sum = 0, want = 0;
   for (size_t i = 0; i < size; ++i) want += uint8_t((i * 7 + 'a') & 0xff);
-  MAP_CHECK(guarded_sum(m, 0, size, &sum) == -1 && sum == want);
+  CHECK(guarded_sum(m, 0, size, &sum) == -1 && sum == want);
   m.release(0, size);  // out of the process, still readable
-  MAP_CHECK(guarded_sum(m, 0, size, &sum) == -1 && sum == want);
+  CHECK(guarded_sum(m, 0, size, &sum) == -1 && sum == want);
 
-  MAP_CHECK(::truncate(path.c_str(), off_t(kPage)) == 0);
+  CHECK(::truncate(path.c_str(), off_t(kPage)) == 0);
   bool threw = false;
   try {
     m.populate(0, size);
@@ -86,14 +77,14 @@ void test_reads_and_truncation() {
     threw = e.kind() == ErrorKind::kSourceChanged &&
             std::strstr(e.what(), path.c_str()) != nullptr;
   }
-  MAP_CHECK(threw);
+  CHECK(threw);
   for (int round = 0; round < 3; ++round) {  // SIGBUS is unblocked again each time
-    MAP_CHECK(guarded_sum(m, 2 * kPage, 10, &sum) == int(ErrorKind::kSourceChanged));
-    MAP_CHECK(guarded_sum(m, 0, kPage, &sum) == -1);
+    CHECK(guarded_sum(m, 2 * kPage, 10, &sum) == int(ErrorKind::kSourceChanged));
+    CHECK(guarded_sum(m, 0, kPage, &sum) == -1);
   }
   std::thread t([&] {  // the guard is per thread
     uint64_t s = 0;
-    MAP_CHECK(guarded_sum(m, 3 * kPage, 1, &s) == int(ErrorKind::kSourceChanged));
+    CHECK(guarded_sum(m, 3 * kPage, 1, &s) == int(ErrorKind::kSourceChanged));
   });
   t.join();
   ::unlink(path.c_str());
@@ -105,7 +96,7 @@ void test_nested_guards() {
   MappedFile a(fa, 2 * kPage, pa), b(fb, 2 * kPage, pb);
   ::close(fa);
   ::close(fb);
-  MAP_CHECK(::truncate(pa.c_str(), 0) == 0);
+  CHECK(::truncate(pa.c_str(), 0) == 0);
   std::string named;
   try {
     a.guard([&] {
@@ -114,11 +105,11 @@ void test_nested_guards() {
   } catch (const Error& e) {
     named = e.what();
   }
-  MAP_CHECK(named.find(pa) != std::string::npos);  // the outer guard (a's) caught it
+  CHECK(named.find(pa) != std::string::npos);  // the outer guard (a's) caught it
   uint64_t sum = 0;
-  MAP_CHECK(guarded_sum(b, 0, 2 * kPage, &sum) == -1);  // b's guard still works after
-  MAP_CHECK(::truncate(pb.c_str(), 0) == 0);
-  MAP_CHECK(guarded_sum(b, 0, 1, &sum) == int(ErrorKind::kSourceChanged));
+  CHECK(guarded_sum(b, 0, 2 * kPage, &sum) == -1);  // b's guard still works after
+  CHECK(::truncate(pb.c_str(), 0) == 0);
+  CHECK(guarded_sum(b, 0, 1, &sum) == int(ErrorKind::kSourceChanged));
   ::unlink(pa.c_str());
   ::unlink(pb.c_str());
 }
@@ -141,10 +132,10 @@ void test_foreign_fault_is_not_swallowed() {
     ::_exit(0);
   }
   int status = 0;
-  MAP_CHECK(::waitpid(pid, &status, 0) == pid);
-  MAP_CHECK(!WIFEXITED(status) || WEXITSTATUS(status) != 0);  // not swallowed
+  CHECK(::waitpid(pid, &status, 0) == pid);
+  CHECK(!WIFEXITED(status) || WEXITSTATUS(status) != 0);  // not swallowed
 #if !defined(__SANITIZE_ADDRESS__)
-  MAP_CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS);
+  CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS);
 #endif
   ::unlink(mine.c_str());
   ::unlink(other.c_str());
@@ -156,10 +147,5 @@ int main() {
   test_reads_and_truncation();
   test_nested_guards();
   test_foreign_fault_is_not_swallowed();
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::puts("mapped_test: ok");
-  return 0;
+  return fastload::test::exit_code();
 }

@@ -102,7 +102,33 @@ def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
     return algo, hexdigest.lower()
 
 
-class _Prefetcher:
+def _settle(fut: Future[Any]) -> None:
+    """Cancels ``fut``, or waits for it if it already runs (its error is not ours to
+    raise: the reader is being reset or closed)."""
+    if not fut.cancel():
+        with contextlib.suppress(Exception):
+            fut.result()
+
+
+class _Ahead:
+    """What both archive readers share: work queued ``depth`` blocks ahead of the
+    consumer, dropped (``_drain``) and queued again from a new offset on ``seek``."""
+
+    _next: int
+
+    def _fill(self) -> None:
+        raise NotImplementedError
+
+    def _drain(self) -> None:
+        raise NotImplementedError
+
+    def seek(self, offset: int) -> None:
+        self._drain()
+        self._next = offset
+        self._fill()
+
+
+class _Prefetcher(_Ahead):
     """Positional reads of a file, ``depth`` blocks in flight, delivered in order. Owns
     its descriptors: ``close()`` closes them.
 
@@ -242,16 +268,9 @@ class _Prefetcher:
 
     def _drain(self) -> None:
         for _, _, b, _, fut in self._queue:
-            if not fut.cancel():
-                with contextlib.suppress(Exception):
-                    fut.result()  # still reading into the block: wait before giving it back
+            _settle(fut)  # still reading into the block: wait before giving it back
             self._job.release(b)
         self._queue.clear()
-
-    def seek(self, offset: int) -> None:
-        self._drain()
-        self._next = offset
-        self._fill()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -265,7 +284,7 @@ class _Prefetcher:
             os.close(self._direct_fd)
 
 
-class _MappedReader:
+class _MappedReader(_Ahead):
     """The archive mapped into the job (``ExtractJob.map_source``) instead of read: the
     job writes members straight from the mapping, so the bytes of a cached archive are
     copied once, by the buffered write, or not at all, by an O_DIRECT one (a read into a
@@ -306,15 +325,8 @@ class _MappedReader:
 
     def _drain(self) -> None:
         for _, _, fut in self._queue:
-            if not fut.cancel():
-                with contextlib.suppress(Exception):
-                    fut.result()
+            _settle(fut)
         self._queue.clear()
-
-    def seek(self, offset: int) -> None:
-        self._drain()
-        self._next = offset
-        self._fill()
 
     def close(self) -> None:
         self._drain()

@@ -592,10 +592,11 @@ def stage_archive(
                 copied["bytes"] += size
         flusher.add(batch)
 
-    reader: _Prefetcher | _MappedReader
+    reader: _Prefetcher | _MappedReader | None = None
     if can_seek and _mapped_reads(src, cached):
-        reader = _MappedReader(src, st.st_size, job)
-    else:
+        with contextlib.suppress(OSError):  # a file system that cannot map it: read it
+            reader = _MappedReader(src, st.st_size, job)
+    if reader is None:
         reader = _Prefetcher(src, st.st_size, job, hasher=hasher)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""

@@ -26,7 +26,6 @@ namespace fastload::copy {
 namespace {
 
 constexpr uint32_t kNone = ~0u;
-constexpr uint32_t kMapped = kNone - 1;  // lent_block while parsing the mapped archive
 constexpr int kFeedMapped = -2;          // feed_from(): the data lies in the mapping
 constexpr uint64_t kMappedLag = 64u << 20;  // mapped pages kept this far behind the parser
 
@@ -237,14 +236,13 @@ struct ExtractJob::Impl {
         f.chunk_fill = 0;
       }
     }
-    if (lent_block != kNone && p >= lent_lo && p + n <= lent_hi) {
-      // In a lent read block (or the mapped archive): written from where it lies, the
-      // block pinned till then.
+    if (lent_lo != nullptr && p >= lent_lo && p + n <= lent_hi) {
+      // In the lent range (a read block, or the mapped archive): written from where it
+      // lies, a read block pinned till then.
       if (f.slot != kNone) submit_slot(i);
       uint32_t k = new_piece();
-      uint32_t b = lent_block == kMapped ? kNone : lent_block;
-      pieces[k] = Piece{i, p, n, 0, f.appended, kNone, b};
-      if (b != kNone) ++block_pins[b];
+      pieces[k] = Piece{i, p, n, 0, f.appended, kNone, lent_block};
+      if (lent_block != kNone) ++block_pins[lent_block];
       f.appended += n;
       queue_piece(i, k);
       return;
@@ -689,12 +687,18 @@ struct ExtractJob::Impl {
   std::vector<uint32_t> block_pins;    // pieces writing from each, +1 while lent
   std::vector<bool> block_lent;
   std::vector<uint32_t> free_blocks;
-  uint32_t lent_block = kNone;         // the block being parsed by feed_block(), or kMapped
+  // While feeding: data in [lent_lo, lent_hi) is written from where it lies (null: none
+  // is); lent_block, if any, is the read block it is in, pinned by each such write.
+  uint32_t lent_block = kNone;
+  const char* lent_lo = nullptr;
+  const char* lent_hi = nullptr;
+  void unlend() {
+    lent_block = kNone;
+    lent_lo = lent_hi = nullptr;
+  }
   std::unique_ptr<io::MappedFile> mapped;  // the archive, with map_source()
   uint64_t mapped_released = 0;            // pages below this were released
   const io::MappedFile& mapping() const;
-  const char* lent_lo = nullptr;
-  const char* lent_hi = nullptr;
   std::vector<File> files;
   std::vector<uint32_t> free_files;
   size_t active = 0;
@@ -863,11 +867,10 @@ void ExtractJob::feed_from(const char* data, size_t n, int block) {
     } else if (block == kFeedMapped) {
       // Data anywhere in the mapping is written from where it lies. Parsing reads the
       // mapping: a SIGBUS there (the archive shrank) throws, and the job is dead.
-      im.lent_block = kMapped;
       im.lent_lo = im.mapped->data();
       im.lent_hi = im.lent_lo + im.mapped->size();
       im.mapped->guard([&] { im.outer->parser.feed(data, n, *im.outer); });
-      im.lent_block = kNone;
+      im.unlend();
     } else {
       if (block >= 0) {
         im.lent_block = uint32_t(block);
@@ -875,11 +878,11 @@ void ExtractJob::feed_from(const char* data, size_t n, int block) {
         im.lent_hi = data + n;
       }
       im.outer->parser.feed(data, n, *im.outer);
-      im.lent_block = kNone;
+      im.unlend();
     }
     im.pump(false);
   } catch (...) {
-    im.lent_block = kNone;
+    im.unlend();
     im.dead = true;
     im.abort();
     throw;

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 from . import _core
-from ._engine import _NETWORK_FS, resolve_engine
+from ._engine import network_fs, resolve_engine
 from ._state import (
     MANIFEST_VERSION,
     Journal,
@@ -342,12 +342,7 @@ def _mapped_reads(src: Path, cached: float) -> bool:
     value = os.environ.get("FASTLOAD_MAPPED_READS", "").strip()
     if value in ("0", "1"):
         return value == "1"
-    try:
-        if _core.fs_type(str(src)) in _NETWORK_FS:
-            return False
-    except OSError:
-        return False
-    return cached >= _CACHED_ENOUGH
+    return network_fs(src) is False and cached >= _CACHED_ENOUGH
 
 
 def _cached_share(src: Path, size: int) -> float:
@@ -370,9 +365,9 @@ def _open_direct(src: Path) -> int:
     refused), where the file system refuses it, or with ``FASTLOAD_DIRECT_READS=0``."""
     if os.environ.get("FASTLOAD_DIRECT_READS", "1") == "0" or not hasattr(os, "O_DIRECT"):
         return -1
+    if network_fs(src) is not False:
+        return -1
     try:
-        if _core.fs_type(str(src)) in _NETWORK_FS:
-            return -1
         return os.open(src, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError:
         return -1

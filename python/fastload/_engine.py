@@ -26,13 +26,17 @@ _NETWORK_FS = {
 }
 
 
+def network_fs(path: Path | str) -> bool | None:
+    """Whether ``path`` is on a network or FUSE file system (None: cannot tell)."""
+    try:
+        return _core.fs_type(os.fspath(path)) in _NETWORK_FS
+    except OSError:
+        return None
+
+
 def resolve_engine(engine: str, src: Path | None) -> str:
     """``"auto"`` becomes ``"pread"`` for a path on a network file system (the source of a
     tree copy, whose reads go through the engine)."""
     if engine != "auto" or os.environ.get("FASTLOAD_ENGINE") or src is None:
         return engine
-    try:
-        kind = _core.fs_type(str(src))
-    except OSError:
-        return engine
-    return "pread" if kind in _NETWORK_FS else engine
+    return "pread" if network_fs(src) else engine

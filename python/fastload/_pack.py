@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from . import _core
 from ._archive import archive_compression
-from ._engine import _NETWORK_FS
+from ._engine import network_fs
 from ._pack_plan import cut_shards, member_bytes, permutation, split_key, task_shards
 from .errors import NotEnoughSpaceError
 from .index import ShardIndex
@@ -411,11 +411,7 @@ def default_workers(src: Path) -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    try:
-        network = _core.fs_type(os.fspath(src)) in _NETWORK_FS
-    except OSError:
-        network = False
-    return min(32, 4 * cpus) if network else cpus
+    return min(32, 4 * cpus) if network_fs(src) else cpus
 
 
 def pack_path(

@@ -1,8 +1,16 @@
-"""fastload: stage ML datasets to node-local disk, fast; read tar shards fast."""
+"""fastload: stage ML datasets to node-local disk, fast; read tar shards fast.
+
+The package has one folder per part, in a one-way order: a part imports only itself and
+the parts below it (siblings on one line never import each other). ``_LAYERS`` is that
+order; tests/test_layers.py checks every import against it, function-level ones too.
+This module is the public facade: it re-exports the API, and no module imports it.
+"""
 
 from typing import TYPE_CHECKING
 
 from . import env
+from ._util import version as _version
+from .env import resolve
 from .errors import (
     ChecksumMismatchError,
     FastloadError,
@@ -15,16 +23,25 @@ from .errors import (
     UnsupportedFileError,
 )
 from .index import ShardIndex
-from .resolve import resolve
-from .stage import StageResult, VerifyResult, available_engines, stage, verify
+from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset, collate
-    from .writer import PackResult, ShardWriter, pack, pack_dataset, register_encoder
+    from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
-_WRITER = ("PackResult", "ShardWriter", "pack", "pack_dataset", "register_encoder")
+_LAYERS = """
+fastload.cli | fastload.torchvision | fastload.__main__
+fastload.data | fastload.packing
+fastload.env
+fastload.staging
+fastload.sources | fastload.index
+fastload.errors | fastload._util
+fastload._core
+"""
 
-__version__ = "0.1.0"
+_PACKING = ("PackResult", "ShardWriter", "pack", "pack_dataset", "register_encoder")
+
+__version__ = _version()
 
 __all__ = [
     "ChecksumMismatchError",
@@ -58,13 +75,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The datasets need torch, the writer numpy: imported on first use, so `import
+    # The datasets need torch, packing numpy: imported on first use, so `import
     # fastload` to stage a dataset imports neither (numpy's BLAS threads alone cost a
     # staging job CPU time).
-    if name in _WRITER:
-        from . import writer
+    if name in _PACKING:
+        from . import packing
 
-        return getattr(writer, name)
+        return getattr(packing, name)
     if name == "ShardIndexDataset":
         from .data import ShardIndexDataset
 

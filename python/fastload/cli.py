@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+from ._util import human, version
 from .errors import FastloadError
-from .stage import _human, stage, verify
+from .staging import stage, verify
 
 
 def _progress_flags(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def _want_progress(args: argparse.Namespace) -> bool:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastload", description=__doc__)
-    p.add_argument("--version", action="version", version=f"fastload {__version__}")
+    p.add_argument("--version", action="version", version=f"fastload {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
@@ -157,9 +157,9 @@ def _index_command(args: argparse.Namespace) -> int:
         print(f"{info['path']}: fastload shard index, format version {info['version']}")
         print(f"  samples  {info['samples']}")
         print(f"  members  {info['members']}")
-        print(f"  shards   {info['shards']} ({_human(shard_bytes)})")
+        print(f"  shards   {info['shards']} ({human(shard_bytes)})")
         print(f"  fields   {', '.join(idx.fields)}")
-        print(f"  size     {_human(info['file_size'])}")
+        print(f"  size     {human(info['file_size'])}")
         print(f"  on duplicate keys: {info['on_duplicate']}")
         try:
             idx.check()
@@ -179,9 +179,49 @@ def _index_command(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     total = sum(s.size for s in idx.shards)
     print(
-        f"{idx.path}: {len(idx)} samples in {len(paths)} shards ({_human(total)}), "
+        f"{idx.path}: {len(idx)} samples in {len(paths)} shards ({human(total)}), "
         f"fields {', '.join(idx.fields)}, in {dt:.2f} s"
     )
+    return 0
+
+
+def _pack_command(args: argparse.Namespace, progress: bool) -> int:
+    """``fastload pack SRC OUT ...``."""
+    from .packing.folder import pack_path
+    from .packing.listing import CLS_FIELD
+    from .packing.writer import DEFAULT_INDEX
+
+    r = pack_path(
+        args.src,
+        args.out,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        pattern=args.pattern,
+        max_size=args.max_size,
+        max_count=args.max_count,
+        workers=args.workers,
+        task_index=args.task_index,
+        num_tasks=args.num_tasks,
+        classes=args.classes,
+        index=DEFAULT_INDEX,
+        progress=progress,
+        sync=True,
+    )
+    rate = r.samples / r.seconds if r.seconds > 0 else 0.0
+    mbs = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
+    who = f"task {args.task_index} of {args.num_tasks}: " if args.num_tasks > 1 else ""
+    print(
+        f"{r.out_dir}: {who}{r.samples} samples in {len(r.shards)} of {r.total_shards} shards "
+        f"({human(r.bytes)}) in {r.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:,.0f} MB/s)"
+    )
+    if r.classes is not None:
+        print(f"  {len(r.classes)} classes (field '{CLS_FIELD}'), saved in classes.txt and .json")
+    if r.skipped:
+        print(f"  left out {r.skipped} files without KEY.FIELD names, e.g. {r.skipped_examples[0]}")
+    if r.index is not None:
+        print(f"  index {r.index}")
+    elif args.num_tasks > 1:
+        print(f"  when every task is done: fastload index {r.out_dir}")
     return 0
 
 
@@ -204,12 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=_want_progress(args),
             )
             if r.skipped:
-                print(f"{r.path}: already staged ({r.files} files, {_human(r.bytes)})")
+                print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
             else:
                 rate = r.copied_bytes / r.seconds if r.seconds > 0 else 0.0
                 print(
                     f"{r.path}: staged {r.copied_files} of {r.files} files, "
-                    f"{_human(r.copied_bytes)} in {r.seconds:.2f} s ({_human(rate)}/s, "
+                    f"{human(r.copied_bytes)} in {r.seconds:.2f} s ({human(rate)}/s, "
                     f"engine {r.engine})"
                 )
             return 0
@@ -234,9 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "index":
             return _index_command(args)
         if args.command == "pack":
-            from ._pack import pack_command
-
-            return pack_command(args, _want_progress(args))
+            return _pack_command(args, _want_progress(args))
         if args.command == "env":
             from .env.report import env_command
 

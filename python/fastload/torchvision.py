@@ -26,10 +26,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Union
 
-from ._state import node_lock
-from .env import Environment, current
+from ._util import node_lock
+from .env import Environment, current, resolve
 from .errors import ChecksumMismatchError
-from .resolve import resolve
 
 __all__ = [
     "CIFAR10",

@@ -61,7 +61,7 @@ def member_bytes(name_lens: npt.NDArray[np.uint64], sizes: npt.NDArray[np.uint64
     out = np.uint64(_BLOCK) + ((sizes + np.uint64(_BLOCK - 1)) & ~np.uint64(_BLOCK - 1))
     special = (name_lens > 100) | (sizes > _OCTAL_SIZE_MAX)
     if special.any():
-        from . import _core
+        from .. import _core
 
         out[special] = _core.tar_member_bytes(name_lens[special], sizes[special])
     return out

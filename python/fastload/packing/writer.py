@@ -1,4 +1,4 @@
-"""Writing indexed tar shards: :class:`ShardWriter`, :func:`pack` and :func:`pack_dataset`.
+"""Writing indexed tar shards: :class:`ShardWriter` (the pipelines and :func:`pack` use it).
 
 Shards are plain POSIX tar files in webdataset's layout (a sample's fields are members
 ``KEY.FIELD``, next to each other) that GNU tar, webdataset, wids and fastload's index
@@ -19,64 +19,32 @@ import dataclasses
 import io
 import json
 import os
-import re
 import string
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Union
 
 import numpy as np
 
-from . import _core
-from ._pack_plan import END_BYTES
-from .index import ShardIndex
+from .. import _core
+from .._util import Size, parse_size
+from ..index import ShardIndex
+from .plan import END_BYTES
 
 __all__ = [
     "PackResult",
     "ShardWriter",
     "encoders",
-    "pack",
-    "pack_dataset",
     "parse_size",
     "register_encoder",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
-Size = Union[int, float, str]
 BytesLike = Union[bytes, bytearray, memoryview]
 
 DEFAULT_PATTERN = "shard-{:06d}.tar"
 DEFAULT_INDEX = "index.fidx"
-
-# --- sizes -----------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: Size) -> int:
-    """Bytes from ``1000``, ``3e9``, ``"500MB"`` (decimal units: KB, MB, GB, TB) or
-    ``"1GiB"`` (binary: KiB, MiB, GiB, TiB)."""
-    if isinstance(value, bool):
-        raise TypeError("a size must be a number or a string like '1GB'")
-    if isinstance(value, (int, float)):
-        n = int(value)
-    else:
-        m = _SIZE.match(str(value))
-        unit = _UNITS.get(m.group(2).lower()) if m else None
-        if m is None or unit is None:
-            raise ValueError(f"not a size: {value!r} (use e.g. 1000000, '500MB' or '1GiB')")
-        n = int(float(m.group(1)) * unit)
-    if n <= 0:
-        raise ValueError(f"a size must be positive, not {value!r}")
-    return n
-
 
 # --- encoders --------------------------------------------------------------------------
 
@@ -419,126 +387,3 @@ class PackResult:
     """Source files or members left out: no key or no field (``README``, ``.hidden``),
     or not regular files."""
     skipped_examples: tuple[str, ...] = ()
-
-
-def pack(
-    source: PathLike | Iterable[Mapping[str, Any]],
-    out_dir: PathLike,
-    *,
-    shuffle: bool = False,
-    seed: int = 0,
-    pattern: str = DEFAULT_PATTERN,
-    max_size: Size = "1GB",
-    max_count: int | None = None,
-    workers: int | None = None,
-    task_index: int = 0,
-    num_tasks: int = 1,
-    classes: bool | None = None,
-    index: str | None = DEFAULT_INDEX,
-    progress: bool = False,
-    sync: bool = True,
-) -> PackResult:
-    """Packs samples into indexed tar shards in ``out_dir``.
-
-    ``source`` is a path or an iterable of sample dicts (as :meth:`ShardWriter.write`
-    takes, written in order: shuffle them first, or use :func:`pack_dataset`). A path is
-    a directory tree (each file a member ``KEY.FIELD`` by its relative path: files that
-    share a key form one sample), a tar, or a tar of tars such as ImageNet's train tar
-    (each member tar read as the folder of its name), packed natively, in parallel
-    (``workers`` threads), from headers and one ordered pass over the data, never
-    extracted.
-
-    ``shuffle``: a full random permutation of the samples over all shards, fixed by
-    ``seed`` (same source and seed, byte-identical shards). ``classes``: sources whose
-    keys all lie in two or more top-level folders (ImageFolder) get a ``cls`` field, the
-    position of the folder in the sorted class list, which is saved as ``classes.txt``
-    and ``classes.json`` beside the shards (None: when the layout is ImageFolder's).
-    ``task_index``/``num_tasks`` split the work across the tasks of a SLURM array: each
-    writes every ``num_tasks``-th shard of the same plan; join them with
-    ``fastload index OUT`` once all are done.
-    """
-    if isinstance(source, (str, os.PathLike)):
-        from ._pack import pack_path
-
-        return pack_path(
-            source,
-            out_dir,
-            shuffle=shuffle,
-            seed=seed,
-            pattern=pattern,
-            max_size=max_size,
-            max_count=max_count,
-            workers=workers,
-            task_index=task_index,
-            num_tasks=num_tasks,
-            classes=classes,
-            index=index,
-            progress=progress,
-            sync=sync,
-        )
-    if shuffle:
-        raise ValueError(
-            "shuffle=True needs the whole sample list: pack a path, or a map-style "
-            "dataset with pack_dataset(), or shuffle the iterable yourself"
-        )
-    if num_tasks != 1 or task_index != 0:
-        raise ValueError("tasks split a path or a dataset, not an iterable")
-    from ._pack_dataset import pack_iterable
-
-    return pack_iterable(
-        source,
-        out_dir,
-        pattern=pattern,
-        max_size=max_size,
-        max_count=max_count,
-        index=index,
-        progress=progress,
-        sync=sync,
-    )
-
-
-def pack_dataset(
-    dataset: Any,
-    out_dir: PathLike,
-    *,
-    shuffle: bool = False,
-    seed: int = 0,
-    pattern: str = DEFAULT_PATTERN,
-    max_size: Size = "1GB",
-    max_count: int | None = None,
-    workers: int | None = None,
-    fields: Sequence[str] | None = None,
-    to_sample: Callable[[int, Any], Mapping[str, Any]] | None = None,
-    index: str | None = DEFAULT_INDEX,
-    progress: bool = False,
-    sync: bool = True,
-) -> PackResult:
-    """Packs a map-style dataset (``len()`` and ``ds[i]``, e.g. a torchvision dataset)
-    with ``workers`` processes loading samples and writing shards at once.
-
-    An item becomes a sample through ``to_sample(i, item)``, or: a dict as it is, a
-    tuple by naming its parts (``fields=("jpg", "cls")``). Keys default to the dataset
-    index, zero-padded. ``shuffle`` writes the items in a random permutation fixed by
-    ``seed``. The dataset is cut into groups of consecutive samples (``max_count``, or
-    the count a probe of the first samples says fills ``max_size``), one group per worker
-    task, so the shards do not depend on the number of workers. Values that are not
-    bytes, str, numbers or numpy arrays need an encoder (:func:`register_encoder`),
-    e.g. PIL images.
-    """
-    from ._pack_dataset import pack_map_dataset
-
-    return pack_map_dataset(
-        dataset,
-        out_dir,
-        shuffle=shuffle,
-        seed=seed,
-        pattern=pattern,
-        max_size=max_size,
-        max_count=max_count,
-        workers=workers,
-        fields=fields,
-        to_sample=to_sample,
-        index=index,
-        progress=progress,
-        sync=sync,
-    )

@@ -9,57 +9,24 @@ hidden directory inside it for a class).
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
+
+from .. import _core
+from .._util import human, write_json_atomic
+from ..errors import NotEnoughSpaceError, StageError, stage_error
 
 MANIFEST_VERSION = 1
 
 
 def state_dir(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.fastload"
-
-
-def lock_path(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}.fastload.lock"
-
-
-@contextlib.contextmanager
-def node_lock(dst: Path) -> Iterator[None]:
-    """Holds an exclusive fcntl lock beside ``dst`` for the duration of the block.
-
-    The lock lives in the destination's parent, which is node-local, so it serialises
-    the processes of one node; the kernel drops it when its holder dies, so a waiter
-    takes over from a killed stager. Waiting is interruptible (Ctrl-C).
-    """
-    path = lock_path(dst)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Writes to a temporary, fsyncs it, renames it over ``path`` and fsyncs the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        # dumps, not dump: only the one-shot encoder is the C one (2x faster on the
-        # manifest of 40,000 files, written on the way out of stage()).
-        f.write(json.dumps(data, separators=(",", ":")))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def read_manifest(dst: Path) -> dict[str, Any] | None:
@@ -236,8 +203,6 @@ class JournalFlusher:
     """
 
     def __init__(self, journal: Journal, sync_path: str, every: float = 1.0) -> None:
-        from . import _core
-
         self._journal = journal
         self._sync_path = sync_path
         self._syncfs = _core.syncfs
@@ -284,3 +249,69 @@ class JournalFlusher:
             self._flush()
         if self._error is not None:
             raise self._error
+
+
+# --- the destination itself -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def named_os_errors(what: str = "") -> Iterator[None]:
+    """Turns an OSError that the native core did not already name into a StageError that
+    keeps errno and names the path (``what`` says what was being done)."""
+    try:
+        yield
+    except StageError:
+        raise
+    except OSError as e:
+        raise stage_error(
+            e.errno or errno.EIO, f"{what}{e.strerror or e}: '{e.filename}'", e.filename
+        ) from e
+
+
+def mkdir_parent(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise stage_error(
+            e.errno or errno.EIO,
+            f"cannot create destination directory '{path}': {e.strerror}",
+            str(path),
+        ) from None
+
+
+def check_space(dst_parent: Path, needed: int, target: Path) -> None:
+    st = os.statvfs(dst_parent)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise NotEnoughSpaceError(
+            f"not enough space to stage into '{target}': need {human(needed)}, "
+            f"{human(free)} free on its file system",
+            path=str(target),
+            needed=needed,
+            free=free,
+        )
+
+
+def ensure_writable(d: Path) -> None:
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise stage_error(errno.ENOTDIR, f"'{d}' exists and is not a directory", str(d))
+    if st.st_mode & 0o700 != 0o700:
+        os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
+
+
+def quick_same(path: Path, size: int, mtime_ns: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == mtime_ns
+
+
+def make_durable(dst: Path, manifest: dict[str, Any], sync: bool) -> None:
+    """With ``sync``, flushes a complete stage that was not, and says so in its manifest."""
+    if sync and not manifest.get("durable", True):
+        root = dst.parent if manifest.get("kind") == "file" else dst
+        _core.syncfs(str(root))
+        write_json_atomic(state_dir(dst) / "manifest.json", {**manifest, "durable": True})
+

@@ -22,13 +22,13 @@ from typing import Any, Callable
 import numpy as np
 import numpy.typing as npt
 
-from ._pack_plan import END_BYTES, permutation
-from .index import ShardIndex
+from .._util import Size
+from ..index import ShardIndex
+from .plan import END_BYTES, permutation
 from .writer import (
     PackResult,
     PathLike,
     ShardWriter,
-    Size,
     check_pattern,
     encode_sample,
     parse_size,

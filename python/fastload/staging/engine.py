@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import _core
+from .. import _core
 
 # statfs(2) magic numbers of network and FUSE file systems. There io_uring punts every
 # open and uncached read to its kernel workers anyway, and a pool of blocking threads

@@ -1,0 +1,73 @@
+"""The interface every source implements, and the registry of sources by URL scheme.
+
+A source turns a URL into a byte stream: ``opener(url)`` is a context manager yielding
+``(reader, size)``, where ``reader.read(n)`` returns up to ``n`` bytes (``b""`` at the
+end) and ``size`` is the length when the server says it. Errors are OSErrors naming the
+URL: ``FileNotFoundError`` for a missing object, :class:`fastload.StageError` otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from types import MappingProxyType
+from typing import Callable, Protocol
+
+from ..errors import StageError, stage_error
+
+
+class Reader(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+Opener = Callable[[str], AbstractContextManager[tuple[Reader, "int | None"]]]
+
+_OPENERS: dict[str, Opener] = {}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def register_scheme(scheme: str, opener: Opener) -> None:
+    """Makes ``scheme://`` URLs readable through ``opener`` (replacing an earlier one)."""
+    if not _SCHEME.match(f"{scheme}://"):
+        raise ValueError(f"not a URL scheme: {scheme!r}")
+    _OPENERS[scheme.lower()] = opener
+
+
+def schemes() -> Mapping[str, Opener]:
+    """The registered schemes and their openers (read-only)."""
+    return MappingProxyType(_OPENERS)
+
+
+def scheme_of(location: str) -> str | None:
+    """``"https"`` for ``https://host/x``; None for a path (which has no ``scheme://``)."""
+    m = _SCHEME.match(location)
+    return m.group(1).lower() if m else None
+
+
+def is_url(location: str) -> bool:
+    """Whether ``location`` is a URL of a registered scheme."""
+    return scheme_of(location) in _OPENERS
+
+
+def check_supported(location: str) -> None:
+    """Raises ValueError when ``location`` looks like a URL of a scheme nobody reads."""
+    scheme = scheme_of(location)
+    if scheme is not None and scheme not in _OPENERS:
+        known = ", ".join(sorted(_OPENERS))
+        raise ValueError(f"{location!r}: the {scheme}:// scheme is not supported yet ({known})")
+
+
+def open_url(url: str) -> AbstractContextManager[tuple[Reader, int | None]]:
+    """The body of ``url`` as a stream, through the source registered for its scheme."""
+    check_supported(url)
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise ValueError(f"not a URL: {url!r}")
+    return _OPENERS[scheme](url)
+
+
+def net_error(url: str, e: BaseException) -> StageError:
+    """A failed transfer of ``url`` as a StageError (EIO) that names it and the cause."""
+    return stage_error(errno.EIO, f"cannot download '{url}': {type(e).__name__}: {e}", url)

@@ -1,0 +1,367 @@
+"""stage(): copy a file or a tree to node-local disk, fast, resumably, once per node.
+
+The flow (see DESIGN.md): take the node lock beside the destination; list the source in
+parallel; return at once if a complete manifest matches it; work out what a previous,
+interrupted run already finished (the journal); check free space; run the native copier
+(many files in flight, big files in stripes, digests on the way), journalling completed
+files; then set directory metadata, create symlinks and write the manifest, atomically.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from .. import _core
+from .._util import node_lock, parse_checksum
+from ..errors import stage_error
+from .archive import archive_compression, stage_archive
+from .job import (
+    DEFAULT_STRIPE,
+    Patterns,
+    Progress,
+    job_kwargs,
+    progress_callback,
+    run_job,
+)
+from .result import StageResult, VerifyResult
+from .state import make_durable, mkdir_parent, named_os_errors, read_manifest, trusted
+from .tree import check_file_checksum, stage_tree
+
+__all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def available_engines() -> list[str]:
+    """The I/O backends that work here, best first."""
+    return ["uring", "pread"] if _core.uring_available() else ["pread"]
+
+
+def _patterns(p: Patterns) -> list[str]:
+    if p is None:
+        return []
+    if isinstance(p, (str, os.PathLike)):
+        return [os.fspath(p)]
+    return [os.fspath(x) for x in p]
+
+
+def stage(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    engine: str = "auto",
+    progress: Progress = None,
+    workers: int | None = None,
+    stripe_size: int | None = None,
+    on_special: Literal["error", "skip"] = "error",
+    check_source: bool = True,
+    unpack: bool | Literal["auto", "nested"] = "auto",
+    checksum: str | None = None,
+    sync: bool = False,
+) -> StageResult:
+    """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
+    or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
+
+    A directory's contents land in ``dst`` (like ``cp -r src/. dst``). A file lands at
+    ``dst``, or inside it if ``dst`` is an existing directory. An archive's members land
+    in the directory ``dst``.
+
+    Args:
+        unpack: for a tar archive, ``"auto"``/``True`` extracts it in one streaming pass
+            (``True`` also insists that ``src`` is one), ``"nested"`` also extracts
+            members that are tars (``n01440764.tar`` -> ``dst/n01440764/...``) from the
+            same stream, ``False`` copies the archive file as it is.
+        checksum: ``"sha256:<hex>"`` or ``"md5:<hex>"`` of the archive (or file), checked
+            in the same pass; a mismatch raises :class:`ChecksumMismatchError` and the
+            output is not marked complete.
+        include, exclude: glob patterns on paths relative to ``src`` (``*`` also matches
+            ``/``; a pattern without ``/`` also matches the base name).
+        engine: ``"auto"`` (io_uring, else a pool of pread threads), ``"uring"`` or
+            ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
+        progress: ``True`` for a progress bar, or ``cb(bytes_done, bytes_total,
+            files_done, files_total)`` called a few times a second.
+        workers: files in flight at once (default 64).
+        stripe_size: bytes per stripe of a big file, and per digest chunk (default 16 MiB).
+        on_special: what to do with devices, FIFOs, sockets and symlinks leaving the
+            tree: ``"error"`` (default) or ``"skip"``.
+        check_source: list the source again to see whether it changed since the last
+            complete stage (default). ``False`` trusts a complete manifest for this source.
+        sync: flush the staged data to disk before returning. By default ``stage()``
+            returns once every file is whole in the page cache, as ``cp``, ``tar`` and
+            ``rsync`` do, and the disk catches up while the job starts (a node's
+            ``$SLURM_TMPDIR`` does not outlive the job anyway). The manifest records the
+            boot: after a reboot (a power loss may have cut the writeback), the next
+            ``stage()`` reads the files back and checks their digests before trusting
+            them, and redoes only those that differ.
+
+    Returns:
+        A :class:`StageResult`; ``skipped`` is True when nothing had to be copied.
+
+    Raises:
+        FileNotFoundError: the source is missing (also a :class:`StageError`).
+        NotEnoughSpaceError: the destination cannot hold the data (checked first).
+        SourceChangedError: a file changed while it was copied.
+        UnsupportedFileError: a special file or an escaping symlink, unless skipped.
+        StageError: any other failure, naming the path; the destination stays resumable.
+    """
+    t0 = time.monotonic()
+    if unpack not in (True, False, "auto", "nested"):
+        raise ValueError(f"unpack must be True, False, 'auto' or 'nested', not {unpack!r}")
+    algo_hex = parse_checksum(checksum)
+    if on_special not in ("error", "skip"):
+        raise ValueError(f"on_special must be 'error' or 'skip', not {on_special!r}")
+    stripe = int(stripe_size or DEFAULT_STRIPE)
+    if not 4096 <= stripe <= 1 << 30 or stripe % 4096:
+        raise ValueError(
+            f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}"
+        )
+    src_path = Path(os.fspath(src))
+    dst_path = Path(os.fspath(dst))
+    if not os.path.lexists(src_path):
+        raise stage_error(errno.ENOENT, f"source '{src_path}' does not exist", str(src_path))
+    src_abs = Path(os.path.realpath(src_path))
+    is_file = src_abs.is_file()
+    if not is_file and not src_abs.is_dir():
+        raise stage_error(
+            errno.EINVAL, f"source '{src_path}' is not a regular file or a directory", str(src_path)
+        )
+    compression = archive_compression(src_abs) if is_file and unpack is not False else None
+    if unpack in (True, "nested") and compression is None:
+        raise stage_error(
+            errno.EINVAL,
+            f"'{src_path}' is not a tar archive (.tar, .tar.gz, .tgz, .tar.zst); "
+            "pass unpack=False to copy it as a file",
+            str(src_path),
+        )
+    if not is_file and algo_hex is not None:
+        raise ValueError("checksum= applies to a file or an archive, not to a directory")
+    if is_file and compression is None and dst_path.is_dir():
+        dst_path = dst_path / src_abs.name
+    dst_abs = Path(os.path.abspath(dst_path))
+    dst_real = Path(os.path.realpath(dst_abs.parent)) / dst_abs.name
+    if dst_real == src_abs or src_abs in dst_real.parents:
+        raise stage_error(
+            errno.EINVAL,
+            f"destination '{dst_path}' is inside the source '{src_path}'",
+            str(dst_path),
+        )
+    if (not is_file or compression) and dst_abs.exists() and not dst_abs.is_dir():
+        raise stage_error(
+            errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory", str(dst_path)
+        )
+    mkdir_parent(dst_abs.parent)
+    options: dict[str, Any] = {
+        "include": _patterns(include),
+        "exclude": _patterns(exclude),
+        "on_special": on_special,
+        "file": is_file,
+    }
+    if compression is not None:
+        options["unpack"] = "nested" if unpack == "nested" else True
+
+    with named_os_errors():
+        return _stage_with_lock(
+            src_abs,
+            dst_abs,
+            is_file,
+            options,
+            engine,
+            progress,
+            workers,
+            stripe,
+            check_source,
+            t0,
+            compression,
+            algo_hex,
+            sync,
+        )
+
+
+def _stage_with_lock(
+    src_abs: Path,
+    dst_abs: Path,
+    is_file: bool,
+    options: dict[str, Any],
+    engine: str,
+    progress: Progress,
+    workers: int | None,
+    stripe: int,
+    check_source: bool,
+    t0: float,
+    compression: str | None,
+    checksum: tuple[str, str] | None,
+    sync: bool,
+) -> StageResult:
+    with node_lock(dst_abs):
+        old = read_manifest(dst_abs)
+        same_request = (
+            old is not None
+            and old.get("complete")
+            and old.get("source") == str(src_abs)
+            and old.get("options") == options
+            and os.path.lexists(dst_abs)
+            and trusted(old)
+        )
+        if same_request and not check_source:
+            assert old is not None
+            make_durable(dst_abs, old, sync)
+            return StageResult(
+                dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
+            )
+        if compression is not None:
+            return _stage_archive_locked(
+                src_abs,
+                dst_abs,
+                compression,
+                options,
+                old,
+                engine,
+                progress,
+                workers,
+                stripe,
+                checksum,
+                t0,
+                sync,
+            )
+        result = stage_tree(
+            src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0, sync
+        )
+        if checksum is not None:
+            check_file_checksum(result.path, src_abs, checksum)
+        return result
+
+
+def _stage_archive_locked(
+    src_abs: Path,
+    dst_abs: Path,
+    compression: str,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    progress: Progress,
+    workers: int | None,
+    stripe: int,
+    checksum: tuple[str, str] | None,
+    t0: float,
+    sync: bool,
+) -> StageResult:
+    size = os.stat(src_abs).st_size
+    on_progress, bar = progress_callback(progress, f"extract {src_abs.name}", size, 0)
+    try:
+        r = stage_archive(
+            src_abs,
+            dst_abs,
+            compression=compression,
+            nested=options.get("unpack") == "nested",
+            options=options,
+            old=old,
+            checksum=checksum,
+            engine=engine,
+            on_progress=on_progress,
+            workers=workers,
+            stripe=stripe,
+            sync=sync,
+            t0=t0,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return StageResult(
+        dst_abs,
+        r["files"],
+        r["bytes"],
+        time.monotonic() - t0,
+        r["engine"],
+        r["skipped"],
+        r["copied_files"],
+        r["copied_bytes"],
+    )
+
+
+def verify(
+    dst: PathLike, *, engine: str = "auto", workers: int | None = None, progress: Progress = None
+) -> VerifyResult:
+    """Re-reads a staged file or tree and compares every chunk with its manifest.
+
+    Returns a :class:`VerifyResult` naming every file that differs or is missing.
+    Raises ``FileNotFoundError`` (a :class:`StageError`) when ``dst`` was never staged.
+    """
+    dst_abs = Path(os.path.abspath(os.fspath(dst)))
+    manifest = read_manifest(dst_abs)
+    if manifest is None or not manifest.get("complete"):
+        raise stage_error(
+            errno.ENOENT,
+            f"'{dst}' has no fastload manifest: it was not staged "
+            "by fastload, or its staging did not finish",
+            str(dst),
+        )
+    root = dst_abs.parent if manifest["kind"] == "file" else dst_abs
+    stripe = int(manifest["chunk_size"])
+    mismatched: list[str] = []
+    missing: list[str] = []
+    names: list[str] = []
+    expected: list[str] = []
+    sizes: list[int] = []
+    for p, (size, _mtime, _mode, digests) in manifest["files"].items():
+        try:
+            st = os.lstat(root / p)
+        except FileNotFoundError:
+            missing.append(p)
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            mismatched.append(p)
+            continue
+        names.append(p)
+        expected.append(digests)
+        sizes.append(size)
+    for p, target in manifest.get("symlinks", {}).items():
+        link = root / p
+        if not os.path.lexists(link):
+            missing.append(p)
+        elif not os.path.islink(link) or os.readlink(link) != target:
+            mismatched.append(p)
+    total = sum(sizes)
+    if names:
+        job = _core.CopyJob(
+            str(root),
+            "",
+            names,
+            None,
+            sizes,
+            [(s + 511) // 512 for s in sizes],
+            [0o644] * len(names),
+            [0] * len(names),
+            **job_kwargs(engine, workers, stripe),
+        )
+        on_progress, bar = progress_callback(progress, f"verify {dst_abs.name}", total, 0)
+
+        def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
+            for idx, digests in batch:
+                if digests.hex() != expected[idx]:
+                    mismatched.append(names[idx])
+
+        job.start()
+        try:
+            run_job(
+                job,
+                on_progress=on_progress,
+                base_bytes=0,
+                base_files=0,
+                total_bytes=total,
+                total_files=len(names),
+                on_done=on_done,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+    return VerifyResult(
+        dst_abs, len(manifest["files"]), int(manifest["bytes"]), sorted(mismatched), sorted(missing)
+    )
+

@@ -1,0 +1,178 @@
+"""Running the native jobs of staging: their options, progress (a tqdm bar or a
+callback, a few times a second), Ctrl-C, and the read-back of files already in a
+destination (digests of files a manifest or journal of an earlier boot describes).
+
+Used by the tree pipeline (tree.py), the archive pipeline (archive.py) and verify().
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from .. import _core
+from .engine import resolve_engine
+from .state import quick_same
+
+Patterns = Union[str, Sequence[str], None]
+ProgressCallback = Callable[[int, int, int, int], None]
+Progress = Union[bool, ProgressCallback, None]
+
+DEFAULT_STRIPE = 16 << 20
+DEFAULT_FILES_IN_FLIGHT = 64
+DEFAULT_BIG_BUFFERS = 8
+POLL_MS = 100
+PROGRESS_EVERY = 0.25  # seconds between progress callbacks
+JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
+
+# Entry kinds of a native tree listing.
+FILE, DIR, LINK = 0, 1, 2
+
+
+class Bar:
+    """A progress bar (tqdm) driven by the native counters."""
+
+    def __init__(self, desc: str, total: int, initial: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=desc,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
+
+    def __call__(
+        self, bytes_done: int, bytes_total: int, files_done: int, files_total: int
+    ) -> None:
+        self._bar.n = bytes_done
+        self._bar.set_postfix_str(f"{files_done}/{files_total} files", refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def progress_callback(
+    progress: Progress, desc: str, total: int, initial: int
+) -> tuple[ProgressCallback | None, Bar | None]:
+    if progress is True:
+        bar = Bar(desc, total, initial)
+        return bar, bar
+    if callable(progress):
+        return progress, None
+    return None, None
+
+
+def run_job(
+    job: Any,
+    *,
+    on_progress: ProgressCallback | None,
+    base_bytes: int,
+    base_files: int,
+    total_bytes: int,
+    total_files: int,
+    on_done: Callable[[list[tuple[int, bytes]], bool], None],
+) -> None:
+    """Runs a started CopyJob to its end: progress, journal, Ctrl-C, errors."""
+    last = 0.0
+
+    def report() -> None:
+        if on_progress is not None:
+            on_progress(
+                base_bytes + job.bytes_done, total_bytes, base_files + job.files_done, total_files
+            )
+
+    try:
+        while not job.wait(POLL_MS):
+            now = time.monotonic()
+            on_done(job.take_done(), False)
+            if now - last >= PROGRESS_EVERY:
+                last = now
+                report()
+    except BaseException:
+        # Ctrl-C (or an error in a callback): stop the native job, keep what finished.
+        job.cancel()
+        while not job.wait(POLL_MS):
+            pass
+        on_done(job.take_done(), True)
+        raise
+    on_done(job.take_done(), True)
+    job.rethrow()
+    report()
+
+
+def job_kwargs(
+    engine: str, workers: int | None, stripe_size: int, src: Path | None = None
+) -> dict[str, Any]:
+    files_in_flight = max(1, workers or DEFAULT_FILES_IN_FLIGHT)
+    big = DEFAULT_BIG_BUFFERS
+    return {
+        "engine": resolve_engine(engine, src),
+        "depth": 2 * files_in_flight + big + 8,
+        "threads": min(max(4, files_in_flight // 2), 64),
+        "files_in_flight": files_in_flight,
+        "stripe_size": stripe_size,
+        "big_buffers": big,
+    }
+
+
+def digest_local(
+    root: Path, entries: list[tuple[Any, ...]], engine: str, workers: int | None, stripe: int
+) -> dict[str, tuple[int, int, int, str]]:
+    """Reads files already in the destination and returns their journal records."""
+    job = _core.CopyJob(
+        str(root),
+        "",
+        [e[0] for e in entries],
+        None,
+        [e[2] for e in entries],
+        [e[3] for e in entries],
+        [e[4] for e in entries],
+        [e[5] for e in entries],
+        **job_kwargs(engine, workers, stripe),
+    )
+    out: dict[str, tuple[int, int, int, str]] = {}
+
+    def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
+        for idx, digests in batch:
+            e = entries[idx]
+            out[e[0]] = (e[2], e[5], e[4], digests.hex())
+
+    job.start()
+    run_job(
+        job,
+        on_progress=None,
+        base_bytes=0,
+        base_files=0,
+        total_bytes=0,
+        total_files=0,
+        on_done=on_done,
+    )
+    return out
+
+
+def prove(
+    root: Path,
+    records: dict[str, tuple[int, int, int, str]],
+    engine: str,
+    workers: int | None,
+    stripe: int,
+) -> dict[str, tuple[int, int, int, str]]:
+    """The records (path -> size, mtime_ns, mode, digests) whose files, read back from
+    ``root``, still have their size, time and digests: what a manifest or journal written
+    on an earlier boot without a flush may take as done."""
+    entries = [
+        (p, FILE, r[0], (r[0] + 511) // 512, r[2], r[1])
+        for p, r in records.items()
+        if quick_same(root / p, r[0], r[1])
+    ]
+    got = digest_local(root, entries, engine, workers, stripe) if entries else {}
+    return {p: records[p] for p, rec in got.items() if rec[3] == records[p][3]}
+

@@ -13,13 +13,15 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
 
 from .. import _core
 from .._util import node_lock, parse_checksum
 from ..errors import stage_error
-from .archive import archive_compression, stage_archive
+from ..sources.objstore import is_object_url
+from .archive import archive_compression, not_an_archive, stage_archive, suffix_kind
 from .job import (
     DEFAULT_STRIPE,
     Patterns,
@@ -28,6 +30,8 @@ from .job import (
     progress_callback,
     run_job,
 )
+from .readers import LocalArchive
+from .remote import stage_remote
 from .result import StageResult, VerifyResult
 from .state import make_durable, mkdir_parent, named_os_errors, read_manifest, trusted
 from .tree import check_file_checksum, stage_tree
@@ -65,6 +69,7 @@ def stage(
     unpack: bool | Literal["auto", "nested"] = "auto",
     checksum: str | None = None,
     sync: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -93,6 +98,9 @@ def stage(
             tree: ``"error"`` (default) or ``"skip"``.
         check_source: list the source again to see whether it changed since the last
             complete stage (default). ``False`` trusts a complete manifest for this source.
+        storage_options: for object store URLs: ``endpoint_url``, ``profile``,
+            ``anonymous``, ``region``, credentials (overriding ``AWS_*`` variables and
+            ``~/.aws``); see :mod:`fastload.sources.objstore`.
         sync: flush the staged data to disk before returning. By default ``stage()``
             returns once every file is whole in the page cache, as ``cp``, ``tar`` and
             ``rsync`` do, and the disk catches up while the job starts (a node's
@@ -122,6 +130,23 @@ def stage(
         raise ValueError(
             f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}"
         )
+    if isinstance(src, str) and is_object_url(src):
+        return stage_remote(
+            src,
+            dst,
+            include=_patterns(include),
+            exclude=_patterns(exclude),
+            engine=engine,
+            progress=progress,
+            workers=workers,
+            stripe=stripe,
+            unpack=unpack,
+            checksum=algo_hex,
+            sync=sync,
+            check_source=check_source,
+            storage_options=storage_options,
+            t0=t0,
+        )
     src_path = Path(os.fspath(src))
     dst_path = Path(os.fspath(dst))
     if not os.path.lexists(src_path):
@@ -133,6 +158,9 @@ def stage(
             errno.EINVAL, f"source '{src_path}' is not a regular file or a directory", str(src_path)
         )
     compression = archive_compression(src_abs) if is_file and unpack is not False else None
+    if compression is None and is_file and unpack is not False and suffix_kind(src_abs):
+        with open(src_abs, "rb") as f:
+            raise not_an_archive(str(src_path), src_abs.name, f.read(512))
     if unpack in (True, "nested") and compression is None:
         raise stage_error(
             errno.EINVAL,
@@ -256,7 +284,7 @@ def _stage_archive_locked(
     on_progress, bar = progress_callback(progress, f"extract {src_abs.name}", size, 0)
     try:
         r = stage_archive(
-            src_abs,
+            LocalArchive(src_abs),
             dst_abs,
             compression=compression,
             nested=options.get("unpack") == "nested",

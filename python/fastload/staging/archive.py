@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,15 +24,7 @@ from .._util import write_json_atomic
 from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
 from .engine import resolve_engine
 from .job import JOURNAL_EVERY, PROGRESS_EVERY, prove
-from .readers import (
-    BLOCK,
-    MappedReader,
-    Prefetcher,
-    PyDecoder,
-    cached_share,
-    direct_write_min,
-    mapped_reads,
-)
+from .readers import BLOCK, ArchiveSource, PyDecoder
 from .state import (
     MANIFEST_VERSION,
     Journal,
@@ -65,25 +56,50 @@ def archive_compression(path: Path) -> str | None:
             head = f.read(512)
     except OSError:
         return None
+    return detect_compression(head, path.name)
+
+
+def detect_compression(head: bytes, name: str) -> str | None:
+    """'none', 'gzip' or 'zstd' when a file named ``name`` starting with ``head`` (its
+    first 512 bytes) is a tar archive, else None."""
     # Content first: a gzip stream named .tar is still a gzip stream. A compressed file
     # without a tar name (data.gz) is not taken for an archive.
+    kind = suffix_kind(name)
     if head[:2] == b"\x1f\x8b":
-        return "gzip" if suffix_kind(path) is not None else None
+        return "gzip" if kind is not None else None
     if head[:4] == b"\x28\xb5\x2f\xfd":
-        return "zstd" if suffix_kind(path) is not None else None
+        return "zstd" if kind is not None else None
     if len(head) == 512 and head[257:262] == b"ustar":
         return "none"
-    if suffix_kind(path) == "none" and (len(head) == 512 or not head.strip(b"\0")):
+    if kind == "none" and (len(head) == 512 or not head.strip(b"\0")):
         return "none"  # a v7 tar, or an empty archive: let the parser judge
     return None
 
 
-def suffix_kind(path: Path) -> str | None:
-    name = path.name.lower()
+def suffix_kind(name: str | Path) -> str | None:
+    """The compression a file's name promises ('none' for .tar), or None."""
+    low = (name.name if isinstance(name, Path) else name).lower()
     for suffix, kind in sorted(SUFFIXES.items(), key=lambda kv: -len(kv[0])):
-        if name.endswith(suffix):
+        if low.endswith(suffix):
             return kind
     return None
+
+
+def not_an_archive(where: str, name: str, head: bytes) -> OSError:
+    """The error for a file whose name says tar archive and whose content does not (an
+    HTML error page saved as data.tar.gz, a truncated download)."""
+    kind = suffix_kind(name)
+    what = "a tar archive" if kind == "none" else f"a {kind}-compressed tar archive"
+    start = head[:16]
+    looks = "empty" if not head else f"it starts with {start!r}"
+    if head.lstrip()[:1] == b"<":
+        looks += " (an HTML or XML page?)"
+    return stage_error(
+        errno.EINVAL,
+        f"'{where}' is named like {what} but is not one: {looks}; pass unpack=False "
+        "(fastload stage --no-unpack) to copy it as a file",
+        where,
+    )
 
 
 def python_decompressor(compression: str) -> Callable[[], Any] | None:
@@ -108,10 +124,11 @@ def python_decompressor(compression: str) -> Callable[[], Any] | None:
     return None
 
 
-def archive_fingerprint(src: Path, st: os.stat_result, options: dict[str, Any]) -> str:
+def archive_fingerprint(identity: tuple[str, int, Any], options: dict[str, Any]) -> str:
+    """Changes with the archive (its name, size and time or ETag) and the options."""
     h = hashlib.sha256()
     h.update(
-        repr((str(src), st.st_size, st.st_mtime_ns, sorted(options.items()))).encode(
+        repr((*identity, sorted(options.items()))).encode(
             "utf-8", "surrogateescape"
         )
     )
@@ -119,7 +136,7 @@ def archive_fingerprint(src: Path, st: os.stat_result, options: dict[str, Any]) 
 
 
 def stage_archive(
-    src: Path,
+    source: ArchiveSource,
     dst: Path,
     *,
     compression: str,
@@ -134,14 +151,16 @@ def stage_archive(
     sync: bool,
     t0: float,
 ) -> dict[str, Any]:
-    """Extracts ``src`` into ``dst`` (under the node lock). Returns the summary the
-    caller turns into a StageResult."""
+    """Extracts the archive ``source`` (a file, or an object in a store) into ``dst``
+    (under the node lock). Returns the summary the caller turns into a StageResult."""
 
     def proven(records: Records) -> Records:
         return prove(dst, records, engine, workers, stripe)
 
-    st = os.stat(src)
-    fingerprint = archive_fingerprint(src, st, {**options, "chunk": stripe, "checksum": checksum})
+    src, size = source.name, source.size
+    fingerprint = archive_fingerprint(
+        source.identity, {**options, "chunk": stripe, "checksum": checksum}
+    )
     # Written on an earlier boot without a flush: only what reads back whole counts.
     old, whole = reread(dst, dst, old, fingerprint, proven)
     if (
@@ -168,7 +187,7 @@ def stage_archive(
     }
     # The archive's size bounds what an uncompressed one can hold; compressed data is
     # at least as large once extracted, so this check can only under-estimate.
-    check_space(dst.parent, max(0, st.st_size - sum(r[0] for r in done.values())), dst)
+    check_space(dst.parent, max(0, size - sum(r[0] for r in done.values())), dst)
     try:
         dst.mkdir(exist_ok=True)
     except OSError as e:
@@ -181,11 +200,10 @@ def stage_archive(
     pydecomp = PyDecoder(new_pydecomp, compression, src) if new_pydecomp else None
     hasher = hashlib.new(checksum[0]) if checksum else None
     can_seek = compression == "none" and hasher is None
-    cached = cached_share(src, st.st_size)
     files_in_flight = max(1, workers or 64)
     job = _core.ExtractJob(
         str(dst),
-        str(src),
+        src,
         "none" if pydecomp else compression,
         nested,
         options["include"],
@@ -199,7 +217,7 @@ def stage_archive(
         files_in_flight,
         stripe,
         journal.found and journal.same_boot,
-        direct_write_min=direct_write_min(src, dst, cached),
+        direct_write_min=source.direct_write_min(dst),
     )
     already = len(done)
     reused: set[str] = set()
@@ -220,12 +238,7 @@ def stage_archive(
                 copied["bytes"] += size
         flusher.add(batch)
 
-    reader: Prefetcher | MappedReader | None = None
-    if can_seek and mapped_reads(src, cached):
-        with contextlib.suppress(OSError):  # a file system that cannot map it: read it
-            reader = MappedReader(src, st.st_size, job)
-    if reader is None:
-        reader = Prefetcher(src, st.st_size, job, hasher=hasher)
+    reader = source.reader(job, hasher, can_seek)
     decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
     ready = b""
     last_report = 0.0
@@ -255,7 +268,7 @@ def stage_archive(
                 last_report = now
                 # Bytes of the archive read so far (what a Python decoder feeds the job
                 # is its output, larger than the archive).
-                on_progress(off + n, st.st_size, already + copied["files"], 0)
+                on_progress(off + n, size, already + copied["files"], 0)
         if ready:
             job.feed(ready)
         if pydecomp is not None:
@@ -282,8 +295,7 @@ def stage_archive(
     finally:
         decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
         reader.close()
-    st2 = os.stat(src)
-    if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+    if source.changed():
         journal.remove()
         raise SourceChangedError(
             errno.EIO,
@@ -298,7 +310,7 @@ def stage_archive(
             f"got {checksum[0]}:{hasher.hexdigest()}; the extracted data is not marked "  # type: ignore[index]
             "complete",
         )
-        exc.filename = str(src)
+        exc.filename = src
         raise exc
     journal.close()
 
@@ -309,20 +321,20 @@ def stage_archive(
             done[path] = done[target]
     total_bytes = sum(r[0] for r in done.values())
     if on_progress is not None:
-        on_progress(st.st_size, st.st_size, len(done), len(done))
+        on_progress(size, size, len(done), len(done))
     if sync:
         _core.syncfs(str(dst))
     manifest = {
         "version": MANIFEST_VERSION,
         "complete": True,
-        "source": str(src),
+        "source": src,
         "options": options,
         "fingerprint": fingerprint,
         "kind": "tree",
         "archive": {
             "compression": compression,
             "nested": nested,
-            "size": st.st_size,
+            "size": size,
             "checksum": f"{checksum[0]}:{checksum[1]}" if checksum else None,
         },
         "chunk_size": stripe,

@@ -304,7 +304,7 @@ def finish_tree(
         os.utime(dst_abs, ns=(st.st_mtime_ns, st.st_mtime_ns))
 
 
-def check_file_checksum(copy: Path, src: Path, checksum: tuple[str, str]) -> None:
+def check_file_checksum(copy: Path, src: str | Path, checksum: tuple[str, str]) -> None:
     """Hashes the staged copy of a file (local, fast) against its published checksum."""
     h = hashlib.new(checksum[0])
     with open(copy, "rb") as f:

@@ -1,0 +1,361 @@
+"""Object stores (``s3://``, ``gs://``, ``az://``) through obstore (Rust's object_store):
+listing, ranged reads with ``If-Match``, retries with backoff, request signing. Nothing
+here signs, parses XML or retries by hand.
+
+Configuration, later sources overriding earlier ones:
+1. the site's defaults (``[storage.s3]`` in the fastload configuration file, passed down
+   by :mod:`fastload.env` through :func:`set_site_options`);
+2. the profile (``AWS_PROFILE``, else ``default``) in ``~/.aws/credentials`` and
+   ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``);
+3. the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+   ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
+   ``AWS_REGION`` / ``AWS_DEFAULT_REGION``;
+4. ``storage_options=`` (keys: ``endpoint_url``, ``profile``, ``anonymous``, ``region``,
+   ``access_key_id``, ``secret_access_key``, ``session_token``, or any obstore key).
+
+Errors name the URL: a missing bucket or key is ``FileNotFoundError``; refused
+credentials are ``PermissionError`` naming the endpoint too; an object that changed
+while it was read is :class:`SourceChangedError`; an unreachable endpoint is one line.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import errno
+import fnmatch
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..errors import SourceChangedError, StageError, stage_error
+
+StorageOptions = Mapping[str, Any]
+
+SCHEMES = ("s3", "gs", "az")
+_EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
+_site_options: dict[str, dict[str, Any]] = {}
+_URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
+
+
+def set_site_options(scheme: str, options: Mapping[str, Any]) -> None:
+    """The site's defaults for ``scheme`` (from the configuration file)."""
+    _site_options[scheme] = dict(options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object: its key relative to the listed prefix, size, ETag and time."""
+
+    key: str
+    size: int
+    etag: str | None
+    mtime_ns: int
+    version: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """What changes whenever the object's content may have changed."""
+        return self.version or self.etag or f"{self.size}:{self.mtime_ns}"
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``."""
+    m = _URL.match(url)
+    if m is None:
+        raise ValueError(f"not an object store URL (s3://bucket/key): {url!r}")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def _profile(name: str | None) -> dict[str, str]:
+    """The keys of an AWS profile from the shared credentials and config files."""
+    chosen = name or os.environ.get("AWS_PROFILE") or "default"
+    out: dict[str, str] = {}
+    files = [
+        (os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"), f"profile {chosen}"),
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), chosen),
+    ]
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(os.path.expanduser(path), encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue
+        for sec in (section, chosen):  # config's "default" section has no "profile " prefix
+            if parser.has_section(sec):
+                out.update({k.lower(): v.strip() for k, v in parser.items(sec)})
+                break
+    if name and not out:
+        raise ValueError(f"AWS profile {name!r} is in neither ~/.aws/credentials nor ~/.aws/config")
+    return out
+
+
+def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
+    """The S3 settings in force: site < profile < environment < ``options``."""
+    opts = dict(options or {})
+    s: dict[str, Any] = dict(_site_options.get("s3", {}))
+    prof = _profile(opts.pop("profile", None))
+    for key, to in (
+        ("aws_access_key_id", "access_key_id"),
+        ("aws_secret_access_key", "secret_access_key"),
+        ("aws_session_token", "session_token"),
+        ("region", "region"),
+        ("endpoint_url", "endpoint_url"),
+    ):
+        if key in prof:
+            s[to] = prof[key]
+    env = os.environ
+    for var, to in (
+        ("AWS_ACCESS_KEY_ID", "access_key_id"),
+        ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
+        ("AWS_SESSION_TOKEN", "session_token"),
+        ("AWS_DEFAULT_REGION", "region"),
+        ("AWS_REGION", "region"),
+        ("AWS_ENDPOINT_URL", "endpoint_url"),
+        ("AWS_ENDPOINT_URL_S3", "endpoint_url"),
+    ):
+        if env.get(var):
+            s[to] = env[var]
+    s.update(opts)
+    return s
+
+
+class ObjectStore:
+    """A bucket (and a prefix in it) of an object store."""
+
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
+        self.scheme, self.bucket, self.prefix = split_url(url)
+        self.url = url
+        try:
+            from obstore import store as obstores
+        except ImportError:
+            raise ModuleNotFoundError(
+                f"reading {self.scheme}:// URLs needs obstore: {_EXTRA}"
+            ) from None
+        retry = {
+            "max_retries": 8,
+            "retry_timeout": timedelta(seconds=120),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(seconds=5),
+                "base": 2,
+            },
+        }
+        client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
+        if self.scheme == "s3":
+            s = s3_settings(storage_options)
+            self.endpoint = s.pop("endpoint_url", None) or "https://s3.amazonaws.com"
+            anonymous = bool(s.pop("anonymous", False))
+            config: dict[str, Any] = {
+                k: v for k, v in s.items() if k not in ("allow_http", "client_options")
+            }
+            config.setdefault("region", "us-east-1")
+            if "endpoint_url" not in s and self.endpoint != "https://s3.amazonaws.com":
+                pass
+            if self.endpoint != "https://s3.amazonaws.com":
+                config["endpoint"] = self.endpoint
+                config.setdefault("virtual_hosted_style_request", False)
+            if anonymous:
+                config["skip_signature"] = True
+                for k in ("access_key_id", "secret_access_key", "session_token"):
+                    config.pop(k, None)
+            if self.endpoint.startswith("http://"):
+                client["allow_http"] = True
+            client.update(s.get("client_options", {}))
+            self._store: Any = obstores.S3Store(
+                self.bucket, config=config, client_options=client, retry_config=retry
+            )
+        else:
+            opts = dict(storage_options or {})
+            self.endpoint = str(opts.get("endpoint_url", f"{self.scheme}://"))
+            self._store = obstores.from_url(
+                f"{self.scheme}://{self.bucket}", config=opts or None,
+                client_options=client, retry_config=retry,
+            )
+
+    # --- errors --------------------------------------------------------------------------
+
+    def error(self, e: BaseException, key: str) -> OSError:
+        """An obstore (or network) error as the OSError a user can act on."""
+        from obstore import exceptions as ox
+
+        url = f"{self.scheme}://{self.bucket}/{key}"
+        text = str(e).split("\n", 1)[0]
+        if isinstance(e, ox.NotFoundError) or "NoSuchBucket" in str(e):
+            what = "bucket" if "NoSuchBucket" in str(e) else "object"
+            return stage_error(errno.ENOENT, f"'{url}': no such {what}", url)
+        if isinstance(e, ox.PreconditionError):
+            return stage_error(
+                errno.EIO,
+                f"source changed: '{url}' was replaced while it was being read; stage "
+                "again to pick up the new content",
+                url,
+                SourceChangedError,
+            )
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or any(
+            code in str(e)
+            for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", " 403 ")
+        ):
+            return stage_error(
+                errno.EACCES,
+                f"'{url}': access denied by {self.endpoint} (check the credentials: "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options)",
+                url,
+            )
+        low = str(e).lower()
+        if any(w in low for w in ("connection refused", "error sending request", "dns error",
+                                  "tcp connect", "connect error", "timed out")):
+            return stage_error(
+                errno.EHOSTUNREACH,
+                f"cannot reach {self.endpoint} for '{url}': {text}",
+                url,
+            )
+        if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
+            return e
+        return stage_error(errno.EIO, f"'{url}': {type(e).__name__}: {text}", url)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)
+
+    def list(self, include: list[str] | None = None, exclude: list[str] | None = None
+             ) -> list[ObjectInfo]:
+        """Every object under the prefix (a directory tree: keys split on ``/``), keys
+        relative to it, filtered by glob patterns, sorted."""
+        import obstore
+
+        prefix = self.prefix.rstrip("/")
+        base = f"{prefix}/" if prefix else ""
+        out: list[ObjectInfo] = []
+        try:
+            for page in obstore.list(self._store, prefix=prefix or None, chunk_size=1000):
+                for meta in page:
+                    path = meta["path"]
+                    if not path.startswith(base) or path.endswith("/"):
+                        continue  # the prefix itself, or a "folder" marker
+                    rel = path[len(base):]
+                    if not selected(rel, include or [], exclude or []):
+                        continue
+                    out.append(_info(rel, meta))
+        except Exception as e:
+            raise self.error(e, base) from None
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def head(self, key: str = "") -> ObjectInfo:
+        import obstore
+
+        full = self._full(key)
+        try:
+            meta = obstore.head(self._store, full)
+        except Exception as e:
+            raise self.error(e, full) from None
+        return _info(key, meta)
+
+    def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
+        """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at
+        its end); the object must still have ``etag``. Returns the bytes read."""
+        import obstore
+
+        full = self._full(key)
+        opts: dict[str, Any] = {"range": (start, start + len(view))}
+        if etag:
+            opts["if_match"] = etag
+        try:
+            got = obstore.get(self._store, full, options=opts).bytes()
+        except Exception as e:
+            raise self.error(e, full) from None
+        n = len(got)
+        if n > len(view):
+            raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked", full)
+        view[:n] = memoryview(got)
+        return n
+
+    def get(self, key: str, etag: str | None = None) -> memoryview:
+        """The whole object (its bytes stay in obstore's buffer: no copy)."""
+        import obstore
+
+        full = self._full(key)
+        opts: dict[str, Any] = {"if_match": etag} if etag else {}
+        try:
+            return memoryview(obstore.get(self._store, full, options=opts).bytes())
+        except Exception as e:
+            raise self.error(e, full) from None
+
+    def stream(self, key: str = "") -> Iterator[memoryview]:
+        """The object's bytes as they arrive (for sequential consumers)."""
+        import obstore
+
+        full = self._full(key)
+        try:
+            resp = obstore.get(self._store, full)
+            for chunk in resp.stream(min_chunk_size=8 << 20):
+                yield memoryview(chunk)
+        except Exception as e:
+            raise self.error(e, full) from None
+
+    def put(self, key: str, data: Any) -> None:
+        import obstore
+
+        full = self._full(key)
+        try:
+            obstore.put(self._store, full, data)
+        except Exception as e:
+            raise self.error(e, full) from None
+
+
+def _info(rel: str, meta: Mapping[str, Any]) -> ObjectInfo:
+    when = meta.get("last_modified")
+    mtime_ns = int(when.timestamp() * 1e9) if when is not None else 0
+    return ObjectInfo(rel, int(meta["size"]), meta.get("e_tag"), mtime_ns, meta.get("version"))
+
+
+def selected(path: str, include: list[str], exclude: list[str]) -> bool:
+    """The staging pattern rule on a relative key: ``*`` also matches ``/``; a pattern
+    without ``/`` also matches the base name."""
+
+    def hit(pat: str) -> bool:
+        if fnmatch.fnmatchcase(path, pat):
+            return True
+        return "/" not in pat and fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pat)
+
+    if include and not any(hit(p) for p in include):
+        return False
+    return not any(hit(p) for p in exclude)
+
+
+_stores: dict[tuple[str, str, str], ObjectStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(url: str, storage_options: StorageOptions | None = None) -> ObjectStore:
+    """An ObjectStore for ``url`` (the connection pool is kept per bucket and options)."""
+    key = (url, repr(sorted((storage_options or {}).items())), repr(sorted(os.environ.items())))
+    with _stores_lock:
+        found = _stores.get(key)
+        if found is None:
+            found = _stores[key] = ObjectStore(url, storage_options)
+        return found
+
+
+def is_object_url(location: str | os.PathLike[str] | Path) -> bool:
+    return isinstance(location, str) and _URL.match(location) is not None
+
+
+__all__ = [
+    "SCHEMES",
+    "ObjectInfo",
+    "ObjectStore",
+    "StageError",
+    "is_object_url",
+    "s3_settings",
+    "selected",
+    "set_site_options",
+    "split_url",
+    "store_for",
+]

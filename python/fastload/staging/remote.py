@@ -1,0 +1,486 @@
+"""The object-store pipeline: stage every object under a prefix (a directory tree, keys
+split on ``/``), or one object, from ``s3://`` (``gs://``, ``az://``) to node-local disk.
+
+One listing plans the work. Objects a complete manifest (or the journal of an interrupted
+run) already holds with the same size, time and ETag are not fetched again, so an
+unchanged prefix costs one listing and no GET. Small objects are fetched whole, many in
+flight; an object larger than a part is fetched in ranged GETs of one part each, a few
+objects' parts in flight, written at their offsets into a part file beside its final
+name, so memory stays bounded whatever the sizes. Every GET carries ``If-Match`` with the
+listed ETag: an object replaced meanwhile fails with SourceChangedError rather than mix
+two versions. Each part's digest is computed as it arrives (the manifest's chunk digests,
+so :func:`verify` works as for local data); a part file records its finished parts, so
+after a kill a big object resumes from its last whole part. Files are renamed into place
+once whole; the manifest is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from .. import _core
+from .._util import node_lock, write_json_atomic
+from ..errors import stage_error
+from ..sources.objstore import ObjectInfo, ObjectStore
+from .job import JOURNAL_EVERY, PROGRESS_EVERY, ProgressCallback, prove
+from .result import StageResult
+from .state import (
+    MANIFEST_VERSION,
+    Journal,
+    JournalFlusher,
+    Records,
+    boot_id,
+    check_space,
+    known_records,
+    make_durable,
+    mkdir_parent,
+    named_os_errors,
+    quick_same,
+    read_manifest,
+    reread,
+    state_dir,
+    trusted,
+)
+
+# Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
+DEFAULT_OBJECTS_IN_FLIGHT = 64
+# Ranged GETs of big objects in flight: each holds one part (the stripe) in memory.
+_PARTS_IN_FLIGHT = 8
+_MODE = 0o644
+
+
+def fingerprint(url: str, objects: list[ObjectInfo], options: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([url, options], sort_keys=True).encode())
+    for o in objects:
+        h.update(f"{o.key}\0{o.size}\0{o.identity}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _digests(chunks: list[int]) -> str:
+    return b"".join(d.to_bytes(8, "little") for d in chunks).hex()
+
+
+class _Fetcher:
+    """Fetches objects into ``root`` with bounded memory; thread-safe counters."""
+
+    def __init__(self, store: ObjectStore, root: Path, stripe: int, workers: int) -> None:
+        self.store, self.root, self.stripe = store, root, stripe
+        self.small = ThreadPoolExecutor(workers, thread_name_prefix="fastload-get")
+        self.parts = ThreadPoolExecutor(_PARTS_IN_FLIGHT, thread_name_prefix="fastload-part")
+        self.bytes_done = 0
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def _count(self, n: int) -> None:
+        with self.lock:
+            self.bytes_done += n
+
+    def _place(self, tmp: Path, final: Path, obj: ObjectInfo) -> None:
+        os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
+        os.replace(tmp, final)
+
+    def fetch_small(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+        """One GET, one write, one rename."""
+        if self.cancelled:
+            raise InterruptedError
+        data = self.store.get(obj.key, obj.etag)
+        if len(data) != obj.size:
+            raise stage_error(
+                errno.EIO,
+                f"'{self.store.url.rstrip('/')}/{obj.key}': got {len(data)} bytes, "
+                f"the listing said {obj.size}",
+                obj.key,
+            )
+        tmp = final.with_name(f".{final.name}.fastload-tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        finally:
+            os.close(fd)
+        chunks = [_core.fl64(data[i : i + self.stripe]) for i in range(0, max(1, obj.size),
+                                                                       self.stripe)]
+        self._place(tmp, final, obj)
+        self._count(obj.size)
+        return (obj.size, obj.mtime_ns, _MODE, _digests(chunks))
+
+    def fetch_big(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+        """Ranged GETs of one part each, written at their offsets in a part file whose
+        side record lists the finished parts (kept across a kill: a resume fetches only
+        the others)."""
+        part = final.with_name(f".{final.name}.fastload-part")
+        record = final.with_name(f".{final.name}.fastload-part.json")
+        n_parts = -(-obj.size // self.stripe)
+        have = self._resume(part, record, obj)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _MODE)
+        try:
+            os.ftruncate(fd, obj.size)
+            lock = threading.Lock()
+
+            def one(k: int) -> None:
+                if self.cancelled:
+                    raise InterruptedError
+                off = k * self.stripe
+                buf = bytearray(min(self.stripe, obj.size - off))
+                view = memoryview(buf)
+                got = self.store.read_into(obj.key, off, view, obj.etag)
+                if got != len(buf):
+                    raise stage_error(
+                        errno.EIO,
+                        f"'{self.store.url.rstrip('/')}/{obj.key}': short read at {off}",
+                        obj.key,
+                    )
+                done = 0
+                while done < got:
+                    done += os.pwrite(fd, view[done:], off + done)
+                digest = _core.fl64(view)
+                with lock:
+                    have[k] = digest
+                    snapshot = {"identity": obj.identity, "size": obj.size,
+                                "stripe": self.stripe, "parts": dict(have)}
+                    tmp = record.with_name(record.name + ".tmp")
+                    tmp.write_text(json.dumps(snapshot))
+                    os.replace(tmp, record)
+                self._count(got)
+
+            futures = [self.parts.submit(one, k) for k in range(n_parts) if k not in have]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                wait(futures)  # none may still write to fd once it is closed
+                raise
+        finally:
+            os.close(fd)
+        self._place(part, final, obj)
+        with contextlib.suppress(FileNotFoundError):
+            record.unlink()
+        return (obj.size, obj.mtime_ns, _MODE, _digests([have[k] for k in range(n_parts)]))
+
+    def _resume(self, part: Path, record: Path, obj: ObjectInfo) -> dict[int, int]:
+        """The parts of an interrupted fetch of the same object whose bytes, read back,
+        still have their digests."""
+        try:
+            saved = json.loads(record.read_text())
+            if (saved["identity"], saved["size"], saved["stripe"]) != (
+                obj.identity, obj.size, self.stripe
+            ):
+                return {}
+            parts = {int(k): int(v) for k, v in saved["parts"].items()}
+            fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+        good: dict[int, int] = {}
+        try:
+            for k, digest in parts.items():
+                off = k * self.stripe
+                n = min(self.stripe, obj.size - off)
+                data = os.pread(fd, n, off)
+                if len(data) == n and _core.fl64(data) == digest:
+                    good[k] = digest
+                    self._count(n)
+        finally:
+            os.close(fd)
+        return good
+
+    def close(self) -> None:
+        self.small.shutdown(wait=True, cancel_futures=True)
+        self.parts.shutdown(wait=True, cancel_futures=True)
+
+
+def stage_objects(
+    store: ObjectStore,
+    objects: list[ObjectInfo],
+    dst_abs: Path,
+    *,
+    single: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    on_progress: ProgressCallback | None,
+    workers: int | None,
+    stripe: int,
+    sync: bool,
+    t0: float,
+) -> StageResult:
+    """Stages ``objects`` (keys relative to the store's prefix) into ``dst_abs`` (a tree),
+    or the one object into the file ``dst_abs`` when ``single``, under the node lock."""
+    root = dst_abs.parent if single else dst_abs
+    # A single object is stored under the destination's name.
+    name_of: Callable[[ObjectInfo], str] = (
+        (lambda o: dst_abs.name) if single else (lambda o: o.key)
+    )
+    fp = fingerprint(store.url, objects, {**options, "chunk": stripe})
+    total_bytes = sum(o.size for o in objects)
+
+    def proven(records: Records) -> Records:
+        return prove(root, records, engine, workers, stripe)
+
+    old, whole = reread(root, dst_abs, old, fp, proven)
+    if (
+        whole
+        and old is not None
+        and old.get("complete")
+        and old.get("fingerprint") == fp
+        and os.path.lexists(dst_abs)
+    ):
+        make_durable(dst_abs, old, sync)
+        return StageResult(dst_abs, len(objects), total_bytes, time.monotonic() - t0, "none", True)
+
+    journal = Journal(dst_abs, stripe, durable=sync)
+    known = known_records(journal, old, stripe, proven)
+    old_ids: dict[str, str] = (old or {}).get("objects", {}) if old is not None else {}
+    done: dict[str, tuple[int, int, int, str]] = {}
+    todo: list[ObjectInfo] = []
+    for o in objects:
+        path = name_of(o)
+        rec = known.get(path)
+        same_id = path not in old_ids or old_ids[path] == o.identity
+        if (
+            rec is not None
+            and same_id
+            and rec[0] == o.size
+            and rec[1] == o.mtime_ns
+            and quick_same(root / path, o.size, o.mtime_ns)
+        ):
+            done[path] = rec
+        else:
+            todo.append(o)
+
+    if old is not None and old.get("complete") and not single:
+        wanted = {o.key for o in objects}
+        for p in old.get("files", {}):
+            if p not in wanted:
+                with contextlib.suppress(OSError):
+                    (root / p).unlink()
+
+    check_space(dst_abs.parent, sum(o.size for o in todo), dst_abs)
+    with named_os_errors("cannot create directory: "):
+        root.mkdir(parents=True, exist_ok=True)
+        for d in sorted({os.path.dirname(name_of(o)) for o in todo} - {""}):
+            (root / d).mkdir(parents=True, exist_ok=True)
+
+    journal.open(done)
+    flusher = JournalFlusher(journal, str(root), JOURNAL_EVERY)
+    fetcher = _Fetcher(store, root, stripe, max(1, workers or DEFAULT_OBJECTS_IN_FLIGHT))
+    done_before = sum(r[0] for r in done.values())
+    copied_files = copied_bytes = 0
+    pending: dict[Future[tuple[int, int, int, str]], ObjectInfo] = {}
+    last = 0.0
+    try:
+        # Big objects first: their parts keep the part pool busy while small ones stream.
+        for o in sorted(todo, key=lambda o: -o.size if o.size > stripe else 0):
+            fn = fetcher.fetch_big if o.size > stripe else fetcher.fetch_small
+            pool = fetcher.small
+            pending[pool.submit(fn, o, root / name_of(o))] = o
+        while pending:
+            finished, _ = wait(list(pending), timeout=PROGRESS_EVERY,
+                               return_when=FIRST_COMPLETED)
+            batch = []
+            for f in finished:
+                o = pending.pop(f)
+                rec = f.result()
+                path = name_of(o)
+                done[path] = rec
+                batch.append((path, *rec))
+                copied_files += 1
+                copied_bytes += o.size
+            flusher.add(batch)
+            now = time.monotonic()
+            if on_progress is not None and now - last >= PROGRESS_EVERY:
+                last = now
+                on_progress(done_before + fetcher.bytes_done, total_bytes, len(done),
+                            len(objects))
+        flusher.close()
+        if sync:
+            _core.syncfs(str(root))
+    except BaseException:
+        fetcher.cancelled = True
+        for f in pending:
+            f.cancel()
+        with contextlib.suppress(Exception):
+            # Keep what finished before the error: a resume need not fetch it again.
+            for f, o in pending.items():
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    rec = f.result()
+                    flusher.add([(name_of(o), *rec)])
+        with contextlib.suppress(Exception):
+            flusher.close()
+        journal.close()
+        fetcher.close()
+        raise
+    fetcher.close()
+    journal.close()
+    if on_progress is not None:
+        on_progress(total_bytes, total_bytes, len(objects), len(objects))
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "complete": True,
+        "source": store.url,
+        "options": options,
+        "fingerprint": fp,
+        "kind": "file" if single else "tree",
+        "chunk_size": stripe,
+        "digest": "fl64",
+        "boot_id": boot_id(),
+        "durable": sync,
+        "files_count": len(objects),
+        "bytes": total_bytes,
+        "engine": "objstore",
+        "created": time.time(),
+        "files": {p: list(done[p]) for p in sorted(done)},
+        "objects": {name_of(o): o.identity for o in objects},
+        "symlinks": {},
+        "dirs": sorted({os.path.dirname(name_of(o)) for o in objects} - {""}),
+    }
+    write_json_atomic(state_dir(dst_abs) / "manifest.json", manifest)
+    journal.remove()
+    return StageResult(
+        dst_abs,
+        len(objects),
+        total_bytes,
+        time.monotonic() - t0,
+        "objstore",
+        False,
+        copied_files,
+        copied_bytes,
+    )
+
+
+def stage_remote(
+    url: str,
+    dst: str | os.PathLike[str],
+    *,
+    include: list[str],
+    exclude: list[str],
+    engine: str,
+    progress: Any,
+    workers: int | None,
+    stripe: int,
+    unpack: Any,
+    checksum: tuple[str, str] | None,
+    sync: bool,
+    check_source: bool,
+    storage_options: Mapping[str, Any] | None,
+    t0: float,
+) -> StageResult:
+    """stage() of an object store URL: a prefix (a tree), an object, or an archive object
+    extracted as it streams in."""
+    from .archive import detect_compression, not_an_archive, stage_archive, suffix_kind
+    from .job import progress_callback
+    from .readers import RemoteArchive
+    from .tree import check_file_checksum
+
+    store = ObjectStore(url, storage_options)
+    info: ObjectInfo | None = None
+    objects: list[ObjectInfo] = []
+    if url.endswith("/") or not store.prefix:
+        objects = store.list(include, exclude)
+    else:
+        try:
+            info = store.head()
+        except FileNotFoundError:
+            store = ObjectStore(url + "/", storage_options)
+            objects = store.list(include, exclude)
+            if not objects and not store.list():
+                raise stage_error(
+                    errno.ENOENT, f"'{url}': no such object, and no objects under it", url
+                ) from None
+    compression = None
+    if info is not None:
+        name = store.prefix.rsplit("/", 1)[-1]
+        if unpack is not False:
+            head = bytearray(min(512, info.size))
+            store.read_into("", 0, memoryview(head), info.etag)
+            compression = detect_compression(bytes(head), name)
+            if compression is None and suffix_kind(name):
+                raise not_an_archive(url, name, bytes(head))
+        if unpack in (True, "nested") and compression is None:
+            raise stage_error(errno.EINVAL, f"'{url}' is not a tar archive", url)
+        if (include or exclude) and compression is None:
+            raise ValueError("include/exclude select inside a prefix or an archive")
+        objects = [dataclasses.replace(info, key="")]
+    elif checksum is not None:
+        raise ValueError("checksum= applies to an object or an archive, not to a prefix")
+
+    dst_path = Path(os.fspath(dst))
+    single = info is not None and compression is None
+    if single and dst_path.is_dir():
+        dst_path = dst_path / store.prefix.rsplit("/", 1)[-1]
+    dst_abs = Path(os.path.abspath(dst_path))
+    if not single and dst_abs.exists() and not dst_abs.is_dir():
+        raise stage_error(
+            errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory", str(dst_path)
+        )
+    mkdir_parent(dst_abs.parent)
+    options: dict[str, Any] = {"include": include, "exclude": exclude, "file": single}
+    if compression is not None:
+        options["unpack"] = "nested" if unpack == "nested" else True
+
+    with named_os_errors(), node_lock(dst_abs):
+        old = read_manifest(dst_abs)
+        if (
+            not check_source
+            and old is not None
+            and old.get("complete")
+            and old.get("source") == store.url
+            and old.get("options") == options
+            and os.path.lexists(dst_abs)
+            and trusted(old)
+        ):
+            make_durable(dst_abs, old, sync)
+            return StageResult(
+                dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
+            )
+        total = info.size if info is not None else sum(o.size for o in objects)
+        verb = "extract" if compression is not None else "stage"
+        label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
+        on_progress, bar = progress_callback(progress, f"{verb} {label}", total, 0)
+        try:
+            if compression is not None:
+                assert info is not None
+                r = stage_archive(
+                    RemoteArchive(store, info),
+                    dst_abs,
+                    compression=compression,
+                    nested=options.get("unpack") == "nested",
+                    options=options,
+                    old=old,
+                    checksum=checksum,
+                    engine=engine,
+                    on_progress=on_progress,
+                    workers=workers,
+                    stripe=stripe,
+                    sync=sync,
+                    t0=t0,
+                )
+                return StageResult(
+                    dst_abs, r["files"], r["bytes"], time.monotonic() - t0, r["engine"],
+                    r["skipped"], r["copied_files"], r["copied_bytes"],
+                )
+            result = stage_objects(
+                store, objects, dst_abs, single=single, options=options, old=old,
+                engine=engine, on_progress=on_progress, workers=workers, stripe=stripe,
+                sync=sync, t0=t0,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        if checksum is not None:
+            check_file_checksum(result.path, store.url, checksum)
+        return result

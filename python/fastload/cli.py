@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Any, Literal, Sequence
 
 from ._util import human, version
 from .errors import FastloadError
@@ -63,7 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="archives: also extract member tars, each into a directory named after it",
     )
-    s.add_argument(
+    unpack = s.add_mutually_exclusive_group()
+    unpack.add_argument(
+        "--unpack",
+        action="store_true",
+        help="SRC must be a tar archive (.tar, .tar.gz, .tgz, .tar.zst): extract it",
+    )
+    unpack.add_argument(
         "--no-unpack",
         action="store_true",
         help="archives: copy the archive file instead of extracting it",
@@ -84,6 +90,18 @@ def _parser() -> argparse.ArgumentParser:
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
+    )
+    store = s.add_argument_group("object stores (SRC = s3://bucket/prefix/ or s3://bucket/key)")
+    store.add_argument(
+        "--endpoint-url",
+        default=None,
+        metavar="URL",
+        help="an S3-compatible store (MinIO, Ceph, CORTX, SeaweedFS); default: "
+        "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile, the fastload config",
+    )
+    store.add_argument("--profile", default=None, help="AWS profile (~/.aws/credentials)")
+    store.add_argument(
+        "--anonymous", action="store_true", help="public bucket: send no credentials"
     )
     _progress_flags(s)
 
@@ -225,6 +243,27 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     return 0
 
 
+def _unpack(args: argparse.Namespace) -> bool | Literal["auto", "nested"]:
+    if args.no_unpack:
+        if args.nested:
+            raise SystemExit("fastload stage: --nested and --no-unpack contradict each other")
+        return False
+    if args.nested:
+        return "nested"
+    return True if args.unpack else "auto"
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    opts: dict[str, Any] = {}
+    if args.endpoint_url:
+        opts["endpoint_url"] = args.endpoint_url
+    if args.profile:
+        opts["profile"] = args.profile
+    if args.anonymous:
+        opts["anonymous"] = True
+    return opts or None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -238,10 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 workers=args.workers,
                 stripe_size=args.stripe_size,
                 on_special="skip" if args.skip_special else "error",
-                unpack=False if args.no_unpack else ("nested" if args.nested else "auto"),
+                unpack=_unpack(args),
                 checksum=args.checksum,
                 sync=args.sync,
                 progress=_want_progress(args),
+                storage_options=_storage_options(args),
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")

@@ -15,10 +15,16 @@ config.toml`` (by default ``~/.config/fastload/config.toml``).
     [datasets.mydata]                   # extends the dataset registry
     sources = [{ path = "mydata/mydata.tar.zst" }]
 
+    [storage.s3]                        # the site's object store (S3-compatible)
+    endpoint_url = "https://s3.example.edu"
+
 Keys of ``[paths]`` and ``[environments.NAME]``: ``tmpdir``, ``cache``, ``scratch``
 (path templates), ``dataset_roots`` (a list of them), ``cpus`` (an integer). The
 variables ``FASTLOAD_TMPDIR``, ``FASTLOAD_CACHE``, ``FASTLOAD_SCRATCH``,
 ``FASTLOAD_DATASET_ROOTS`` (``:``-separated) and ``FASTLOAD_CPUS`` override both.
+``[storage.s3]`` (also ``gs``, ``az``) holds defaults for object store URLs
+(``endpoint_url``, ``region``, ``anonymous``...), below ``~/.aws``, the ``AWS_*``
+variables and ``storage_options=``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 __all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml"]
 
 PATH_KEYS = ("tmpdir", "cache", "scratch", "dataset_roots", "cpus")
-_TOP_KEYS = ("environment", "paths", "environments", "datasets")
+_TOP_KEYS = ("environment", "paths", "environments", "datasets", "storage")
 
 
 def config_path(environ: Mapping[str, str]) -> tuple[Path, bool]:
@@ -120,6 +126,9 @@ def check_config(data: Mapping[str, Any], path: Path) -> None:
         raise _fail(path, "[environments] must be a table of tables")
     for name, table in envs.items():
         _check_paths(table, f"environments.{name}", path)
+    storage = data.get("storage", {})
+    if not isinstance(storage, dict) or not all(isinstance(v, dict) for v in storage.values()):
+        raise _fail(path, "[storage] must be a table of tables ([storage.s3])")
     datasets = data.get("datasets", {})
     if not isinstance(datasets, dict) or not all(isinstance(v, dict) for v in datasets.values()):
         raise _fail(path, "[datasets] must be a table of tables")

@@ -20,11 +20,11 @@ import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from .._util import parse_checksum
 from ..errors import ChecksumMismatchError, stage_error
-from ..sources import check_supported, is_url
+from ..sources import check_supported, is_object_url, is_url
 from ..sources import download as download_url
 from ..staging import Patterns, Progress, archive_compression, stage
 from ..staging.archive import SUFFIXES
@@ -50,6 +50,7 @@ def resolve(
     env: Environment | None = None,
     progress: Progress = None,
     download: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Path:
     """Finds a dataset, stages it to node-local disk, and returns the local path.
 
@@ -77,8 +78,9 @@ def resolve(
             ``{split}`` template field.
         env: the environment (default: :func:`fastload.env.current`).
         progress: as in :func:`fastload.stage` (also shown while downloading).
-        download: ``False`` skips ``http(s)://`` sources (a compute node without
-            network access).
+        download: ``False`` skips URL sources (a compute node without network access).
+        storage_options: for ``s3://`` (``gs://``, ``az://``) sources, as in
+            :func:`fastload.stage`.
 
     Data already in the environment's ``tmpdir`` is returned where it is (with no
     ``destination``): it is node-local already.
@@ -122,6 +124,21 @@ def resolve(
                 continue
             url = expand(src.location, fields, os.environ)
             tried.append(url)
+            if is_object_url(url):  # staged straight from the store, no download
+                try:
+                    result = stage(
+                        url, base / src.into if src.into else base, include=include,
+                        unpack=src.unpack if unpack == "auto" and src.unpack is not None
+                        else unpack,
+                        checksum=src_checksum, progress=progress,
+                        storage_options=storage_options,
+                    )
+                except FileNotFoundError as e:
+                    failures.append(e)
+                    continue
+                if spec.returns is not None:
+                    return base / spec.returns if spec.returns else base
+                return result.path
             try:
                 found = download_url(url, cache_dir, src_checksum, progress)
             except ChecksumMismatchError:

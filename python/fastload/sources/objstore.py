@@ -21,30 +21,40 @@ while it was read is :class:`SourceChangedError`; an unreachable endpoint is one
 from __future__ import annotations
 
 import configparser
+import contextlib
 import dataclasses
 import errno
 import fnmatch
+import importlib
 import os
 import re
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..errors import SourceChangedError, StageError, stage_error
+from ..errors import SourceChangedError, stage_error
 
 StorageOptions = Mapping[str, Any]
 
 SCHEMES = ("s3", "gs", "az")
 _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
-_site_options: dict[str, dict[str, Any]] = {}
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
+_site_loader: Callable[[], Mapping[str, Any]] | None = None
 
 
-def set_site_options(scheme: str, options: Mapping[str, Any]) -> None:
-    """The site's defaults for ``scheme`` (from the configuration file)."""
-    _site_options[scheme] = dict(options)
+def set_site_loader(loader: Callable[[], Mapping[str, Any]] | None) -> None:
+    """Where the site's defaults come from: ``loader()`` returns ``{"s3": {...}, ...}``
+    (:mod:`fastload.env` passes the configuration file's ``[storage]`` tables)."""
+    global _site_loader
+    _site_loader = loader
+
+
+def site_options(scheme: str) -> dict[str, Any]:
+    """The site's defaults for ``scheme`` (read at each use: the file may change)."""
+    if _site_loader is None:
+        return {}
+    return dict(_site_loader().get(scheme, {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +107,7 @@ def _profile(name: str | None) -> dict[str, str]:
 def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     """The S3 settings in force: site < profile < environment < ``options``."""
     opts = dict(options or {})
-    s: dict[str, Any] = dict(_site_options.get("s3", {}))
+    s: dict[str, Any] = site_options("s3")
     prof = _profile(opts.pop("profile", None))
     for key, to in (
         ("aws_access_key_id", "access_key_id"),
@@ -131,7 +141,10 @@ class ObjectStore:
         self.scheme, self.bucket, self.prefix = split_url(url)
         self.url = url
         try:
-            from obstore import store as obstores
+            # Typed as Any: obstore is optional, and its typed dicts are not worth
+            # mirroring for the few keys passed through.
+            self._ob: Any = importlib.import_module("obstore")
+            obstores: Any = importlib.import_module("obstore.store")
         except ImportError:
             raise ModuleNotFoundError(
                 f"reading {self.scheme}:// URLs needs obstore: {_EXTRA}"
@@ -154,8 +167,6 @@ class ObjectStore:
                 k: v for k, v in s.items() if k not in ("allow_http", "client_options")
             }
             config.setdefault("region", "us-east-1")
-            if "endpoint_url" not in s and self.endpoint != "https://s3.amazonaws.com":
-                pass
             if self.endpoint != "https://s3.amazonaws.com":
                 config["endpoint"] = self.endpoint
                 config.setdefault("virtual_hosted_style_request", False)
@@ -170,7 +181,7 @@ class ObjectStore:
                 self.bucket, config=config, client_options=client, retry_config=retry
             )
         else:
-            opts = dict(storage_options or {})
+            opts = {**site_options(self.scheme), **(storage_options or {})}
             self.endpoint = str(opts.get("endpoint_url", f"{self.scheme}://"))
             self._store = obstores.from_url(
                 f"{self.scheme}://{self.bucket}", config=opts or None,
@@ -227,13 +238,11 @@ class ObjectStore:
              ) -> list[ObjectInfo]:
         """Every object under the prefix (a directory tree: keys split on ``/``), keys
         relative to it, filtered by glob patterns, sorted."""
-        import obstore
-
         prefix = self.prefix.rstrip("/")
         base = f"{prefix}/" if prefix else ""
         out: list[ObjectInfo] = []
         try:
-            for page in obstore.list(self._store, prefix=prefix or None, chunk_size=1000):
+            for page in self._ob.list(self._store, prefix=prefix or None, chunk_size=1000):
                 for meta in page:
                     path = meta["path"]
                     if not path.startswith(base) or path.endswith("/"):
@@ -248,11 +257,9 @@ class ObjectStore:
         return out
 
     def head(self, key: str = "") -> ObjectInfo:
-        import obstore
-
         full = self._full(key)
         try:
-            meta = obstore.head(self._store, full)
+            meta = self._ob.head(self._store, full)
         except Exception as e:
             raise self.error(e, full) from None
         return _info(key, meta)
@@ -260,14 +267,12 @@ class ObjectStore:
     def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
         """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at
         its end); the object must still have ``etag``. Returns the bytes read."""
-        import obstore
-
         full = self._full(key)
         opts: dict[str, Any] = {"range": (start, start + len(view))}
         if etag:
             opts["if_match"] = etag
         try:
-            got = obstore.get(self._store, full, options=opts).bytes()
+            got = self._ob.get(self._store, full, options=opts).bytes()
         except Exception as e:
             raise self.error(e, full) from None
         n = len(got)
@@ -278,33 +283,27 @@ class ObjectStore:
 
     def get(self, key: str, etag: str | None = None) -> memoryview:
         """The whole object (its bytes stay in obstore's buffer: no copy)."""
-        import obstore
-
         full = self._full(key)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
         try:
-            return memoryview(obstore.get(self._store, full, options=opts).bytes())
+            return memoryview(self._ob.get(self._store, full, options=opts).bytes())
         except Exception as e:
             raise self.error(e, full) from None
 
     def stream(self, key: str = "") -> Iterator[memoryview]:
         """The object's bytes as they arrive (for sequential consumers)."""
-        import obstore
-
         full = self._full(key)
         try:
-            resp = obstore.get(self._store, full)
+            resp = self._ob.get(self._store, full)
             for chunk in resp.stream(min_chunk_size=8 << 20):
                 yield memoryview(chunk)
         except Exception as e:
             raise self.error(e, full) from None
 
     def put(self, key: str, data: Any) -> None:
-        import obstore
-
         full = self._full(key)
         try:
-            obstore.put(self._store, full, data)
+            self._ob.put(self._store, full, data)
         except Exception as e:
             raise self.error(e, full) from None
 
@@ -329,18 +328,28 @@ def selected(path: str, include: list[str], exclude: list[str]) -> bool:
     return not any(hit(p) for p in exclude)
 
 
-_stores: dict[tuple[str, str, str], ObjectStore] = {}
-_stores_lock = threading.Lock()
+class _StreamReader:
+    """``read(n)`` over an object's byte stream (the Reader of sources.base)."""
+
+    def __init__(self, chunks: Iterator[memoryview]) -> None:
+        self._chunks, self._rest = chunks, memoryview(b"")
+
+    def read(self, n: int = -1, /) -> bytes:
+        if not len(self._rest):
+            self._rest = next(self._chunks, memoryview(b""))
+        if n < 0 or n >= len(self._rest):
+            out, self._rest = bytes(self._rest), memoryview(b"")
+        else:
+            out, self._rest = bytes(self._rest[:n]), self._rest[n:]
+        return out
 
 
-def store_for(url: str, storage_options: StorageOptions | None = None) -> ObjectStore:
-    """An ObjectStore for ``url`` (the connection pool is kept per bucket and options)."""
-    key = (url, repr(sorted((storage_options or {}).items())), repr(sorted(os.environ.items())))
-    with _stores_lock:
-        found = _stores.get(key)
-        if found is None:
-            found = _stores[key] = ObjectStore(url, storage_options)
-        return found
+@contextlib.contextmanager
+def open_object(url: str) -> Iterator[tuple[_StreamReader, int | None]]:
+    """The sources registry's opener for object store URLs: the object as a stream."""
+    store = ObjectStore(url)
+    info = store.head()
+    yield _StreamReader(store.stream()), info.size
 
 
 def is_object_url(location: str | os.PathLike[str] | Path) -> bool:
@@ -351,11 +360,11 @@ __all__ = [
     "SCHEMES",
     "ObjectInfo",
     "ObjectStore",
-    "StageError",
     "is_object_url",
+    "open_object",
     "s3_settings",
     "selected",
-    "set_site_options",
+    "set_site_loader",
+    "site_options",
     "split_url",
-    "store_for",
 ]

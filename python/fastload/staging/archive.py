@@ -335,6 +335,7 @@ def stage_archive(
             "compression": compression,
             "nested": nested,
             "size": size,
+            "identity": str(source.identity[2]),
             "checksum": f"{checksum[0]}:{checksum[1]}" if checksum else None,
         },
         "chunk_size": stripe,

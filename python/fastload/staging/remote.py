@@ -362,6 +362,21 @@ def stage_objects(
     )
 
 
+def _known_kind(dst: Path, name: str, url: str, info: ObjectInfo) -> str | None:
+    """What a complete earlier stage of this very object (same URL and ETag) into ``dst``
+    found it to be: its compression (an archive), ``""`` (a file), or None (unknown)."""
+    for candidate in (dst, dst / name):
+        m = read_manifest(Path(os.path.abspath(candidate)))
+        if m is None or not m.get("complete") or m.get("source") != url:
+            continue
+        archive = m.get("archive")
+        if archive is not None and archive.get("identity") == str(info.identity):
+            return str(archive["compression"])
+        if m.get("kind") == "file" and m.get("objects", {}).get(candidate.name) == info.identity:
+            return ""
+    return None
+
+
 def stage_remote(
     url: str,
     dst: str | os.PathLike[str],
@@ -404,7 +419,10 @@ def stage_remote(
     compression = None
     if info is not None:
         name = store.prefix.rsplit("/", 1)[-1]
-        if unpack is not False:
+        known = _known_kind(Path(os.fspath(dst)), name, store.url, info)
+        if unpack is not False and known is not None:
+            compression = known or None  # staged before: no GET to look at its head
+        elif unpack is not False:
             head = bytearray(min(512, info.size))
             store.read_into("", 0, memoryview(head), info.etag)
             compression = detect_compression(bytes(head), name)

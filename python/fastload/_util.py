@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
@@ -88,17 +88,38 @@ def lock_path(dst: Path) -> Path:
 
 
 @contextlib.contextmanager
-def node_lock(dst: Path) -> Iterator[None]:
+def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Holds an exclusive fcntl lock beside ``dst`` for the duration of the block.
 
     The lock lives in the destination's parent, which is node-local, so it serialises
     the processes of one node; the kernel drops it when its holder dies, so a waiter
-    takes over from a killed stager. Waiting is interruptible (Ctrl-C).
+    takes over from a killed stager. Waiting is interruptible (Ctrl-C). The holder
+    writes its host and pid into the lock file; a process that has to wait calls
+    ``on_wait`` with a line naming them.
     """
     path = lock_path(dst)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        err = OSError(
+            e.errno,
+            f"cannot use '{dst}': {e.strerror} in '{dst.parent}' (fastload keeps its lock "
+            f"and manifest beside the destination)",
+        )
+        err.filename = str(dst)
+        raise err from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+                on_wait(f"waiting for {holder or 'another process'}, which is staging '{dst}'")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            me = f"process {os.getpid()} on {os.uname().nodename}".encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
         yield
     finally:
         os.close(fd)  # releases the lock

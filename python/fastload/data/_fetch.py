@@ -4,11 +4,12 @@ native fetch."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from typing import Any, Union
 
-from ..errors import IndexFormatError
+from ..errors import IndexFormatError, stage_error
 from ..index import ShardIndex, Shards, default_index_path, expand_shards
 
 __all__ = ["ACCESS", "LocalIndex", "Source", "check_access", "check_fields", "fetch", "index_of"]
@@ -34,6 +35,15 @@ def index_of(source: Source) -> ShardIndex:
         return source
     if isinstance(source, (str, os.PathLike)) and _is_index_file(os.fspath(source)):
         return ShardIndex.open(source)
+    if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".fidx"):
+        name = os.fspath(source)
+        if not os.path.exists(name):
+            raise stage_error(
+                errno.ENOENT,
+                f"no index file '{name}': build one with 'fastload index SHARDS -o {name}' "
+                "(or ShardIndex.build), or pass the shards themselves",
+                name,
+            )
     paths = expand_shards(source)
     cached = default_index_path(paths)
     try:

@@ -29,6 +29,7 @@ from .. import _core
 from .._util import Size, human
 from ..errors import NotEnoughSpaceError
 from ..index import ShardIndex
+from ..staging import archive_compression
 from ..staging.engine import network_fs
 from .listing import group, list_source
 from .plan import cut_shards, member_bytes, permutation, task_shards
@@ -218,99 +219,108 @@ def pack_path(
     out = Path(os.path.abspath(out_dir))
     threads = workers or default_workers(source)
 
-    listing = list_source(source, out, threads)
-    smp = group(listing, classes)
-    n = len(smp.keys)
-    if n == 0:
-        raise ValueError(
-            f"'{source}' has no samples (files named KEY.FIELD; "
-            f"{smp.skipped} left out, e.g. {smp.skipped_examples[:3]})"
-        )
-    mbytes = member_bytes(smp.name_len.astype(np.uint64), smp.size)
-    per_sample = np.add.reduceat(mbytes.astype(np.int64), smp.first)
-    order = permutation(n, seed) if shuffle else np.arange(n, dtype=np.int64)
-    cuts = cut_shards(per_sample[order], limit, max_count)
-    n_shards = len(cuts) - 1
-    names = [pattern.format(s) for s in range(n_shards)]
-    mine = task_shards(n_shards, task_index, num_tasks)
-
-    out.mkdir(parents=True, exist_ok=True)
-    _check_stale(out, pattern, set(names))
-    for s in mine:  # temporaries a killed run of this task left
-        for leftover in out.glob(f".{glob.escape(names[s])}.tmp-*"):
-            leftover.unlink(missing_ok=True)
-
-    # This task's members in output order.
-    mine_arr = np.array(mine, dtype=np.int64)
-    shard_samples = cuts[mine_arr + 1] - cuts[mine_arr]
-    samples_out = order[_ranges(cuts[mine_arr], shard_samples)]
-    counts = smp.count[samples_out]
-    members = _ranges(smp.first[samples_out], counts)
-    m_first = np.zeros(len(members), dtype=np.uint8)
-    if len(members):
-        m_first[np.cumsum(counts) - counts] = 1
-    per_shard_members = np.add.reduceat(counts, _starts(shard_samples)) if len(mine) else counts
-    shard_first = np.zeros(len(mine) + 1, dtype=np.uint64)
-    np.cumsum(per_shard_members[: len(mine)], out=shard_first[1:])
-    finals = [out / names[s] for s in mine]
-    tmps = [temp_path(p) for p in finals]
-    _check_space(out, int(per_sample[samples_out].sum()) + 1024 * len(mine))
-
-    if listing.kind == "tree":
-        root: str | None = os.fspath(source)
-        sources, src_offsets, mode = smp.names, smp.src_offsets, TREE_MODE
-    else:
-        root = None
-        sources = os.fsencode(source)
-        src_offsets = np.array([0, len(sources)], dtype=np.uint64)
-        mode = "scatter"
-    bar = _Progress(len(samples_out), f"pack {source.name}") if progress else None
+    # A compressed tar cannot be read at random: it is decompressed next to the shards
+    # first (the shards are uncompressed anyway), and the copy removed at the end.
+    plain: Path | None = None
+    if source.is_file() and archive_compression(source) in ("gzip", "zstd"):
+        plain = source = _decompressed(source, out)
     try:
-        res = _core.pack_run(
-            root,
-            sources,
-            src_offsets,
-            smp.src[members],
-            smp.off[members],
-            smp.size[members],
-            smp.name_off[members],
-            smp.name_len[members],
-            m_first,
-            smp.names,
-            smp.inline,
-            listing.kind == "tree",
-            shard_first,
-            finals,
-            tmps,
-            mode,
-            threads,
-            sync,
-            _open_files_for(len(mine)) if mode == "scatter" else 256,
-            bar,
+        listing = list_source(source, out, threads)
+        smp = group(listing, classes)
+        n = len(smp.keys)
+        if n == 0:
+            raise ValueError(
+                f"'{source}' has no samples (files named KEY.FIELD; "
+                f"{smp.skipped} left out, e.g. {smp.skipped_examples[:3]})"
+            )
+        mbytes = member_bytes(smp.name_len.astype(np.uint64), smp.size)
+        per_sample = np.add.reduceat(mbytes.astype(np.int64), smp.first)
+        order = permutation(n, seed) if shuffle else np.arange(n, dtype=np.int64)
+        cuts = cut_shards(per_sample[order], limit, max_count)
+        n_shards = len(cuts) - 1
+        names = [pattern.format(s) for s in range(n_shards)]
+        mine = task_shards(n_shards, task_index, num_tasks)
+
+        out.mkdir(parents=True, exist_ok=True)
+        _check_stale(out, pattern, set(names))
+        for s in mine:  # temporaries a killed run of this task left
+            for leftover in out.glob(f".{glob.escape(names[s])}.tmp-*"):
+                leftover.unlink(missing_ok=True)
+
+        # This task's members in output order.
+        mine_arr = np.array(mine, dtype=np.int64)
+        shard_samples = cuts[mine_arr + 1] - cuts[mine_arr]
+        samples_out = order[_ranges(cuts[mine_arr], shard_samples)]
+        counts = smp.count[samples_out]
+        members = _ranges(smp.first[samples_out], counts)
+        m_first = np.zeros(len(members), dtype=np.uint8)
+        if len(members):
+            m_first[np.cumsum(counts) - counts] = 1
+        per_shard_members = np.add.reduceat(counts, _starts(shard_samples)) if len(mine) else counts
+        shard_first = np.zeros(len(mine) + 1, dtype=np.uint64)
+        np.cumsum(per_shard_members[: len(mine)], out=shard_first[1:])
+        finals = [out / names[s] for s in mine]
+        tmps = [temp_path(p) for p in finals]
+        _check_space(out, int(per_sample[samples_out].sum()) + 1024 * len(mine))
+
+        if listing.kind == "tree":
+            root: str | None = os.fspath(source)
+            sources, src_offsets, mode = smp.names, smp.src_offsets, TREE_MODE
+        else:
+            root = None
+            sources = os.fsencode(source)
+            src_offsets = np.array([0, len(sources)], dtype=np.uint64)
+            mode = "scatter"
+        bar = _Progress(len(samples_out), f"pack {source.name}") if progress else None
+        try:
+            res = _core.pack_run(
+                root,
+                sources,
+                src_offsets,
+                smp.src[members],
+                smp.off[members],
+                smp.size[members],
+                smp.name_off[members],
+                smp.name_len[members],
+                m_first,
+                smp.names,
+                smp.inline,
+                listing.kind == "tree",
+                shard_first,
+                finals,
+                tmps,
+                mode,
+                threads,
+                sync,
+                _open_files_for(len(mine)) if mode == "scatter" else 256,
+                bar,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+
+        _fsync_dir(out)  # the renames
+        if smp.classes is not None:
+            _save_classes(out, smp.classes)
+        index_path = None
+        if index and num_tasks == 1:
+            index_path = ShardIndex.build(finals, out / index).path
+        return PackResult(
+            out_dir=out,
+            shards=tuple(finals),
+            samples=int(res["samples"]),
+            bytes=int(res["bytes"]),
+            seconds=time.monotonic() - t0,
+            index=index_path,
+            total_shards=n_shards,
+            total_samples=n,
+            classes=tuple(smp.classes) if smp.classes is not None else None,
+            skipped=smp.skipped,
+            skipped_examples=tuple(smp.skipped_examples),
         )
     finally:
-        if bar is not None:
-            bar.close()
-
-    _fsync_dir(out)  # the renames
-    if smp.classes is not None:
-        _save_classes(out, smp.classes)
-    index_path = None
-    if index and num_tasks == 1:
-        index_path = ShardIndex.build(finals, out / index).path
-    return PackResult(
-        out_dir=out,
-        shards=tuple(finals),
-        samples=int(res["samples"]),
-        bytes=int(res["bytes"]),
-        seconds=time.monotonic() - t0,
-        index=index_path,
-        total_shards=n_shards,
-        total_samples=n,
-        classes=tuple(smp.classes) if smp.classes is not None else None,
-        skipped=smp.skipped,
-        skipped_examples=tuple(smp.skipped_examples),
-    )
+        if plain is not None:
+            plain.unlink(missing_ok=True)
 
 
 def _starts(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -319,4 +329,39 @@ def _starts(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return s
 
 
+def _decompressed(src: Path, out: Path) -> Path:
+    """``src`` (a gzip- or zstd-compressed tar) decompressed into a hidden tar in ``out``."""
+    import shutil
 
+    out.mkdir(parents=True, exist_ok=True)
+    plain = out / f".{src.name}.fastload-decompressed.tar"
+    kind = archive_compression(src)
+    try:
+        with open(plain, "wb") as dst:
+            if kind == "gzip":
+                try:
+                    from isal import igzip as gzip  # type: ignore[import-not-found,unused-ignore]
+                except ImportError:
+                    import gzip
+                with gzip.open(src, "rb") as f:
+                    shutil.copyfileobj(f, dst, 8 << 20)
+            else:
+                zstd = shutil.which("zstd")
+                if zstd is None:
+                    try:
+                        import zstandard  # type: ignore[import-not-found,unused-ignore]
+                    except ImportError:
+                        raise ValueError(
+                            f"'{src}' is zstd-compressed: packing it needs the zstd command "
+                            "or the 'zstandard' package"
+                        ) from None
+                    with open(src, "rb") as f:
+                        zstandard.ZstdDecompressor().copy_stream(f, dst)
+                else:
+                    import subprocess
+
+                    subprocess.run([zstd, "-dc", "--", str(src)], stdout=dst, check=True)
+    except BaseException:
+        plain.unlink(missing_ok=True)
+        raise
+    return plain

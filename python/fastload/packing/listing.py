@@ -65,10 +65,7 @@ def list_source(src: Path, out_dir: Path, threads: int) -> Listing:
         return _list_tree(src, out_dir, threads)
     kind = archive_compression(src)
     if kind in ("gzip", "zstd"):
-        raise ValueError(
-            f"'{src}' is a {kind}-compressed archive: decompress it first (shards are "
-            "read at random, so they are written uncompressed from an uncompressed tar)"
-        )
+        raise ValueError(f"'{src}' is a {kind}-compressed archive: decompress it first")
     if kind is None:
         raise ValueError(f"'{src}' is neither a directory nor a tar archive")
     del st

@@ -29,6 +29,7 @@ from .job import (
     job_kwargs,
     progress_callback,
     run_job,
+    say_waiting,
 )
 from .readers import LocalArchive
 from .remote import stage_remote
@@ -241,7 +242,7 @@ def _stage_with_lock(
     checksum: tuple[str, str] | None,
     sync: bool,
 ) -> StageResult:
-    with node_lock(dst_abs):
+    with node_lock(dst_abs, on_wait=say_waiting if progress else None):
         old = previous_stage(dst_abs)
         same_request = (
             old is not None

@@ -7,6 +7,7 @@ Used by the tree pipeline (tree.py), the archive pipeline (archive.py) and verif
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -176,3 +177,7 @@ def prove(
     got = digest_local(root, entries, engine, workers, stripe) if entries else {}
     return {p: records[p] for p, rec in got.items() if rec[3] == records[p][3]}
 
+
+def say_waiting(line: str) -> None:
+    """Tells a user watching progress why nothing moves (another process stages)."""
+    print(f"fastload: {line}", file=sys.stderr, flush=True)

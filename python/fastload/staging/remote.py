@@ -398,7 +398,7 @@ def stage_remote(
     """stage() of an object store URL: a prefix (a tree), an object, or an archive object
     extracted as it streams in."""
     from .archive import detect_compression, not_an_archive, stage_archive, suffix_kind
-    from .job import progress_callback
+    from .job import progress_callback, say_waiting
     from .readers import RemoteArchive
     from .tree import check_file_checksum
 
@@ -451,7 +451,7 @@ def stage_remote(
     if compression is not None:
         options["unpack"] = "nested" if unpack == "nested" else True
 
-    with named_os_errors(), node_lock(dst_abs):
+    with named_os_errors(), node_lock(dst_abs, on_wait=say_waiting if progress else None):
         old = previous_stage(dst_abs)
         if (
             not check_source

@@ -35,7 +35,8 @@ fastload.data | fastload.packing
 fastload.env
 fastload.staging
 fastload.sources | fastload.index
-fastload.errors | fastload._util
+fastload._util
+fastload.errors
 fastload._core
 """
 

@@ -1,13 +1,14 @@
 """Small helpers every part may use: the version, sizes (parsed and printed), checksums,
 the node lock beside a path, and atomic JSON writes.
 
-Imports nothing of fastload but errors: it sits below every part (see ``_LAYERS`` in
-``fastload/__init__.py``).
+Imports nothing of fastload but errors: it sits below every part but that one (see
+``_LAYERS`` in ``fastload/__init__.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import importlib.metadata
 import json
@@ -16,6 +17,8 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
+
+from .errors import stage_error
 
 Size = Union[int, float, str]
 
@@ -101,13 +104,12 @@ def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterat
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        err = OSError(
-            e.errno,
+        raise stage_error(
+            e.errno or errno.EIO,
             f"cannot use '{dst}': {e.strerror} in '{dst.parent}' (fastload keeps its lock "
-            f"and manifest beside the destination)",
-        )
-        err.filename = str(dst)
-        raise err from None
+            "and manifest beside the destination)",
+            str(dst),
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -10,6 +10,8 @@ VENV=${FASTLOAD_VENV:-.venv}
 JOBS=${JOBS:-2}
 
 step() { printf '\n==> %s\n' "$*"; }
+# Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
+export AWS_EC2_METADATA_DISABLED=true
 
 step "system tools (best effort: rsync and fuse3 for the peer and netsim benchmarks)"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

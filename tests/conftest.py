@@ -27,6 +27,10 @@ import helpers
 ENGINES = ("uring", "pread")
 NOBODY = 65534
 
+# Nothing may leave this machine: an s3:// URL without credentials must not make the
+# client ask the cloud's instance metadata service (169.254.169.254) for some.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+
 
 @pytest.fixture(autouse=True)
 def _no_fault_injection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,7 +116,7 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
                                                  engine: str) -> None:
     """The reader itself, 1 MiB blocks: the cached ones are copied out of the cache, the
     others read direct, and the extraction fed from both is GNU tar's."""
-    from fastload._archive import _Prefetcher
+    from fastload.staging.readers import Prefetcher as _Prefetcher
 
     if engine not in fastload.available_engines():
         pytest.skip(f"{engine} is not available here")

@@ -26,7 +26,8 @@ import pytest
 import archive_helpers as ah
 import fastload
 import helpers
-from fastload import _archive, _core
+from fastload import _core
+from fastload.staging import readers as _readers
 
 pytestmark = pytest.mark.native
 
@@ -65,18 +66,18 @@ def readers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     readers, subclassed to record it."""
     used: list[str] = []
 
-    class Mapped(_archive._MappedReader):
+    class Mapped(_readers.MappedReader):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             used.append("mapped")
             super().__init__(*args, **kwargs)
 
-    class Read(_archive._Prefetcher):
+    class Read(_readers.Prefetcher):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             used.append("read")
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(_archive, "_MappedReader", Mapped)
-    monkeypatch.setattr(_archive, "_Prefetcher", Read)
+    monkeypatch.setattr(_readers, "MappedReader", Mapped)
+    monkeypatch.setattr(_readers, "Prefetcher", Read)
     monkeypatch.delenv("FASTLOAD_MAPPED_READS", raising=False)
     return used
 

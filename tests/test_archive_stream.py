@@ -209,7 +209,7 @@ def zlib_gzip(compression: str) -> Callable[[], Any] | None:
 
 
 def test_python_decoder_members_padding_and_errors(tmp_path: Path) -> None:
-    from fastload._archive import _PyDecoder
+    from fastload.staging.readers import PyDecoder as _PyDecoder
 
     rng = random.Random(3)
     data = rng.randbytes(300_000) + b"some text\n" * 30_000
@@ -240,9 +240,9 @@ def test_python_gzip_path(stage: Stage, big: Callable[[str], Big], tmp_path: Pat
                           monkeypatch: pytest.MonkeyPatch, how: str | None) -> None:
     """stage() through a Python gzip decoder: several members and zero padding are
     extracted whole; a damaged stream fails like on the native path."""
-    import fastload._archive
+    import fastload.staging.archive
 
-    monkeypatch.setattr(fastload._archive, "_python_decompressor", zlib_gzip)
+    monkeypatch.setattr(fastload.staging.archive, "python_decompressor", zlib_gzip)
     b = big("gzip")
     plain = tmp_path / "in" / "plain.tar"
     plain.parent.mkdir()
@@ -270,9 +270,9 @@ def test_python_gzip_path_progress_and_stop(stage: Stage, big: Callable[[str], B
     parser): progress counts archive bytes (never past the archive's size, which the
     decoded output is), an exception from the callback stops the run with no decoding
     thread left behind, and a re-run completes."""
-    import fastload._archive
+    import fastload.staging.archive
 
-    monkeypatch.setattr(fastload._archive, "_python_decompressor", zlib_gzip)
+    monkeypatch.setattr(fastload.staging.archive, "python_decompressor", zlib_gzip)
     b = big("gzip")
     size = b.archive.stat().st_size
     seen: list[tuple[int, ...]] = []

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import fastload
-from fastload import ShardIndex, SourceChangedError, TarFormatError, _pack
+from fastload import ShardIndex, SourceChangedError, TarFormatError
 from fastload.cli import main as cli
+from fastload.packing import folder as _pack
 from test_index import gnu_tar_available
 from test_writer import Fields, read_fastload, read_gnu_tar, read_webdataset
 
@@ -268,10 +269,12 @@ def test_two_tasks_joined_equal_one(src: dict[str, Any], tmp_path: Path,
 
 
 def test_refusals(src: dict[str, Any], tmp_path: Path) -> None:
+    # A compressed tar is not refused: packed as the tar it holds (issue 25).
     gz = tmp_path / "a.tar.gz"
     gz.write_bytes(gzip.compress(src["tar"].read_bytes()))
-    with pytest.raises(ValueError, match="decompress it first"):
-        fastload.pack(gz, tmp_path / "o")
+    from_gz = fastload.pack(gz, tmp_path / "gz", max_count=7)
+    from_tar = fastload.pack(src["tar"], tmp_path / "tar", max_count=7)
+    assert [p.read_bytes() for p in from_gz.shards] == [p.read_bytes() for p in from_tar.shards]
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="neither a directory nor a tar"):
         fastload.pack(tmp_path / "notes.txt", tmp_path / "o")

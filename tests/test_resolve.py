@@ -253,7 +253,7 @@ def test_not_found_names_every_place_tried(env: Environment, tmp_path: Path) -> 
     assert isinstance(info.value, fastload.StageError)
     assert "/nope/a" in msg and str(env.dataset_roots[0] / "rel" / "b") in msg
     with pytest.raises(ValueError, match="not supported yet"):
-        fastload.resolve("s3://bucket/x", env=env)
+        fastload.resolve("ftp://host/x", env=env)
     with pytest.raises(ValueError, match="needs a dataset name"):
         fastload.resolve(env=env)
 
@@ -292,7 +292,7 @@ def test_registry_cifar10_on_mila(tmp_path: Path) -> None:
     root = fastload.resolve("cifar10", env=env)
     assert root == env.tmpdir / "cifar10"  # the torchvision root
     assert tree_of(root / "cifar-10-batches-py") == tree_of(batches)
-    from fastload.resolve import datasets
+    from fastload.env.datasets import datasets
 
     assert {"imagenet", "cifar10", "cifar100", "mnist", "fashionmnist"} <= set(datasets(env))
 
@@ -356,7 +356,7 @@ def test_config_adds_datasets(tmp_path: Path) -> None:
 def test_registry_file_ships_with_the_package() -> None:
     from importlib.resources import files
 
-    text = files("fastload").joinpath("datasets.toml").read_text(encoding="utf-8")
+    text = files("fastload.env").joinpath("datasets.toml").read_text(encoding="utf-8")
     assert "[imagenet]" in text and "[cifar10]" in text
 
 
@@ -415,7 +415,7 @@ def test_http_where_the_cache_refuses_locks(
     process's own, renamed into place."""
     import errno
 
-    resolve_module = sys.modules["fastload.resolve"]
+    resolve_module = sys.modules["fastload.sources.download"]
     real_lock = resolve_module.node_lock
 
     def node_lock(path: Path) -> Any:
@@ -579,7 +579,7 @@ def _emit(tag: str, payload: Any = None) -> None:
 
 def _child_main(spec: dict[str, Any]) -> int:
     """Calls resolve() with the spec's arguments and reports what stage() did."""
-    resolve_module = sys.modules["fastload.resolve"]
+    resolve_module = sys.modules["fastload.env.resolver"]
     real_stage = resolve_module.stage
     staged: list[dict[str, Any]] = []
 

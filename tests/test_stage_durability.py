@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload._state import boot_id, state_dir
+from fastload.staging.state import boot_id, state_dir
 
 pytestmark = pytest.mark.native
 

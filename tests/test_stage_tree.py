@@ -537,7 +537,7 @@ def test_staging_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:
         f"fastload.stage({str(tmp_path / 'src')!r}, {str(tmp_path / 'dst')!r})\n"
         "fastload.verify; fastload.ShardIndex\n"
         "assert not {'numpy', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
-        "assert fastload.pack is fastload.writer.pack and 'numpy' in sys.modules\n"
+        "assert fastload.pack is fastload.packing.api.pack and 'numpy' in sys.modules\n"
         "from fastload import ShardWriter, register_encoder, PackResult, pack_dataset\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)

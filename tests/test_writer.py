@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import fastload
 from fastload import ShardIndex, ShardWriter, _core
-from fastload._pack_plan import cut_shards, member_bytes, permutation, split_key, task_shards
-from fastload.writer import encoders, parse_size, register_encoder
+from fastload.packing.plan import cut_shards, member_bytes, permutation, split_key, task_shards
+from fastload.packing.writer import encoders, parse_size, register_encoder
 from test_index import gnu_tar_available, reader
 
 pytestmark = pytest.mark.native
@@ -310,7 +310,7 @@ def test_register_encoder(tmp_path: Path) -> None:
         with pytest.raises(TypeError):
             register_encoder("Point", bytes)  # type: ignore[arg-type]
     finally:
-        fastload.writer._ENCODERS.pop(Point, None)
+        fastload.packing.writer._ENCODERS.pop(Point, None)
 
 
 @pytest.mark.parametrize(

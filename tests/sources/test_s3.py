@@ -328,3 +328,16 @@ def test_resolve_and_cli_read_s3(
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert (tmp_path / "c/cls/a.txt").read_text() == "a"
+
+
+def test_no_credentials_fails_without_asking_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("obstore")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(PermissionError, match="no credentials for 's3://some-bucket/x'"):
+        fastload.stage("s3://some-bucket/x", tmp_path / "x")

@@ -9,7 +9,8 @@ Configuration, later sources overriding earlier ones:
    ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``);
 3. the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
    ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
-   ``AWS_REGION`` / ``AWS_DEFAULT_REGION``;
+   ``AWS_REGION`` / ``AWS_DEFAULT_REGION``; with no keys anywhere, an instance role
+   (the metadata service), unless ``AWS_EC2_METADATA_DISABLED=true``;
 4. ``storage_options=`` (keys: ``endpoint_url``, ``profile``, ``anonymous``, ``region``,
    ``access_key_id``, ``secret_access_key``, ``session_token``, or any obstore key).
 
@@ -71,6 +72,11 @@ class ObjectInfo:
     def identity(self) -> str:
         """What changes whenever the object's content may have changed."""
         return self.version or self.etag or f"{self.size}:{self.mtime_ns}"
+
+
+def _metadata_disabled() -> bool:
+    """``AWS_EC2_METADATA_DISABLED=true``, as the AWS SDKs read it."""
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -174,6 +180,17 @@ class ObjectStore:
                 config["skip_signature"] = True
                 for k in ("access_key_id", "secret_access_key", "session_token"):
                     config.pop(k, None)
+            elif "access_key_id" not in config and _metadata_disabled():
+                # Without keys, the client would ask the instance metadata service
+                # (169.254.169.254) for a role's credentials; where that is switched
+                # off, say what is missing instead.
+                raise stage_error(
+                    errno.EACCES,
+                    f"no credentials for '{url}' (endpoint {self.endpoint}): set "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, pass "
+                    "storage_options, or anonymous=True for a public bucket",
+                    url,
+                )
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))

@@ -11,15 +11,10 @@ which would pull another torch). Where one is missing, its cases skip and say so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import multiprocessing
 import os
 import shutil
-import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,9 +23,14 @@ from typing import Any, Callable
 import pytest
 
 from _harness import IndexedShards, Source
-
-STUBS = Path(__file__).resolve().parent / "_stubs"
-HINT = "run scripts/bench-peers.sh to set up a benchmark venv with the peers"
+from _peer_imports import (  # noqa: F401  (re-exported for the benchmarks)
+    HINT,
+    STUBS,
+    import_datasets,
+    import_litdata,
+    import_streaming,
+    quiet,
+)
 
 
 def is_peer(tool: str) -> bool:
@@ -39,46 +39,6 @@ def is_peer(tool: str) -> bool:
     ``Dataset.__getitems__`` a batch of indices at a time; ``litdata-nodrop``:
     drop_last=False)."""
     return tool.split("-")[0] in ("mosaicml", "litdata", "hf")
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Their warnings ignored: the suite turns warnings into errors, which is for fastload,
-    not for the peers (mosaicml's LocalDataset leaves its index.json open, a
-    ResourceWarning; their imports raise their dependencies' deprecation warnings)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _import(module: str, dist: str) -> ModuleType:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{dist} is not installed ({HINT})")
-    with quiet():
-        try:
-            return importlib.import_module(module)
-        except ImportError as e:
-            pytest.skip(f"{dist} does not import here: {e} ({HINT})")
-
-
-def import_streaming() -> ModuleType:
-    """mosaicml-streaming. ``import streaming`` imports streaming.vision, which imports
-    torchvision; without a real torchvision (no CPU build here, and installing it would
-    replace this torch build), a two-name stub from benchmarks/_stubs goes on sys.path
-    first. Nothing the benchmarks call reaches it."""
-    if importlib.util.find_spec("streaming") is None:
-        pytest.skip(f"mosaicml-streaming is not installed ({HINT})")
-    if str(STUBS) not in sys.path and importlib.util.find_spec("torchvision") is None:
-        sys.path.append(str(STUBS))
-    return _import("streaming", "mosaicml-streaming")
-
-
-def import_litdata() -> ModuleType:
-    return _import("litdata", "litdata")
-
-
-def import_datasets() -> ModuleType:
-    return _import("datasets", "Hugging Face datasets")
 
 
 def importer(tool: str) -> Callable[[], ModuleType]:

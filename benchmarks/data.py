@@ -383,7 +383,7 @@ def _source_params(shards: Path) -> Any:
 def mds_records(root: Path, shards: Path, size_limit: int | str = 1 << 26) -> Path:
     """The records of ``shards`` as a MosaicML streaming MDS data set (``MDSWriter``,
     uncompressed, its default 64 MiB shard size limit unless given). Returns ``root``."""
-    from _peers import import_streaming, quiet
+    from _peer_imports import import_streaming, quiet
 
     streaming = import_streaming()
     params = {
@@ -421,7 +421,7 @@ def litdata_records(
     shards (each input yields its shard's samples), 64 MB chunks unless ``chunk_size``
     (samples per chunk) is given. One worker by default, so the chunks keep the shards'
     order. Returns ``root``."""
-    from _peers import import_litdata, quiet
+    from _peer_imports import import_litdata, quiet
 
     ld = import_litdata()
     params = {
@@ -460,7 +460,7 @@ def arrow_records(root: Path, shards: Path) -> Path:
     """The records of ``shards`` as a Hugging Face ``datasets`` data set on disk
     (``Dataset.from_generator(...).save_to_disk``: Arrow files, memory-mapped by
     ``load_from_disk``). Returns ``root``."""
-    from _peers import import_datasets, quiet
+    from _peer_imports import import_datasets, quiet
 
     hf = import_datasets()
     params = {"kind": "arrow", "source": _source_params(shards), "version": hf.__version__}

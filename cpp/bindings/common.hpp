@@ -3,7 +3,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <functional>
 #include <string>
+#include <vector>
+
+#include "common/cancel.hpp"
 
 namespace fastload::bindings {
 
@@ -13,6 +17,14 @@ namespace py = pybind11;
 // surrogateescape on the Python side (what os.fsdecode/os.fsencode do).
 py::str fs_str(const std::string& s);
 std::string fs_bytes(const py::handle& obj);  // accepts str, bytes or os.PathLike
+std::vector<std::string> fs_list(const py::iterable& items);  // fs_bytes of each
+
+// Runs work() on a thread while this (Python) thread waits in 100 ms slices: Ctrl-C
+// cancels the work and raises KeyboardInterrupt once it has stopped; tick() (progress,
+// may be empty) runs between slices with the GIL held, and what it throws cancels too.
+// What work() throws is rethrown here.
+void run_cancellable(const std::function<void()>& work, CancelToken& cancel,
+                     const std::function<void()>& tick);
 
 void register_errors(py::module_& m);
 void register_io(py::module_& m);

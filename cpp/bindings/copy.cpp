@@ -29,12 +29,6 @@ copy::Tree stat_one(const std::string& root, const std::string& rel) {
   return t;
 }
 
-std::vector<std::string> fs_list(const py::iterable& items) {
-  std::vector<std::string> out;
-  for (auto item : items) out.push_back(fs_bytes(item));
-  return out;
-}
-
 }  // namespace
 
 void register_copy(py::module_& m) {

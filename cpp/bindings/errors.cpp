@@ -1,24 +1,9 @@
 // Native errors become Python exceptions here, once. The classes live in Python
 // (fastload.errors); a factory there picks the subclass from the kind and errno.
-#include <cstring>
-
 #include "bindings/common.hpp"
 #include "common/error.hpp"
 
 namespace fastload::bindings {
-
-py::str fs_str(const std::string& s) {
-  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(s.data(), Py_ssize_t(s.size()));
-  if (!o) throw py::error_already_set();
-  return py::reinterpret_steal<py::str>(o);
-}
-
-std::string fs_bytes(const py::handle& obj) {
-  PyObject* b = nullptr;
-  if (!PyUnicode_FSConverter(obj.ptr(), &b)) throw py::error_already_set();
-  auto owned = py::reinterpret_steal<py::bytes>(b);
-  return std::string(owned);
-}
 
 static const char* kind_name(ErrorKind k) {
   switch (k) {

@@ -2,11 +2,11 @@
 // 100 ms slices so Ctrl-C cancels it), Index (an opened index and its shards) with the
 // batched fetch, and Payload, the zero-copy read-only buffer over a member's bytes.
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
+#include <atomic>
+#include <cstring>
+#include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
+#include <optional>
 
 #include "bindings/collate.hpp"
 #include "bindings/common.hpp"
@@ -125,12 +125,35 @@ std::shared_ptr<PyIndex> open_index(const py::object& path, bool check_shards) {
   return out;
 }
 
-std::vector<uint64_t> sample_indices(const PyIndex& ix, const py::handle& indices) {
+// The arguments fetch() and fetch_packed() share, parsed once.
+struct Request {
+  bool read_mode = false;          // access="read" (else "mmap")
+  std::vector<uint64_t> samples;   // sample positions (negative indices resolved)
+  std::vector<uint32_t> fields;    // the field ids named, in order (empty: fields=None)
+  std::optional<std::vector<bool>> want;  // a mask over field ids (nullopt: every field)
+  size_t nwanted = 0;              // fields set in want
+};
+
+// The id of the field `name`; unknown names are a ValueError listing what the index has.
+uint32_t field_id(const PyIndex& ix, const std::string& name) {
+  for (uint64_t f = 0; f < ix.file->field_count(); ++f)
+    if (ix.file->field_name(f) == name) return uint32_t(f);
+  std::string have;
+  for (uint64_t f = 0; f < ix.file->field_count(); ++f)
+    have += (f ? ", " : "") + std::string(ix.file->field_name(f));
+  throw py::value_error("no field '" + name + "' in index '" + ix.file->path() +
+                        "' (its fields: " + have + ")");
+}
+
+Request parse_request(const PyIndex& ix, const py::handle& indices, const py::object& fields,
+                      const std::string& access) {
+  Request r;
+  r.read_mode = access == "read";
+  if (!r.read_mode && access != "mmap")
+    throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
   const int64_t n = int64_t(ix.file->sample_count());
-  std::vector<uint64_t> out;
-  if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr())) {
-    out.reserve(size_t(py::len(indices)));
-  }
+  if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr()))
+    r.samples.reserve(size_t(py::len(indices)));
   for (py::handle h : indices) {
     Py_ssize_t i = PyNumber_AsSsize_t(h.ptr(), PyExc_IndexError);
     if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -138,37 +161,17 @@ std::vector<uint64_t> sample_indices(const PyIndex& ix, const py::handle& indice
     if (i < 0 || i >= n)
       throw py::index_error("sample index " + std::to_string(py::cast<int64_t>(h)) +
                             " out of range for " + std::to_string(n) + " samples");
-    out.push_back(uint64_t(i));
+    r.samples.push_back(uint64_t(i));
   }
-  return out;
-}
-
-// Field names -> a wanted-mask over field ids (nullopt: every field). Unknown names are
-// a ValueError listing what the index has.
-std::optional<std::vector<bool>> wanted_fields(const PyIndex& ix, const py::object& fields,
-                                               size_t* count) {
-  if (fields.is_none()) return std::nullopt;
-  std::vector<bool> want(ix.file->field_count(), false);
-  *count = 0;
+  if (fields.is_none()) return r;
+  r.want.emplace(ix.file->field_count(), false);
   for (py::handle h : fields) {
-    std::string name = fs_bytes(h);
-    bool found = false;
-    for (uint64_t f = 0; f < ix.file->field_count(); ++f)
-      if (ix.file->field_name(f) == name) {
-        if (!want[f]) ++*count;
-        want[f] = true;
-        found = true;
-        break;
-      }
-    if (!found) {
-      std::string have;
-      for (uint64_t f = 0; f < ix.file->field_count(); ++f)
-        have += (f ? ", " : "") + std::string(ix.file->field_name(f));
-      throw py::value_error("no field '" + name + "' in index '" + ix.file->path() +
-                            "' (its fields: " + have + ")");
-    }
+    const uint32_t f = field_id(ix, fs_bytes(h));
+    r.fields.push_back(f);
+    if (!(*r.want)[f]) ++r.nwanted;
+    (*r.want)[f] = true;
   }
-  return want;
+  return r;
 }
 
 // One call, one batch: plan (GIL released), bring the bytes in (GIL released), then
@@ -176,12 +179,9 @@ std::optional<std::vector<bool>> wanted_fields(const PyIndex& ix, const py::obje
 // with the GIL, filled without it: nothing else can see them yet).
 py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields, bool copy,
                const std::string& access) {
-  const bool read_mode = access == "read";
-  if (!read_mode && access != "mmap")
-    throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
-  std::vector<uint64_t> samples = sample_indices(ix, indices);
-  size_t nwanted = 0;
-  std::optional<std::vector<bool>> want = wanted_fields(ix, fields, &nwanted);
+  const Request req = parse_request(ix, indices, fields, access);
+  const bool read_mode = req.read_mode;
+  const std::vector<uint64_t>& samples = req.samples;
   std::vector<Piece> pieces;
   std::vector<std::shared_ptr<const index::Mapping>> maps;  // per piece (mmap mode)
   std::shared_ptr<char[]> block;                            // read mode, copy=false
@@ -189,7 +189,7 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
   {
     py::gil_scoped_release nogil;
     pieces.reserve(samples.size() * 4);
-    ix.shards->plan(samples, want ? &*want : nullptr, pieces);
+    ix.shards->plan(samples, req.want ? &*req.want : nullptr, pieces);
     if (!read_mode) {
       maps.resize(pieces.size());
       for (size_t i = 0; i < pieces.size(); ++i)
@@ -246,11 +246,11 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
     size_t got = 0;
     for (; pi < pieces.size() && pieces[pi].slot == k; ++pi, ++got)
       d[ix.field_names[pieces[pi].field]] = std::move(values[pi]);
-    if (want && got != nwanted) {
-      for (py::handle h : fields)
-        if (!d.contains(h))
+    if (req.want && got != req.nwanted) {
+      for (uint32_t f : req.fields)
+        if (!d.contains(ix.field_names[f]))
           throw py::key_error("sample '" + std::string(ix.file->key(samples[k])) +
-                              "' has no field '" + fs_bytes(h) + "'");
+                              "' has no field '" + std::string(ix.file->field_name(f)) + "'");
     }
     out[k] = std::move(d);
   }
@@ -266,34 +266,26 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
 py::tuple fetch_packed(PyIndex& ix, const py::handle& indices, const py::object& fields,
                        const py::function& alloc, const std::string& access,
                        bool allow_missing) {
-  const bool read_mode = access == "read";
-  if (!read_mode && access != "mmap")
-    throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
-  std::vector<uint64_t> samples = sample_indices(ix, indices);
-  size_t nwanted = 0;
-  std::optional<std::vector<bool>> want = wanted_fields(ix, fields, &nwanted);
+  const Request req = parse_request(ix, indices, fields, access);
+  const bool read_mode = req.read_mode;
+  const std::vector<uint64_t>& samples = req.samples;
   const size_t rows = samples.size();
   constexpr uint32_t kNone = UINT32_MAX;
   std::vector<uint32_t> column_of(ix.file->field_count(), kNone);
   std::vector<uint32_t> column_field;  // field id per column
-  if (!fields.is_none()) {
-    for (py::handle h : fields) {
-      std::string name = fs_bytes(h);
-      for (uint32_t f = 0; f < ix.file->field_count(); ++f)
-        if (ix.file->field_name(f) == name && column_of[f] == kNone) {
-          column_of[f] = uint32_t(column_field.size());
-          column_field.push_back(f);
-        }
+  for (uint32_t f : req.fields)
+    if (column_of[f] == kNone) {
+      column_of[f] = uint32_t(column_field.size());
+      column_field.push_back(f);
     }
-  }
   std::vector<Piece> pieces;
   std::vector<size_t> piece_at;  // per (column, row): index in pieces + 1, 0 if none
   std::vector<uint64_t> size;    // per (column, row)
   {
     py::gil_scoped_release nogil;
     pieces.reserve(rows * 4);
-    ix.shards->plan(samples, want ? &*want : nullptr, pieces);
-    if (fields.is_none())
+    ix.shards->plan(samples, req.want ? &*req.want : nullptr, pieces);
+    if (!req.want)
       for (const Piece& p : pieces)
         if (column_of[p.field] == kNone) {
           column_of[p.field] = uint32_t(column_field.size());
@@ -373,10 +365,11 @@ py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_pa
                    unsigned threads, const py::object& progress) {
   if (py::len(open_paths) != py::len(stored_paths))
     throw py::value_error("build_index: open_paths and stored_paths differ in length");
-  std::vector<index::ShardInput> shards(py::len(open_paths));
+  std::vector<std::string> open = fs_list(open_paths), stored = fs_list(stored_paths);
+  std::vector<index::ShardInput> shards(open.size());
   for (size_t i = 0; i < shards.size(); ++i) {
-    shards[i].open_path = fs_bytes(open_paths[i]);
-    shards[i].stored_path = fs_bytes(stored_paths[i]);
+    shards[i].open_path = std::move(open[i]);
+    shards[i].stored_path = std::move(stored[i]);
   }
   index::BuildOptions opt;
   if (on_duplicate == "error") opt.on_duplicate = index::OnDuplicate::kError;
@@ -389,50 +382,11 @@ py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_pa
   opt.cancel = &cancel;
   opt.shards_done = &done;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  bool finished = false;
   index::BuildResult result;
-  std::exception_ptr error;
-  std::thread worker([&] {
-    try {
-      result = index::build(shards, out, opt);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard lock(mu);
-    finished = true;
-    cv.notify_all();
-  });
-  for (;;) {
-    bool over;
-    {
-      py::gil_scoped_release nogil;
-      std::unique_lock lock(mu);
-      over = cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return finished; });
-    }
-    if (over) break;
-    if (PyErr_CheckSignals() != 0) {
-      cancel.cancel();
-      {
-        py::gil_scoped_release nogil;
-        worker.join();
-      }
-      throw py::error_already_set();
-    }
-    if (!progress.is_none()) {
-      try {
-        progress(done.load(std::memory_order_relaxed), shards.size());
-      } catch (...) {
-        cancel.cancel();
-        py::gil_scoped_release nogil;
-        worker.join();
-        throw;
-      }
-    }
-  }
-  worker.join();
-  if (error) std::rethrow_exception(error);
+  std::function<void()> tick;
+  if (!progress.is_none())
+    tick = [&] { progress(done.load(std::memory_order_relaxed), shards.size()); };
+  run_cancellable([&] { result = index::build(shards, out, opt); }, cancel, tick);
   py::dict d;
   d["shards"] = result.shards;
   d["samples"] = result.samples;

@@ -4,15 +4,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
-#include <thread>
 
 #include "bindings/common.hpp"
 #include "common/error.hpp"
-#include "index/pack.hpp"
+#include "pack/pack.hpp"
 
 namespace fastload::bindings {
 namespace {
@@ -44,55 +40,6 @@ class View {
  private:
   Py_buffer view_{};
 };
-
-// Runs work() on a thread while this (Python) thread waits in 100 ms slices: Ctrl-C
-// cancels the work and raises KeyboardInterrupt once it has stopped; tick() (progress)
-// runs between slices with the GIL held.
-void run_cancellable(const std::function<void()>& work, CancelToken& cancel,
-                     const std::function<void()>& tick) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool finished = false;
-  std::exception_ptr error;
-  std::thread worker([&] {
-    try {
-      work();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard lock(mu);
-    finished = true;
-    cv.notify_all();
-  });
-  auto stop = [&] {
-    cancel.cancel();
-    py::gil_scoped_release nogil;
-    worker.join();
-  };
-  for (;;) {
-    bool over;
-    {
-      py::gil_scoped_release nogil;
-      std::unique_lock lock(mu);
-      over = cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return finished; });
-    }
-    if (over) break;
-    if (PyErr_CheckSignals() != 0) {
-      stop();
-      throw py::error_already_set();
-    }
-    if (tick) {
-      try {
-        tick();
-      } catch (...) {
-        stop();
-        throw;
-      }
-    }
-  }
-  worker.join();
-  if (error) std::rethrow_exception(error);
-}
 
 py::tuple list_archive(const py::object& path, bool nested, unsigned threads) {
   const std::string p = fs_bytes(path);
@@ -141,8 +88,8 @@ py::dict pack_run(const py::object& root, const py::bytes& sources, const Array<
   plan.inline_data = view_of(inline_data);
   plan.whole_files = whole_files;
   plan.shard_first = span_of(shard_first);
-  for (auto p : final_paths) plan.final_paths.push_back(fs_bytes(p));
-  for (auto p : tmp_paths) plan.tmp_paths.push_back(fs_bytes(p));
+  plan.final_paths = fs_list(final_paths);
+  plan.tmp_paths = fs_list(tmp_paths);
   pack::Options opt;
   if (mode == "per_shard") opt.mode = pack::Mode::kPerShard;
   else if (mode == "scatter") opt.mode = pack::Mode::kScatter;
@@ -251,7 +198,7 @@ void register_pack(py::module_& m) {
         py::arg("whole_files"), py::arg("shard_first"), py::arg("final_paths"),
         py::arg("tmp_paths"), py::arg("mode"), py::arg("threads") = 0, py::arg("sync") = true,
         py::arg("max_open") = 256, py::arg("progress") = py::none(),
-        "Executes a pack plan (see python/fastload/_pack.py).");
+        "Executes a pack plan (computed by fastload.packing).");
 }
 
 }  // namespace fastload::bindings

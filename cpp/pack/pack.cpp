@@ -1,4 +1,4 @@
-#include "index/pack.hpp"
+#include "pack/pack.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>

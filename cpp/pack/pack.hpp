@@ -8,7 +8,7 @@
 //                   place by commit() (fastload.ShardWriter writes through it).
 //   list_archive()  the regular members of a tar, or of a tar of tars, from their headers
 //                   only (data is seeked over): what a pack plan is computed from.
-//   run()           executes a pack plan (computed in python/fastload/_pack.py): members
+//   run()           executes a pack plan (computed in python/fastload/packing/): members
 //                   in output order, cut into shards, read from source files or from one
 //                   archive, written by several threads at once, each shard renamed into
 //                   place once complete.

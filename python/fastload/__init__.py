@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
 _LAYERS = """
-fastload.cli | fastload.torchvision | fastload.__main__
+fastload.__main__
+fastload.cli | fastload.torchvision
 fastload.data | fastload.packing
 fastload.env
 fastload.staging

@@ -25,6 +25,9 @@
 #     folders, so `pip check` lists exactly these as missing;
 #   - `import streaming` imports torchvision (streaming.vision): the benchmarks put a stub
 #     (benchmarks/_stubs/torchvision) on sys.path when the real one is absent.
+# s3fs (the object store benchmark's peer, benchmarks/test_bench_s3.py) gets a venv of its
+# own, VENV-s3fs: it pins an aiobotocore that wants an older botocore than the boto3 here,
+# and beside it pip falls back to s3fs 0.4.2. The benchmark drives it in a subprocess.
 # Environment: PYTHON (default python3), FASTLOAD_TORCH_VERSION (default 2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,3 +85,13 @@ print(
     f"litdata {litdata.__version__}, datasets {datasets.__version__}"
 )
 EOF
+
+# Best effort: without it only the s3fs cases skip.
+S3FS_VENV=$VENV-s3fs
+if { [ -x "$S3FS_VENV/bin/python" ] || "$PY" -m venv "$S3FS_VENV"; } &&
+  { "$S3FS_VENV/bin/python" -c 'import s3fs' 2>/dev/null ||
+    "$S3FS_VENV/bin/python" -m pip install -q s3fs; }; then
+  "$S3FS_VENV/bin/python" -c "import s3fs, sys; print(f'{sys.prefix}: s3fs {s3fs.__version__}')"
+else
+  echo "could not set up $S3FS_VENV: the s3fs benchmark cases will skip"
+fi

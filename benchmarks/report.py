@@ -2,6 +2,11 @@
 
     pytest benchmarks --bench-scale full --benchmark-json=bench.json
     python benchmarks/report.py bench.json [more.json ...] > benchmarks/RESULTS.md
+    python benchmarks/report.py --combine median pass1.json pass2.json pass3.json
+
+With ``--combine median``, the files are passes of the same cases run one after the
+other (rounds interleaved across tools on a shared machine): each case's figure is the
+median over the passes of its statistic, and its rounds are summed.
 
 One table per group: each tool's time, throughput (from the ``bytes`` and ``files`` in
 ``extra_info``), and, for each fastload variant, the ratio to every peer in the group:
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -159,15 +165,29 @@ def render(data: dict[str, Any], stat: str = "median") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def merge(files: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(files: list[dict[str, Any]], combine: str = "last") -> dict[str, Any]:
     """One run out of several JSON files (e.g. groups run separately): later files win
-    for a benchmark of the same full name; machine and commit facts from the last."""
+    for a benchmark of the same full name (``combine="last"``), or each statistic is the
+    median over the files that hold it (``combine="median"``: passes of the same cases);
+    machine and commit facts from the last."""
     merged: dict[str, Any] = dict(files[-1])
-    by_name: dict[str, Any] = {}
+    by_name: dict[str, list[Any]] = defaultdict(list)
     for data in files:
         for b in data.get("benchmarks", []):
-            by_name[b.get("fullname", b["name"])] = b
-    merged["benchmarks"] = list(by_name.values())
+            by_name[b.get("fullname", b["name"])].append(b)
+    out = []
+    for runs in by_name.values():
+        if combine == "last" or len(runs) == 1:
+            out.append(runs[-1])
+            continue
+        b = dict(runs[-1])
+        stats = dict(b["stats"])
+        for stat in STATS:
+            stats[stat] = statistics.median(float(r["stats"][stat]) for r in runs)
+        stats["rounds"] = sum(int(r["stats"].get("rounds") or 0) for r in runs)
+        b["stats"] = stats
+        out.append(b)
+    merged["benchmarks"] = out
     return merged
 
 
@@ -175,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("json", type=Path, nargs="+", help="file(s) written by pytest --benchmark-json")
     ap.add_argument("--stat", choices=STATS, default="median", help="statistic to compare")
+    ap.add_argument(
+        "--combine",
+        choices=("last", "median"),
+        default="last",
+        help="a case in several files: the last file's figures, or the median over them",
+    )
     args = ap.parse_args(argv)
     loaded = []
     for path in args.json:
@@ -183,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             print(f"report.py: cannot read {path}: {e}", file=sys.stderr)
             return 2
-    sys.stdout.write(render(merge(loaded), args.stat))
+    sys.stdout.write(render(merge(loaded, args.combine), args.stat))
     return 0
 
 

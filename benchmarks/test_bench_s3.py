@@ -384,7 +384,8 @@ def _case(
     describe(benchmark, group=f"s3-{shape}-{latency}", tool=_LABEL[tool], src=src,
              cache="none", scale=scale, latency=latency)  # fmt: skip
     t = time.monotonic()
-    result = fresh.run(lambda dst: run(url, dst), src=src.path, cache="none")
+    rounds = int(os.environ.get("FASTLOAD_BENCH_S3_ROUNDS", "0")) or None
+    result = fresh.run(lambda dst: run(url, dst), src=src.path, cache="none", rounds=rounds)
     assert fresh.last is not None
     got = tree_stats(fresh.last)
     if shape == "tar":

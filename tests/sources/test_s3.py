@@ -3,14 +3,17 @@ behind a proxy that counts requests and injects faults."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -247,6 +250,14 @@ def test_server_gone_mid_stage_fails_then_resumes(
         fresh.close()
 
 
+@contextlib.contextmanager
+def socket_closed_port() -> Iterator[int]:
+    """A loopback port nothing listens on (bound, not listening, for the duration)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 _CHILD = """
 import sys, fastload
 fastload.stage(sys.argv[1], sys.argv[2], stripe_size=1 << 20, workers=2)
@@ -341,3 +352,72 @@ def test_no_credentials_fails_without_asking_the_network(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(PermissionError, match="no credentials for 's3://some-bucket/x'"):
         fastload.stage("s3://some-bucket/x", tmp_path / "x")
+
+
+def test_progress_counts_bytes_and_objects(
+    s3: S3Server, bucket: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    files = _random_tree(300, seed=11)
+    files["big.bin"] = random.Random(3).randbytes(3 << 20)
+    upload(s3, bucket, files)
+    total = sum(len(v) for v in files.values())
+    calls: list[tuple[int, int, int, int]] = []
+    fastload.stage(f"s3://{bucket}/", tmp_path / "cb", progress=lambda *a: calls.append(a),
+                   stripe_size=1 << 20)  # fmt: skip
+    assert calls and calls[-1] == (total, total, len(files), len(files))
+    assert all(c[1] == total and c[3] == len(files) for c in calls)
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)  # never goes back
+    assert [c[2] for c in calls] == sorted(c[2] for c in calls)
+    fastload.stage(f"s3://{bucket}/", tmp_path / "bar", progress=True)
+    err = capfd.readouterr().err
+    assert f"{len(files)}/{len(files)} files" in err, err[-500:]
+
+
+def test_unreachable_endpoint_is_one_line(tmp_path: Path) -> None:
+    """Nothing listens on the endpoint: the CLI says so in one line, soon, and leaves
+    nothing behind."""
+    with socket_closed_port() as port:
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_CONFIG_FILE": os.devnull,
+        }
+        cli = subprocess.run(
+            [sys.executable, "-m", "fastload", "stage", "s3://b/prefix/", str(tmp_path / "d"),
+             "--endpoint-url", endpoint],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert cli.returncode != 0
+    lines = cli.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert f"cannot reach {endpoint}" in lines[0] and "s3://b/prefix/" in lines[0]
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+def test_registry_entry_with_an_s3_url(
+    s3: S3Server, bucket: str, proxy: FaultProxy, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A dataset of the user's configuration whose source is an object URL: resolve(name)
+    stages it straight from the store (extracted), and a second resolve fetches nothing."""
+    src = tmp_path / "src"
+    (src / "train").mkdir(parents=True)
+    (src / "train/x.bin").write_bytes(b"x" * 5000)
+    subprocess.run(["tar", "-cf", str(tmp_path / "ds.tar"), "-C", str(src), "."], check=True)
+    upload_file(s3, bucket, "sets/ds.tar", tmp_path / "ds.tar")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f'[datasets.s3set]\nsources = [{{ url = "s3://{bucket}/sets/ds.tar" }}]\n'
+        'returns = "train"\n'
+    )
+    monkeypatch.setenv("FASTLOAD_CONFIG", str(cfg))
+    monkeypatch.setenv("FASTLOAD_TMPDIR", str(tmp_path / "node"))
+    got = fastload.resolve("s3set", destination=tmp_path / "out")
+    assert got == tmp_path / "out" / "train"
+    assert (got / "x.bin").read_bytes() == b"x" * 5000
+    proxy.reset_counts()
+    assert fastload.resolve("s3set", destination=tmp_path / "out") == got
+    assert proxy.gets() == 0

@@ -2,10 +2,11 @@
 the S3 clients people use, against a real S3 server on loopback.
 
 The server is SeaweedFS's ``weed mini`` with the tests' counting, fault-injecting proxy in
-front of it (tests/sources/s3server.py, imported by path). Each shape is run twice: at
-``0ms`` straight to the server (the proxy relays every byte through Python threads on this
-2-core machine, a cost no real network adds), and at ``2ms`` through the proxy, which
-waits 2 ms before forwarding each request and opens one upstream connection per request.
+front of it (tests/sources/s3server.py, imported by path; the proxy runs in a process of
+its own). Each shape is run twice: at ``0ms`` straight to the server (the proxy relays every
+byte through Python threads on this 2-core machine, a cost no real network adds), and at
+``2ms`` through the proxy, which waits 2 ms before forwarding each request and opens one
+upstream connection per request (``Connection: close``: every tool reconnects each time).
 
 Groups (``s3-SHAPE-LATENCY``), every tool in the same run, a fresh destination per round,
 each round checked (file count and bytes), so the CI smoke run is a correctness test too:
@@ -82,19 +83,57 @@ def _load_s3server() -> ModuleType:
     return mod
 
 
+_PROXY = r"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("s3server", sys.argv[1])
+mod = sys.modules["s3server"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+proxy = mod.FaultProxy(sys.argv[2])
+proxy.latency = float(sys.argv[3])
+print(proxy.endpoint, flush=True)
+sys.stdin.read()  # until the benchmark closes it
+proxy.close()
+"""
+
+
+@contextlib.contextmanager
+def latency_proxy(upstream: str, seconds: float) -> Iterator[str]:
+    """The tests' proxy in a process of its own (in the benchmark's process it would
+    compete for the GIL with the tools timed there), adding ``seconds`` to each request.
+    Yields its endpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PROXY, str(S3SERVER), upstream, str(seconds)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        endpoint = proc.stdout.readline().strip()
+        if not endpoint.startswith("http://"):
+            raise RuntimeError("the latency proxy did not start")
+        yield endpoint
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
 @dataclasses.dataclass
 class Store:
     """The server, the proxy adding 2 ms, and what was uploaded."""
 
     server: Any
-    proxy: Any
+    proxy: str
     tree: Source
     large: Source
     tar: Source
     tar_members: Source
 
     def endpoint(self, latency: str) -> str:
-        return str(self.server.endpoint if latency == "0ms" else self.proxy.endpoint)
+        return str(self.server.endpoint if latency == "0ms" else self.proxy)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +157,7 @@ def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
     members = sum(1 for _ in _tar_names(tar))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(s3server.s3_server(tmp_path_factory.mktemp("s3bench")))
-        proxy = s3server.FaultProxy(server.endpoint)
-        stack.callback(proxy.close)
-        proxy.latency = 0.002
+        proxy = stack.enter_context(latency_proxy(server.endpoint, 0.002))
         mp = stack.enter_context(pytest.MonkeyPatch.context())
         for k, v in server.env().items():
             mp.setenv(k, v)

@@ -29,7 +29,8 @@ import fnmatch
 import importlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ StorageOptions = Mapping[str, Any]
 SCHEMES = ("s3", "gs", "az")
 _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
+# Listings of "directories" under a prefix in flight at once.
+LIST_IN_FLIGHT = 16
 _site_loader: Callable[[], Mapping[str, Any]] | None = None
 
 
@@ -254,20 +257,40 @@ class ObjectStore:
     def list(self, include: list[str] | None = None, exclude: list[str] | None = None
              ) -> list[ObjectInfo]:
         """Every object under the prefix (a directory tree: keys split on ``/``), keys
-        relative to it, filtered by glob patterns, sorted."""
+        relative to it, filtered by glob patterns, sorted.
+
+        The top level is listed with a delimiter first; the "directories" it names are
+        then listed at once, :data:`LIST_IN_FLIGHT` at a time, each one page after
+        another. A flat prefix costs one listing as before; a tree of many directories
+        costs the pages of its largest directory in sequence, not all of them."""
         prefix = self.prefix.rstrip("/")
         base = f"{prefix}/" if prefix else ""
         out: list[ObjectInfo] = []
-        try:
-            for page in self._ob.list(self._store, prefix=prefix or None, chunk_size=1000):
-                for meta in page:
-                    path = meta["path"]
-                    if not path.startswith(base) or path.endswith("/"):
-                        continue  # the prefix itself, or a "folder" marker
-                    rel = path[len(base):]
-                    if not selected(rel, include or [], exclude or []):
-                        continue
+
+        def take(metas: Iterable[Mapping[str, Any]]) -> None:
+            for meta in metas:
+                path = meta["path"]
+                if not path.startswith(base) or path.endswith("/"):
+                    continue  # the prefix itself, or a "folder" marker
+                rel = path[len(base):]
+                if selected(rel, include or [], exclude or []):
                     out.append(_info(rel, meta))
+
+        def under(sub: str) -> list[Mapping[str, Any]]:
+            pages = self._ob.list(self._store, prefix=sub, chunk_size=1000)
+            return [meta for page in pages for meta in page]
+
+        try:
+            top = self._ob.list_with_delimiter(self._store, prefix or None)
+            take(top["objects"])
+            subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
+            if len(subs) == 1:
+                take(under(subs[0]))
+            elif subs:
+                with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
+                                        thread_name_prefix="fastload-list") as pool:
+                    for metas in pool.map(under, subs):
+                        take(metas)
         except Exception as e:
             raise self.error(e, base) from None
         out.sort(key=lambda o: o.key)

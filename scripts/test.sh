@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything from scratch and runs every test: lint, types, the Python suite on
 # both I/O backends, the native tests and the Python suite again under ASan+UBSan, and
-# the benchmarks once at a small size with timing off, side by side with the peers (in a
-# venv of their own, scripts/bench-peers.sh). CI (.ci/run) runs exactly this.
+# the benchmarks once at a small size, side by side with the peers (in a venv of their
+# own, scripts/bench-peers.sh), and the ratio table of the regression check
+# (benchmarks/bench_check.py) printed from that run without failing on timing.
+# CI (.ci/run) runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,10 +15,11 @@ step() { printf '\n==> %s\n' "$*"; }
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true
 
-step "system tools (best effort: rsync and fuse3 for the peer and netsim benchmarks)"
+step "system tools (best effort: rsync, pigz and fuse3 for the peer and netsim benchmarks)"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=""
   command -v rsync >/dev/null || missing="$missing rsync"
+  command -v pigz >/dev/null || missing="$missing pigz"
   command -v fusermount3 >/dev/null || missing="$missing fuse3 libfuse3-dev pkg-config"
   if [ -n "$missing" ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing) \
@@ -74,6 +77,16 @@ if PYTHON="$PY" ./scripts/bench-peers.sh "$BENCH_VENV"; then
 else
   echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
 fi
-FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-disable
+# Timed (at this size most cases are one round, so it costs what --benchmark-disable did):
+# a benchmark that raises or checks a wrong result fails here; the timings only feed the
+# table below.
+mkdir -p build
+BENCH_JSON=build/bench-ci.json
+FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-json="$BENCH_JSON"
+
+step "I/O regression check: ratios against benchmarks/baseline.json (printed, not failing on timing)"
+# The CI machine is shared and differs from the baseline's: a human reads the table on every
+# submission; scripts/bench-check.sh is the check that fails, run before and after a change.
+"$BENCH_PY" benchmarks/bench_check.py compare "$BENCH_JSON" --report-only
 
 step "all tests passed"

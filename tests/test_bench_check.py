@@ -1,0 +1,220 @@
+"""The I/O regression check (benchmarks/bench_check.py, scripts/bench-check.sh): ratios of
+fastload to its peer from pytest-benchmark JSON, compared with a recorded baseline. A
+planted slowdown is caught and named; noise within the recorded spread is not."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+
+def _load() -> ModuleType:
+    path = BENCH / "bench_check.py"
+    if not path.exists():
+        pytest.skip("no benchmarks/ beside the tests (an installed test run)")
+    spec = importlib.util.spec_from_file_location("bench_check", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_check"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bc = _load()
+TREE = next(c for c in bc.CASES if c.name == "tree-warm")
+TAR = next(c for c in bc.CASES if c.name == "extract-tar-warm")
+COMMIT = "0123456789abcdef0123"
+FIRST_PARAMS = {"warm", "cold", "3kb", "100kb", "0ms", "2ms"}
+
+
+def _bench(module: str, name: str, median: float, scale: str = "small") -> dict[str, Any]:
+    """One entry as pytest-benchmark writes it to --benchmark-json."""
+    return {
+        "group": "g",
+        "name": name,
+        "fullname": f"benchmarks/{module}::{name}",
+        "params": {},
+        "extra_info": {"scale": scale},
+        "stats": {"median": median, "min": median * 0.9, "mean": median, "rounds": 1},
+    }
+
+
+def _run(tree: tuple[float, float], tar: tuple[float, float] | None = None) -> dict[str, Any]:
+    """A recorded run: (fastload seconds, peer seconds) for tree-warm and extract-tar-warm."""
+    out = [
+        _bench(TREE.module, TREE.fastload[0], tree[0]),
+        _bench(TREE.module, TREE.peer, tree[1]),
+    ]
+    if tar:
+        out += [_bench(TAR.module, TAR.fastload[0], tar[0]), _bench(TAR.module, TAR.peer, tar[1])]
+    return {"machine_info": {"node": "n", "cpu": {"count": 2}}, "benchmarks": out}
+
+
+def _baseline(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """Five runs: tree-warm's ratio between 1.9 and 2.1 (peer 2 s, fastload about 1 s),
+    extract-tar-warm's 1.0 to 1.1."""
+    runs = [
+        _run((1.0, 2.0), (1.0, 1.05)),
+        _run((1.0, 1.9), (1.0, 1.0)),
+        _run((1.0, 2.1), (1.0, 1.1)),
+        _run((1.0, 2.0), (1.0, 1.05)),
+        _run((1.0, 1.95), (1.0, 1.02)),
+    ]
+    base = bc.make_baseline(bc.collect(runs), commit=COMMIT, machine=bc.machine(runs[0]),
+                            scale="small", runs=len(runs))  # fmt: skip
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(base))
+    return path, base
+
+
+def test_ratio_is_peer_over_fastload_with_the_first_fastload_variant_that_ran() -> None:
+    data = _run((0.5, 2.0))
+    assert bc.ratios(data) == {"tree-warm": 4.0}
+    # Where io_uring is not allowed, the uring case skips and the pread one counts.
+    pread = {"benchmarks": [_bench(TREE.module, TREE.fastload[1], 0.25),
+                            _bench(TREE.module, TREE.peer, 1.0)]}  # fmt: skip
+    assert bc.ratios(pread) == {"tree-warm": 4.0}
+    # A case whose peer did not run (not installed) has no ratio.
+    assert bc.ratios({"benchmarks": [_bench(TREE.module, TREE.fastload[0], 1.0)]}) == {}
+
+
+def test_baseline_records_median_spread_commit_and_machine(tmp_path: Path) -> None:
+    _, base = _baseline(tmp_path)
+    tree = base["cases"]["tree-warm"]
+    assert (tree["ratio"], tree["low"], tree["high"]) == (2.0, 1.9, 2.1)
+    assert len(tree["ratios"]) == 5
+    assert base["commit"] == COMMIT and base["runs"] == 5 and base["version"] == 1
+    assert base["machine"]["cores"] == 2
+
+
+def test_a_planted_30_percent_slowdown_is_caught_and_named(tmp_path: Path) -> None:
+    _, base = _baseline(tmp_path)
+    # fastload 30% slower on the tree, the peer unchanged: ratio 2.0 -> 1.54.
+    now = bc.collect([_run((1.3, 2.0), (1.0, 1.05))])
+    rows = bc.compare(base, now)
+    by = {r.case: r for r in rows}
+    assert by["tree-warm"].regressed and not by["extract-tar-warm"].regressed
+    msgs = bc.failures(rows, base)
+    assert len(msgs) == 1
+    msg = msgs[0]
+    assert msg.startswith("tree-warm: ratio 1.54")
+    assert "baseline 2.00" in msg and "spread 1.90-2.10" in msg and COMMIT[:10] in msg
+
+
+def test_noise_within_the_spread_and_margin_is_not_a_regression(tmp_path: Path) -> None:
+    _, base = _baseline(tmp_path)
+    for tree, tar in [
+        ((1.0, 1.9), (1.0, 1.0)),  # the lowest ratios recorded
+        ((1.08, 1.9), (1.05, 1.0)),  # 5% below them: within the 10% margin
+        ((0.5, 2.0), (0.5, 1.0)),  # faster is never a regression
+    ]:
+        rows = bc.compare(base, bc.collect([_run(tree, tar)]))
+        assert bc.failures(rows, base) == [], (tree, tar)
+    # The margin is the knob: with none, 5% below the spread fails.
+    rows = bc.compare(base, bc.collect([_run((1.08, 1.9))]), margin=0.0)
+    assert [r.case for r in rows if r.regressed] == ["tree-warm"]
+
+
+def test_the_median_of_several_runs_is_compared(tmp_path: Path) -> None:
+    _, base = _baseline(tmp_path)
+    # One bad run among three does not fail; two do.
+    one_bad = [_run((1.0, 2.0)), _run((1.5, 2.0)), _run((1.0, 1.95))]
+    assert bc.failures(bc.compare(base, bc.collect(one_bad)), base) == []
+    two_bad = [_run((1.0, 2.0)), _run((1.5, 2.0)), _run((1.4, 1.95))]
+    assert len(bc.failures(bc.compare(base, bc.collect(two_bad)), base)) == 1
+
+
+def test_compare_command_fails_on_a_regression_and_reports_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = _baseline(tmp_path)
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(_run((1.3, 2.0), (1.0, 1.05))))
+    assert bc.main(["compare", str(slow), "--baseline", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "| tree-warm | 1.54 | 1 | 2.00 | 1.90-2.10 | 1.71 | SLOWER |" in out
+    assert "| extract-tar-warm | 1.05 | 1 | 1.05 |" in out
+    assert "REGRESSION: tree-warm: ratio 1.54" in err and COMMIT[:10] in err
+    assert bc.main(["compare", str(slow), "--baseline", str(path), "--report-only"]) == 0
+    assert "timing (not failing, --report-only): tree-warm" in capsys.readouterr().err
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps(_run((1.0, 2.0), (1.0, 1.05))))
+    assert bc.main(["compare", str(ok), "--baseline", str(path)]) == 0
+
+
+def test_a_baseline_of_another_version_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps({"version": 99, "cases": {}}))
+    with pytest.raises(ValueError, match=r"version 99.*--update"):
+        bc.load_baseline(path)
+
+
+def test_a_failing_benchmark_run_fails_even_when_reporting_only(tmp_path: Path) -> None:
+    """A run whose pytest fails (here: an interpreter that cannot run it) is exit 2,
+    whatever the timing flags say."""
+    false = subprocess.run(["sh", "-c", "command -v false"], capture_output=True, text=True)
+    rc = bc.main(["run", "--report-only", "--python", false.stdout.strip() or "/bin/false",
+                  "--baseline", str(tmp_path / "none.json"), "--keep", str(tmp_path)])  # fmt: skip
+    assert rc == 2
+
+
+def test_ratios_from_a_real_pytest_benchmark_run(tmp_path: Path) -> None:
+    """The JSON pytest-benchmark itself writes (its fullname and name) is what ratios() reads."""
+    pytest.importorskip("pytest_benchmark")
+    mod = tmp_path / TREE.module
+    mod.write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.parametrize("tool", ["fastload-uring", "cp"])
+        @pytest.mark.parametrize("cache", ["warm"])
+        def test_tree(benchmark, cache, tool):
+            benchmark.pedantic(sum, args=(range(1000),), rounds=2, iterations=1)
+    """))
+    out = tmp_path / "run.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(mod),
+         f"--benchmark-json={out}", "-o", "addopts=", "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    times = {b["name"]: b["stats"]["median"] for b in data["benchmarks"]}
+    expect = times["test_tree[warm-cp]"] / times["test_tree[warm-fastload-uring]"]
+    assert bc.ratios(data) == {"tree-warm": pytest.approx(expect)}
+
+
+def test_every_case_names_benchmarks_that_exist() -> None:
+    for case in bc.CASES:
+        src = BENCH / case.module
+        if not src.exists():
+            continue  # a module still to come (its cases are left out of the run)
+        text = src.read_text()
+        for test_id in case.ids():
+            func, params = test_id.split("[", 1)
+            assert f"def {func}(" in text, (case.name, test_id)
+            params = params.rstrip("]")
+            tool = params.split("-", 1)[1] if params.split("-")[0] in FIRST_PARAMS else params
+            assert f'"{tool}"' in text, (case.name, test_id)
+
+
+def test_the_committed_baseline_is_readable_and_covers_the_cases() -> None:
+    path = BENCH / "baseline.json"
+    if not path.exists():
+        pytest.skip("no baseline recorded yet")
+    base = bc.load_baseline(path)
+    assert base["commit"] and base["machine"] and base["runs"] >= 2
+    names = {c.name for c in bc.CASES}
+    assert set(base["cases"]) <= names
+    for case in base["cases"].values():
+        assert case["low"] <= case["ratio"] <= case["high"]

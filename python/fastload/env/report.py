@@ -41,10 +41,13 @@ def report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     env: Environment = detect(env_map)
     cfg, explicit = config_path(env_map)
     forced = env_map.get("FASTLOAD_ENV") or env.config.get("environment")
+    nodes: tuple[int, int] | None = None
     try:
+        me = world(env_map)
         w: dict[str, Any] | str = {
-            k: getattr(world(env_map), k) for k in ("rank", "world_size", "local_rank", "source")
+            k: getattr(me, k) for k in ("rank", "world_size", "local_rank", "source")
         }
+        nodes = (me.node, me.num_nodes)
     except ValueError as e:
         w = f"error: {e}"
     in_config = "cpus" in env.config.get("paths", {}) or "cpus" in env.config.get(
@@ -65,6 +68,10 @@ def report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             "hostname": env.hostname,
             "node_id": env_map.get("SLURM_NODEID"),
             "job_id": env_map.get("SLURM_JOB_ID"),
+            # SLURM's name of this node (several may share a host in a test cluster).
+            "name": env_map.get("SLURMD_NODENAME"),
+            "node": None if nodes is None else nodes[0],
+            "num_nodes": None if nodes is None else nodes[1],
         },
         "world": w,
         "tmpdir": _path_info(env.tmpdir),
@@ -103,9 +110,14 @@ def _line(info: Mapping[str, Any] | None) -> str:
 
 def format_report(r: Mapping[str, Any]) -> str:
     node = r["node"]
-    where = node["hostname"] + (f", node {node['node_id']}" if node["node_id"] else "")
+    where = node["hostname"]
+    if node["name"] and node["name"] != node["hostname"]:
+        where += f" ({node['name']})"
+    where += f", node {node['node_id']}" if node["node_id"] else ""
     if node["job_id"]:
         where += f", job {node['job_id']}"
+    if node["num_nodes"] and node["num_nodes"] > 1:
+        where += f", {node['num_nodes']} nodes"
     w = r["world"]
     world_line = (
         w

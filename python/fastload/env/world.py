@@ -15,9 +15,12 @@ Where the rank comes from, first match wins:
 3. ``SLURM_PROCID`` and ``SLURM_NTASKS`` (ranks started by ``srun``).
 4. Otherwise a single process: rank 0 of 1.
 
-The local rank comes from ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0. The worker
-comes from the DataLoader's ``get_worker_info()`` (``None`` in the main process: worker 0
-of 1).
+The local rank comes from ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0. The node (its
+number in the job, for one-per-node work such as staging) comes from ``SLURM_NODEID``
+with ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), else torchrun's ``GROUP_RANK`` with
+``GROUP_WORLD_SIZE``; torchrun's come first when torchrun gave the rank. Else node 0 of
+1. The worker comes from the DataLoader's ``get_worker_info()`` (``None`` in the main
+process: worker 0 of 1).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class World:
     source: str = "single"
     """Where rank and world size came from: ``"dist"``, ``"torchrun"``, ``"slurm"`` or
     ``"single"``."""
+    node: int = 0
+    """This process's node among the job's (``SLURM_NODEID``, torchrun's ``GROUP_RANK``)."""
+    num_nodes: int = 1
+    """Nodes in the job (``SLURM_NNODES``, torchrun's ``GROUP_WORLD_SIZE``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -52,6 +59,8 @@ class World:
             raise ValueError(f"worker {self.worker_id} is not one of {self.num_workers} workers")
         if self.local_rank < 0:
             raise ValueError(f"local rank {self.local_rank} is negative")
+        if self.num_nodes < 1 or not 0 <= self.node < self.num_nodes:
+            raise ValueError(f"node {self.node} is not one of {self.num_nodes} nodes")
 
     @property
     def consumers(self) -> int:
@@ -87,6 +96,24 @@ def _local_rank(environ: Mapping[str, str], slurm: bool) -> int:
     return 0
 
 
+_SLURM_NODES = ("SLURM_NODEID", ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"))
+_TORCHRUN_NODES = ("GROUP_RANK", ("GROUP_WORLD_SIZE",))
+
+
+def _node(environ: Mapping[str, str], torchrun_first: bool) -> tuple[int, int]:
+    """(node, num_nodes) from the first family of variables that names the node. A node
+    number without a count counts the nodes up to it."""
+    families = [_SLURM_NODES, _TORCHRUN_NODES]
+    if torchrun_first:
+        families.reverse()
+    for node_var, count_vars in families:
+        if node_var in environ:
+            node = _int(environ, node_var)
+            count = next((_int(environ, v) for v in count_vars if v in environ), node + 1)
+            return node, count
+    return 0, 1
+
+
 def world(environ: Mapping[str, str], worker_info: Any = None, dist: Any = None) -> World:
     """The :class:`World` of this process.
 
@@ -95,6 +122,7 @@ def world(environ: Mapping[str, str], worker_info: Any = None, dist: Any = None)
     ``num_workers``), ``None`` in the main process. ``dist``: the ``torch.distributed``
     module (or any object with ``is_available``, ``is_initialized``, ``get_rank`` and
     ``get_world_size``); ``None`` looks for an already imported ``torch.distributed``.
+    ``node``/``num_nodes``: see the module's description.
 
     Raises ``ValueError`` for an environment that names half a world (``RANK`` without
     ``WORLD_SIZE``, or the other way round, and no SLURM task to fall back on), a
@@ -124,4 +152,6 @@ def world(environ: Mapping[str, str], worker_info: Any = None, dist: Any = None)
         raise ValueError(f"environment variable {have} is set but {lack} is not")
     else:
         rank, size, source, local = 0, 1, "single", 0
-    return World(rank, size, local, worker_id, num_workers, source)
+    # torchrun's node first wherever torchrun (or a launcher like it) started the ranks.
+    node, num_nodes = _node(environ, "RANK" in environ and "WORLD_SIZE" in environ)
+    return World(rank, size, local, worker_id, num_workers, source, node, num_nodes)

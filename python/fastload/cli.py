@@ -159,8 +159,14 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--max-count", type=int, default=None, help="samples per shard")
     pk.add_argument("--workers", type=int, default=None, help="threads reading and writing")
     pk.add_argument("--pattern", default="shard-{:06d}.tar", help="shard file names")
-    pk.add_argument("--task-index", type=int, default=0, help="this task (SLURM array)")
-    pk.add_argument("--num-tasks", type=int, default=1, help="tasks sharing the pack")
+    pk.add_argument(
+        "--task-index", type=int, default=None,
+        help="this task (default: in a SLURM job array, this array task's place, else 0)",
+    )  # fmt: skip
+    pk.add_argument(
+        "--num-tasks", type=int, default=None,
+        help="tasks sharing the pack (default: the SLURM array's task count, else 1)",
+    )  # fmt: skip
     pk.add_argument(
         "--classes", action=argparse.BooleanOptionalAction, default=None,
         help="add a 'cls' field per class folder (default: for ImageFolder layouts)",
@@ -226,6 +232,13 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     from .packing.listing import CLS_FIELD
     from .packing.writer import DEFAULT_INDEX
 
+    if args.task_index is None:  # in a job array: its task (issue 23)
+        from .env.slurm import array_task
+
+        args.task_index, n = array_task(os.environ, args.num_tasks) or (0, 1)
+        args.num_tasks = n if args.num_tasks is None else args.num_tasks
+    elif args.num_tasks is None:
+        args.num_tasks = 1
     r = pack_path(
         args.src,
         args.out,

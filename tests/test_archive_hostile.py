@@ -297,34 +297,6 @@ def bad_checksum_first(lay: Layout) -> Built:
     return Built(a, ("fl_evil_first", a.name))
 
 
-def gnu_sparse(fmt: str, token: str) -> Callable[[Layout], Built]:
-    """A real sparse member from GNU tar --sparse: type 'S' (gnu) or pax GNU.sparse
-    1.0 records (posix). Both are refused, naming the member."""
-
-    def build(lay: Layout) -> Built:
-        tar = ah.need_gnu_tar()
-        src = lay.archives / f"src-{token}"
-        src.mkdir(parents=True)
-        p = src / f"{token}.bin"
-        with open(p, "wb") as f:
-            f.truncate(4 << 20)
-            f.seek(1 << 20)
-            f.write(os.urandom(4096))
-        (src / "aaa_ok.txt").write_bytes(BENIGN)
-        a = lay.archives / f"{token}.tar"
-        ah.run([tar, "--sparse", f"--format={fmt}", "--sort=name", "-C", str(src), "-cf",
-                str(a), "aaa_ok.txt", p.name])
-        with tarfile.open(a) as tf:
-            m = tf.getmember(p.name)
-            if fmt == "gnu" and m.type != tarfile.GNUTYPE_SPARSE:
-                pytest.skip("GNU tar did not make a sparse member (no holes here?)")
-            if fmt == "posix" and "GNU.sparse.major" not in m.pax_headers:
-                pytest.skip("GNU tar did not make a pax sparse member (no holes here?)")
-        return Built(a, (token,), {"aaa_ok.txt": BENIGN})
-
-    return build
-
-
 def compressed_truncated(how: str) -> Callable[[Layout], Built]:
     def build(lay: Layout) -> Built:
         plain = tar_of(lay, f"for-{how}", [
@@ -390,8 +362,6 @@ CASES: list[Any] = [
     pytest.param(truncated_mid_data, FORMAT, id="truncated-mid-data"),
     pytest.param(bad_checksum, FORMAT, id="corrupt-header-checksum"),
     pytest.param(bad_checksum_first, FORMAT, id="corrupt-first-header-checksum"),
-    pytest.param(gnu_sparse("gnu", "fl_evil_sparse_s"), FORMAT, id="gnu-sparse-S"),
-    pytest.param(gnu_sparse("posix", "fl_evil_sparse_pax"), FORMAT, id="pax-gnu-sparse-1.0"),
     pytest.param(compressed_truncated("gzip"), (fastload.FastloadError,), id="gzip-truncated"),
     pytest.param(compressed_truncated("zstd"), (fastload.FastloadError,), id="zstd-truncated"),
     pytest.param(nested_inner("dotdot"), UNSAFE, id="nested-inner-dotdot"),

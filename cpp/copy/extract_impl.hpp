@@ -88,6 +88,9 @@ struct ExtractJob::Impl {
     uint32_t mode = 0;
     int64_t mtime_ns = 0;
     uint64_t appended = 0;  // bytes of data received
+    uint64_t pos = 0;       // where the next byte goes (past holes, for a sparse file)
+    bool sparse = false;    // a sparse member: holes skipped, truncated to `size` at the end
+    uint64_t size = 0;
     uint32_t create_mode = 0600;
     bool anon = false;      // an O_TMPFILE: linked into place by name once whole
     bool chmod = true;      // the umask strips bits of the mode: set it after writing
@@ -164,6 +167,10 @@ struct ExtractJob::Impl {
   // ---- members' files (extract_write.cpp) --------------------------------------------
   void start_file(const std::string& out, const tar::Member& m, uint32_t* index);
   void append(uint32_t i, const char* p, size_t n);
+  // A sparse file's next data goes at `to`: the bytes before it are a hole (not written,
+  // digested as zeros).
+  void hole_to(uint32_t i, uint64_t to);
+  void digest(File& f, const char* p, size_t n);
   void end_file(uint32_t i);
   void push_open(uint32_t i);
   char* slot_data(uint32_t s);
@@ -257,6 +264,10 @@ struct Level final : tar::Sink {
   bool inner_;
   std::string name_;
   uint32_t current_ = kNone;
+  // The current member's extents when it is sparse, the one being filled and its rest.
+  std::vector<tar::SparseExtent> extents_;
+  size_t extent_ = 0;
+  uint64_t extent_left_ = 0;
   std::unique_ptr<Level> child_;
   tar::StreamParser parser;
 };

@@ -27,7 +27,7 @@ tar::Action Level::on_member(const tar::Member& m) {
       im_.dir_meta.push_back({out, m.mode, m.mtime_ns});
       return tar::Action::kSkip;
     case tar::MemberType::kFile:
-      if (im_.opt.nested && !inner_ && out.size() > 4 &&
+      if (im_.opt.nested && !inner_ && !m.sparse && out.size() > 4 &&
           out.compare(out.size() - 4, 4, ".tar") == 0) {
         std::string dir = out.substr(0, out.size() - 4);
         im_.ensure_dir(dir);
@@ -45,6 +45,14 @@ tar::Action Level::on_member(const tar::Member& m) {
       }
       if (im_.opt.adopt_existing && im_.adopt(out, m)) return tar::Action::kSkip;
       im_.start_file(out, m, &current_);
+      extents_.clear();
+      extent_ = 0;
+      extent_left_ = 0;
+      if (m.sparse && !m.extents.empty()) {
+        extents_ = m.extents;
+        im_.hole_to(current_, extents_[0].offset);
+        extent_left_ = extents_[0].size;
+      }
       return tar::Action::kRead;
     case tar::MemberType::kSymlink:
       if (!im_.selected(out)) return tar::Action::kSkip;
@@ -73,8 +81,24 @@ tar::Action Level::on_member(const tar::Member& m) {
 void Level::on_data(const char* data, size_t n) {
   if (current_ == kInner)
     child_->parser.feed(data, n, *child_);
-  else if (current_ != kNone)
+  else if (current_ != kNone && extents_.empty())
     im_.append(current_, data, n);
+  else if (current_ != kNone)
+    // The data of a sparse member is its extents' back to back: each piece goes to
+    // its extent's place in the file.
+    while (n > 0) {
+      const size_t k = size_t(std::min<uint64_t>(n, extent_left_));
+      if (k == 0) break;  // not reached: the parser delivers exactly the extents' bytes
+      im_.append(current_, data, k);
+      data += k;
+      n -= k;
+      extent_left_ -= k;
+      if (extent_left_ == 0 && extent_ + 1 < extents_.size()) {
+        ++extent_;
+        im_.hole_to(current_, extents_[extent_].offset);
+        extent_left_ = extents_[extent_].size;
+      }
+    }
 }
 
 void Level::on_member_end() {

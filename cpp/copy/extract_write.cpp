@@ -43,15 +43,16 @@ void ExtractJob::Impl::start_file(const std::string& out, const tar::Member& m, 
   // Created with its final mode when the umask keeps it (no fchmod after).
   f.create_mode = uint32_t(m.mode & 0777);
   f.chmod = (f.create_mode & ~umask_bits) != (m.mode & 07777);
-  f.direct = direct_writes && m.size >= opt.direct_write_min;
+  f.sparse = m.sparse;
+  f.size = m.size;
+  f.direct = direct_writes && !m.sparse && m.size >= opt.direct_write_min;
   f.direct_end = m.size - m.size % page_size;
   push_open(i);
   *index = i;
 }
 
-void ExtractJob::Impl::append(uint32_t i, const char* p, size_t n) {
-  File& f = files[i];
-  // Chunk digests, the same as the copier's: one per chunk_size bytes of content.
+// Chunk digests, the same as the copier's: one per chunk_size bytes of content.
+void ExtractJob::Impl::digest(File& f, const char* p, size_t n) {
   for (size_t off = 0; off < n;) {
     size_t take = size_t(std::min<uint64_t>(n - off, opt.chunk_size - f.chunk_fill));
     f.stream.update(p + off, take);
@@ -63,14 +64,33 @@ void ExtractJob::Impl::append(uint32_t i, const char* p, size_t n) {
       f.chunk_fill = 0;
     }
   }
+}
+
+void ExtractJob::Impl::hole_to(uint32_t i, uint64_t to) {
+  File& f = files[i];
+  if (to <= f.pos) return;
+  if (f.slot != kNone) submit_slot(i);  // a slot holds one contiguous run
+  static const char kZeros[64 * 1024] = {};
+  for (uint64_t left = to - f.pos; left > 0;) {
+    const size_t k = size_t(std::min<uint64_t>(left, sizeof kZeros));
+    digest(f, kZeros, k);
+    left -= k;
+  }
+  f.pos = to;
+}
+
+void ExtractJob::Impl::append(uint32_t i, const char* p, size_t n) {
+  File& f = files[i];
+  digest(f, p, n);
   if (lent_lo != nullptr && p >= lent_lo && p + n <= lent_hi) {
     // In the lent range (a read block, or the mapped archive): written from where it
     // lies, a read block pinned till then.
     if (f.slot != kNone) submit_slot(i);
     uint32_t k = new_piece();
-    pieces[k] = Piece{i, p, n, 0, f.appended, kNone, lent_block};
+    pieces[k] = Piece{i, p, n, 0, f.pos, kNone, lent_block};
     if (lent_block != kNone) ++block_pins[lent_block];
     f.appended += n;
+    f.pos += n;
     queue_piece(i, k);
     return;
   }
@@ -80,12 +100,13 @@ void ExtractJob::Impl::append(uint32_t i, const char* p, size_t n) {
       f.slot = free_slots.back();
       free_slots.pop_back();
       f.fill = 0;
-      f.slot_offset = f.appended;
+      f.slot_offset = f.pos;
     }
     size_t take = std::min(n, opt.slot_size - f.fill);
     std::memcpy(slot_data(f.slot) + f.fill, p, take);
     f.fill += take;
     f.appended += take;
+    f.pos += take;
     p += take;
     n -= take;
     if (f.fill == opt.slot_size) submit_slot(i);
@@ -198,6 +219,7 @@ void ExtractJob::Impl::push_write(uint32_t k) {
 
 void ExtractJob::Impl::end_file(uint32_t i) {
   File& f = files[i];
+  if (f.sparse) hole_to(i, f.size);  // a hole at the end is digested too
   if (f.slot != kNone) submit_slot(i);
   if (f.chunk_fill > 0 || f.digests.empty()) f.digests.push_back(f.stream.digest());
   f.data_done = true;
@@ -208,6 +230,9 @@ void ExtractJob::Impl::maybe_close(uint32_t i) {
   File& f = files[i];
   if (!f.data_done || !f.opened || f.writes > 0 || f.closing) return;
   timespec t[2] = {to_timespec(f.mtime_ns), to_timespec(f.mtime_ns)};
+  // A sparse file's holes were never written: its size comes from here.
+  if (f.sparse && ::ftruncate(f.fd, off_t(f.size)) != 0)
+    throw Error::os(errno, "set the size of", full(f.path));
   if (f.chmod && ::fchmod(f.fd, mode_t(f.mode & 07777)) != 0)
     throw Error::os(errno, "set mode of", full(f.path));
   if (::futimens(f.fd, t) != 0) throw Error::os(errno, "set times of", full(f.path));
@@ -246,7 +271,7 @@ void ExtractJob::Impl::file_closed(uint32_t i) {
   f.dir.reset();
   f.dir_fd = -1;
   done.push_back(
-      ExtractedFile{f.path, f.appended, f.mode, f.mtime_ns, std::move(f.digests), false});
+      ExtractedFile{f.path, f.sparse ? f.size : f.appended, f.mode, f.mtime_ns, std::move(f.digests), false});
   active_paths.erase(f.path);
   f.active = false;
   --active;

@@ -98,6 +98,13 @@ void scan_shard(const ShardInput& in, const BuildOptions& opt, ShardScan* out) {
     if (m.type != tar::MemberType::kFile) return true;
     std::string_view name = normalise(m.path);
     if (is_metadata(name)) return true;
+    // A sparse member's bytes are not one range of the shard, so it cannot be served
+    // from it: refused (skipping it would drop a field of a sample silently).
+    if (m.sparse)
+      throw Error(ErrorKind::kFormat, 0, "cannot index", path,
+                  "member '" + m.path +
+                      "' is a sparse file (GNU tar --sparse): its data is not stored in one "
+                      "piece; write the shard without --sparse, or stage it to read the file");
     std::string_view key, field;
     if (!split_key(name, &key, &field))
       throw Error(ErrorKind::kFormat, 0, "cannot index", path,

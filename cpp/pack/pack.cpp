@@ -420,7 +420,9 @@ Listing list_archive(const std::string& path, bool nested, unsigned threads,
     return rel;
   };
   scan_range(fd.get(), 0, uint64_t(st.st_size), path, cancel, [&](const tar::Member& m) {
-    if (m.type != tar::MemberType::kFile) return note_skipped(m, &out.skipped_examples);
+    // A sparse member's bytes are not one range of the archive: not packed (listed as
+    // skipped; stage the archive to get the file).
+    if (m.type != tar::MemberType::kFile || m.sparse) return note_skipped(m, &out.skipped_examples);
     std::string rel = normalise(path, m);
     if (rel.empty()) return note_skipped(m, &out.skipped_examples);
     const bool inner = nested && ends_with(rel, ".tar") && rel.size() > 4;
@@ -442,7 +444,7 @@ Listing list_archive(const std::string& path, bool nested, unsigned threads,
       const std::string name = path + ":" + t.path + ".tar";
       scan_range(fd.get(), t.offset, t.size, name, cancel, [&](const tar::Member& m) {
         if (m.type == tar::MemberType::kDir) return;
-        if (m.type != tar::MemberType::kFile) {
+        if (m.type != tar::MemberType::kFile || m.sparse) {
           ++inner_skipped[k];
           if (inner_examples[k].size() < 8) inner_examples[k].push_back(t.path + ".tar:" + m.path);
           return;

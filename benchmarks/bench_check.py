@@ -1,7 +1,7 @@
 """Catches I/O regressions: a fixed quick subset of the benchmarks, each fastload case
 beside its peer in the same run, compared as **ratios** with a committed baseline.
 
-    python benchmarks/bench_check.py run [--runs N] [--scale small|full]   # check
+    python benchmarks/bench_check.py run [--runs 3] [--scale small|full]   # check
     python benchmarks/bench_check.py update [N]                            # new baseline
     python benchmarks/bench_check.py compare run1.json [run2.json ...]     # recorded runs
 
@@ -370,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
                          help="pytest-benchmark: show absolute times against the last "
                          "saved run of this machine (--benchmark-compare)")  # fmt: skip
     p_run = sub.add_parser("run", parents=[common, running], help="run the subset and check")
-    p_run.add_argument("--runs", type=int, default=1)
+    p_run.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="runs of the subset; their median ratio is checked (default 3: at the small "
+        "size one round per case, so a single run is one sample)",
+    )
     p_up = sub.add_parser("update", parents=[common, running], help="record a new baseline")
     p_up.add_argument("runs", type=int, nargs="?", default=5)
     p_up.add_argument("--note", default="")

@@ -5,8 +5,8 @@
 # (peer time / fastload time) with benchmarks/baseline.json. Fails naming the case, the
 # old and new ratio and the baseline's commit when a ratio falls below its recorded spread.
 #
-#   scripts/bench-check.sh                 check once at the small size
-#   scripts/bench-check.sh --runs 3        check the median of 3 runs
+#   scripts/bench-check.sh                 check the median of 3 runs at the small size
+#   scripts/bench-check.sh --runs 1        one run (about a minute; one sample per case)
 #   scripts/bench-check.sh --update [N]    record a new baseline from N runs (default 5)
 #   scripts/bench-check.sh --report-only   print the table, never fail on timing
 #   FASTLOAD_BENCH_SCALE=full scripts/bench-check.sh

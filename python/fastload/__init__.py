@@ -23,6 +23,7 @@ from .errors import (
     UnsupportedFileError,
 )
 from .index import ShardIndex
+from .probing import ProbeResult, probe
 from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
 _LAYERS = """
 fastload.__main__
 fastload.cli | fastload.torchvision
-fastload.data | fastload.packing
+fastload.data | fastload.packing | fastload.probing
 fastload.env
 fastload.staging
 fastload.sources | fastload.index
@@ -52,6 +53,7 @@ __all__ = [
     "NotEnoughSpaceError",
     "PackResult",
     "PackedBatch",
+    "ProbeResult",
     "ShardIndex",
     "ShardIndexDataset",
     "ShardIterableDataset",
@@ -69,6 +71,7 @@ __all__ = [
     "env",
     "pack",
     "pack_dataset",
+    "probe",
     "register_encoder",
     "resolve",
     "stage",

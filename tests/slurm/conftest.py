@@ -1,0 +1,122 @@
+"""A real SLURM cluster for the tests in this folder: scripts/slurm-cluster.sh starts
+slurmctld and three slurmd (n1, n2, n3) on loopback under a temporary directory, once
+per session, and stops what it started at the end.
+
+Tests that take ``slurm`` skip, saying why, where SLURM's daemons or clients are not
+installed (Debian: ``apt-get install slurmctld slurmd slurm-client``; scripts/test.sh
+installs them). Job steps run this interpreter (by absolute path) and the fastload this
+session imports (its folder on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fastload
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
+TASK = Path(__file__).with_name("slurm_task.py")
+BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel")
+NODES = ("n1", "n2", "n3")
+
+
+class Cluster:
+    """The running test cluster: its directory, and srun/sbatch with the job's
+    environment (``SLURM_CONF``, ``PYTHONPATH``) set."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.python = sys.executable  # the venv's, by absolute path
+        self.package_dir = str(Path(fastload.__file__).resolve().parent.parent)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """This process's environment less any SLURM job's it runs in, with the test
+        cluster's configuration and this fastload."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "FASTLOAD_"))
+        }
+        env.update(SLURM_CONF=str(self.conf), PYTHONPATH=self.package_dir, **extra)
+        return env
+
+    def local(self, node: str, job: int | str) -> Path:
+        """The node-local SLURM_TMPDIR the prolog makes for ``job`` on ``node``."""
+        return self.root / "local" / node / str(job)
+
+    def run(self, argv: Sequence[str], timeout: float = 120,
+            check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        proc = subprocess.run(
+            list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(argv)} exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+            )
+        return proc
+
+    def srun(self, *args: str, timeout: float = 120,
+             check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        return self.run(["srun", "--time=5", *args], timeout=timeout, check=check)
+
+    def task(self, srun_args: Sequence[str], *task_args: str) -> list[dict[str, Any]]:
+        """``srun SRUN_ARGS python slurm_task.py TASK_ARGS``: one JSON line per task."""
+        out = self.srun(*srun_args, self.python, str(TASK), *task_args).stdout
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    def sbatch(self, script: str, *args: str, wait: bool = True,
+               check: bool = True) -> tuple[int, subprocess.CompletedProcess[str]]:  # fmt: skip
+        """Submits ``script`` (the text of a batch script); returns its job id."""
+        path = self.root / "jobs" / f"job-{time.monotonic_ns()}.sh"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(script)
+        argv = ["sbatch", "--parsable", "--time=5", *(["--wait"] if wait else []), *args,
+                str(path)]  # fmt: skip
+        proc = self.run(argv, check=check)
+        return int(proc.stdout.strip().splitlines()[0].split(";")[0]), proc
+
+    def states(self, job: int) -> dict[str, str]:
+        """Job and step ids of ``job`` -> their state, from squeue (running ones)."""
+        out = self.run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i %T"], check=False)
+        return dict(line.split() for line in out.stdout.splitlines() if line.strip())
+
+
+def _missing() -> list[str]:
+    return [b for b in BINARIES if shutil.which(b) is None]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    missing = _missing()
+    if missing:
+        pytest.skip(
+            f"SLURM is not installed here ({', '.join(missing)} not found; Debian: "
+            "apt-get install slurmctld slurmd slurm-client, as scripts/test.sh does)"
+        )
+    root = tmp_path_factory.mktemp("slurm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    start = subprocess.run(
+        [str(SCRIPT), "start", str(root), str(len(NODES))],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    try:
+        if start.returncode != 0:
+            raise AssertionError(f"the test cluster did not start:\n{start.stderr[-4000:]}")
+        yield Cluster(root)
+    finally:
+        stop = subprocess.run([str(SCRIPT), "stop", str(root)], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert stop.returncode == 0, stop.stderr

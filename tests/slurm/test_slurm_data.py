@@ -1,0 +1,80 @@
+"""Under real srun/sbatch: the IterableDataset's rank x worker split from SLURM's own
+variables, and ``fastload pack`` split over a job array (a failed task re-run alone)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import fastload
+from conftest import Cluster
+from fastload import ShardIndex
+
+
+def make_samples(root: Path, n: int = 120) -> None:
+    for i in range(n):
+        d = root / f"class{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:04d}.bin").write_bytes(hashlib.sha256(str(i).encode()).digest() * (i + 1))
+
+
+def test_iterable_split_from_real_slurm_variables(slurm: Cluster, tmp_path: Path) -> None:
+    shared = slurm.root / "shared" / tmp_path.name
+    src, shards = shared / "src", shared / "shards"
+    make_samples(src)
+    packed = fastload.pack(src, shards, max_count=10, progress=False)
+    assert packed.index is not None
+    keys = ShardIndex.open(packed.index).keys()
+    # 2 nodes x 2 tasks, 2 DataLoader workers each: 8 readers; torch.distributed is not
+    # initialised, so the ranks are SLURM_PROCID of SLURM_NTASKS.
+    tasks = slurm.task(["-N", "2", "--ntasks-per-node=2"], "iterate", str(packed.index), "2")
+    assert sorted(t["rank"] for t in tasks) == [0, 1, 2, 3]
+    assert all(t["source"] == "slurm" and t["world_size"] == 4 for t in tasks)
+    seen = Counter(k for t in tasks for k in t["keys"])
+    assert set(seen) == set(keys) and set(seen.values()) == {1}  # all, none twice
+    assert all(len(t["keys"]) == len(keys) // 4 for t in tasks)
+
+
+ARRAY_SCRIPT = """#!/bin/bash
+set -e
+if [ "$SLURM_ARRAY_TASK_ID" = 2 ] && [ ! -e {flag} ]; then
+  touch {flag}; echo "task 2 fails once"; exit 3
+fi
+{python} -m fastload pack {src} {out} --shuffle --seed 7 --max-count 9 --no-progress {flags}
+"""
+
+
+def test_pack_over_a_job_array(slurm: Cluster, tmp_path: Path) -> None:
+    shared = slurm.root / "shared" / tmp_path.name
+    src = shared / "src"
+    make_samples(src)
+    one = fastload.pack(src, shared / "one", shuffle=True, seed=7, max_count=9, progress=False)
+    want = sorted(p.name for p in one.shards)
+    assert len(want) >= 8
+    for name, flags in [
+        ("flags", "--task-index $SLURM_ARRAY_TASK_ID --num-tasks 4"),
+        ("env", ""),  # no flags: the array's task and count
+    ]:
+        out = shared / name
+        script = ARRAY_SCRIPT.format(flag=shared / f"{name}.failed", python=slurm.python,
+                                     src=src, out=out, flags=flags)  # fmt: skip
+        _, proc = slurm.sbatch(script, "--array=0-3", "-o", str(shared / f"{name}-%a.txt"),
+                               check=False)  # fmt: skip
+        assert proc.returncode != 0  # task 2 failed...
+        assert "task 2 fails once" in (shared / f"{name}-2.txt").read_text()
+        mine = set(want[2::4])
+        assert mine and not any((out / n).exists() for n in mine)
+        assert sorted(p.name for p in out.glob("*.tar")) == sorted(set(want) - mine)
+        if name == "flags":  # ...and runs again alone: its own shards, no other's
+            slurm.sbatch(script, "--array=2", "-o", str(shared / f"{name}-rerun.txt"))
+        else:  # alone, the array is one task: say which
+            slurm.sbatch(script.replace("--no-progress ", "--no-progress --num-tasks 4 "),
+                         "--array=2", "-o", str(shared / f"{name}-rerun.txt"))  # fmt: skip
+        assert "task 2 of 4" in (shared / f"{name}-rerun.txt").read_text()
+        slurm.run([slurm.python, "-m", "fastload", "index", str(out)])
+        assert sorted(p.name for p in out.glob("*.tar")) == want
+        for n in want:  # the same samples in the same order, byte for byte
+            assert (out / n).read_bytes() == (shared / "one" / n).read_bytes(), n
+        assert one.index is not None
+        assert ShardIndex.open(out / "index.fidx").keys() == ShardIndex.open(one.index).keys()

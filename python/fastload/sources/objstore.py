@@ -304,6 +304,21 @@ class ObjectStore:
             raise self.error(e, full) from None
         return _info(key, meta)
 
+    def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
+        """Bytes ``[start, end)`` of the object (fewer at its end), which must still have
+        ``etag``; they stay in obstore's buffer (no copy)."""
+        full = self._full(key)
+        opts: dict[str, Any] = {"range": (start, end)}
+        if etag:
+            opts["if_match"] = etag
+        try:
+            got = memoryview(self._ob.get(self._store, full, options=opts).bytes())
+        except Exception as e:
+            raise self.error(e, full) from None
+        if len(got) > end - start:
+            raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked", full)
+        return got
+
     def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
         """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at
         its end); the object must still have ``etag``. Returns the bytes read."""

@@ -321,6 +321,12 @@ def machine(data: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def subset_nodes(cases: Sequence[Case] = CASES) -> list[str]:
+    """The pytest node ids of the subset (relative to the repository), leaving out the
+    cases of a module that does not exist."""
+    return [n for c in cases if (HERE / c.module).exists() for n in c.node_ids()]
+
+
 def run_subset(
     out: Path,
     *,
@@ -333,14 +339,14 @@ def run_subset(
 ) -> tuple[int, dict[str, Any] | None]:
     """One pytest run of the subset into ``out`` (pytest-benchmark JSON): (exit status,
     the JSON or None). Cases of a module that does not exist are left out."""
-    nodes = [n for c in cases if (HERE / c.module).exists() for n in c.node_ids()]
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodes,
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *subset_nodes(cases),
            f"--benchmark-json={out}", "--benchmark-columns=median,min,rounds"]  # fmt: skip
     if autosave:
         cmd.append("--benchmark-autosave")
     if compare_saved:
         cmd.append("--benchmark-compare")
     env = {**os.environ, "FASTLOAD_BENCH_SCALE": scale}
+    out.unlink(missing_ok=True)  # a kept file of an earlier run must not stand in for this one
     rc = subprocess.run([*cmd, *extra], cwd=REPO, env=env, check=False).returncode
     data = json.loads(out.read_text()) if out.exists() else None
     return rc, data
@@ -366,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("--scale", default=os.environ.get("FASTLOAD_BENCH_SCALE", "small"))
     running.add_argument("--python", default=sys.executable, help="interpreter for pytest")
     running.add_argument("--keep", type=Path, default=None, help="keep each run's JSON here")
+    running.add_argument("--no-autosave", dest="autosave", action="store_false",
+                         help="do not keep the absolute times in .benchmarks/")  # fmt: skip
     running.add_argument("--compare-saved", action="store_true",
                          help="pytest-benchmark: show absolute times against the last "
                          "saved run of this machine (--benchmark-compare)")  # fmt: skip
@@ -382,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--note", default="")
     p_cmp = sub.add_parser("compare", parents=[common], help="check recorded JSON files")
     p_cmp.add_argument("json", type=Path, nargs="+")
+    sub.add_parser("nodes", help="print the subset's pytest node ids, one a line (CI runs "
+                   "the other benchmarks without timing, deselecting these)")  # fmt: skip
     args = ap.parse_args(argv)
+
+    if args.cmd == "nodes":
+        print("\n".join(subset_nodes()))
+        return 0
 
     if args.cmd == "compare":
         runs = _load_all(args.json)
@@ -401,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                     keep / f"run{i + 1}.json",
                     scale=args.scale,
                     python=args.python,
+                    autosave=args.autosave,
                     compare_saved=args.compare_saved,
                 )
                 if rc not in (0, 5) or data is None:

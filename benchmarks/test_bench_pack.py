@@ -148,7 +148,7 @@ def _run_fastload(
 def _run_webdataset(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
     wds = pytest.importorskip("webdataset")
     fl = _fastload()
-    limit = fl.writer.parse_size(max_size)
+    limit = fl._util.parse_size(max_size)
     if d.name == "tot":
         if shuffle:
             pytest.skip("webdataset cannot fully shuffle a stream without extracting it")
@@ -231,7 +231,7 @@ def _run_litdata(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]
 def _run_mosaicml(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
     streaming = import_streaming()
     fl = _fastload()
-    limit = fl.writer.parse_size(max_size)
+    limit = fl._util.parse_size(max_size)
     columns = {"key": "str", "data": "bytes", "cls": "int"}
     if d.name == "tot":
         if shuffle:
@@ -311,7 +311,7 @@ def _memory_samples(n: int) -> list[dict[str, Any]]:
 def test_writer(benchmark: Any, fresh: Rounds, tool: str, scale: Scale, tmp_path: Path) -> None:
     plan = PLANS[scale.name]
     samples = _memory_samples(plan.small_files)
-    limit = _fastload().writer.parse_size(plan.max_size)
+    limit = _fastload()._util.parse_size(plan.max_size)
     if tool == "fastload":
         fl = _fastload()
 

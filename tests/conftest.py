@@ -1,4 +1,4 @@
-"""Fixtures shared by the staging tests.
+"""Fixtures shared by the tests (most of them by the staging tests).
 
 The ``engine`` fixture runs every test that takes it once per I/O backend ("uring",
 "pread"): a backend this machine lacks is skipped, not failed. With ``FASTLOAD_ENGINE``
@@ -21,8 +21,15 @@ from typing import Any, Callable
 
 import pytest
 
-import fastload
-import helpers
+# Tests in every folder import the kit (tests/kit/) by plain name. pytest's default import
+# mode puts this folder first on sys.path when it loads this file (no __init__.py here);
+# this says so, and keeps it so under --import-mode=importlib.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+import fastload  # noqa: E402
+from kit import trees  # noqa: E402
 
 ENGINES = ("uring", "pread")
 NOBODY = 65534
@@ -79,14 +86,14 @@ def stage(engine: str) -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def rich_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("rich") / "src"
-    helpers.build_rich_tree(root)
+    trees.build_rich_tree(root)
     return root
 
 
 @pytest.fixture(scope="session")
 def small_files_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("small") / "src"
-    helpers.build_small_files(root, 3000)
+    trees.build_small_files(root, 3000)
     return root
 
 
@@ -94,17 +101,17 @@ def small_files_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mixed_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2,000 small files and two 64 MiB files: long enough to interrupt, quick to copy."""
     root = tmp_path_factory.mktemp("mixed") / "src"
-    helpers.build_small_files(root / "small", 2000, seed=7)
+    trees.build_small_files(root / "small", 2000, seed=7)
     (root / "big").mkdir()
     for i in range(2):
         p = root / "big" / f"big{i}.bin"
-        helpers.write_patterned(p, 64 * helpers.MiB + 4097 * i, seed=100 + i)
-        helpers.set_mtime(p, 9000 + i)
+        trees.write_patterned(p, 64 * trees.MiB + 4097 * i, seed=100 + i)
+        trees.set_mtime(p, 9000 + i)
     return root
 
 
 def tree_totals(root: Path) -> tuple[int, int]:
-    files = helpers.regular_files(root)
+    files = trees.regular_files(root)
     return len(files), sum(files.values())
 
 
@@ -174,7 +181,7 @@ _unprivileged_choice: dict[str, Any] = {}
 
 @pytest.fixture
 def unprivileged(world_dir: Path) -> dict[str, Any]:
-    """Keyword arguments for helpers.Child that make the child subject to permission
+    """Keyword arguments for procs.Child that make the child subject to permission
     checks; skips when neither way works here. Use world_dir for its files (the user
     nobody cannot reach pytest's tmp_path)."""
     if os.geteuid() != 0:

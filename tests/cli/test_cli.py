@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import helpers
+from kit import procs, trees
 
 pytestmark = pytest.mark.native
 
@@ -19,7 +19,7 @@ SCRIPT = Path(sys.executable).with_name("fastload")
 def run(*args: str, script: bool = False) -> subprocess.CompletedProcess[str]:
     cmd = [str(SCRIPT)] if script else [sys.executable, "-m", "fastload"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300,
-                          env=helpers.child_env(), check=False)
+                          env=procs.child_env(), check=False)
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess[str], must_name: str) -> None:
@@ -39,7 +39,7 @@ def test_stage_and_verify(engine: str, rich_src: Path, tmp_path: Path, how: str)
             script=how == "script")
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
     p = run("verify", str(dst), script=how == "script")
     assert p.returncode == 0, p.stdout + p.stderr
 
@@ -47,14 +47,14 @@ def test_stage_and_verify(engine: str, rich_src: Path, tmp_path: Path, how: str)
 def test_stage_with_filters_and_workers(engine: str, tmp_path: Path) -> None:
     src = tmp_path / "src"
     for rel in ["a/x.txt", "a/y.bin", "b/z.txt", "b/skip/w.txt", "top.txt"]:
-        helpers.write_file(src / rel, rel.encode(), mtime_index=len(rel))
+        trees.write_file(src / rel, rel.encode(), mtime_index=len(rel))
     dst = tmp_path / "dst"
     p = run("stage", str(src), str(dst), "--include", "*.txt", "--include", "a/*",
             "--exclude", "b/skip", "--exclude", "top.*", "--engine", engine,
             "--workers", "2", "--no-progress")
     assert p.returncode == 0, p.stderr
-    assert set(helpers.regular_files(dst)) == {"a/x.txt", "a/y.bin", "b/z.txt"}
-    helpers.assert_same_file(src / "a" / "y.bin", dst / "a" / "y.bin")
+    assert set(trees.regular_files(dst)) == {"a/x.txt", "a/y.bin", "b/z.txt"}
+    trees.assert_same_file(src / "a" / "y.bin", dst / "a" / "y.bin")
 
 
 def test_stage_with_progress_by_default(rich_src: Path, tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_stage_with_progress_by_default(rich_src: Path, tmp_path: Path) -> None:
     p = run("stage", str(rich_src), str(dst))
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
 
 
 def test_stage_twice_succeeds(rich_src: Path, tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_stage_twice_succeeds(rich_src: Path, tmp_path: Path) -> None:
     for _ in range(2):
         p = run("stage", str(rich_src), str(dst), "--no-progress")
         assert p.returncode == 0, p.stderr
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
 
 
 def test_verify_reports_each_differing_path(rich_src: Path, tmp_path: Path) -> None:
@@ -100,14 +100,14 @@ def test_stage_missing_source(tmp_path: Path) -> None:
 
 def test_stage_dst_inside_src(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    helpers.write_file(src / "a.txt", b"a")
+    trees.write_file(src / "a.txt", b"a")
     p = run("stage", str(src), str(src / "inner"), "--no-progress")
     assert_one_line_error(p, str(src))
 
 
 def test_stage_special_file(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    helpers.write_file(src / "a.txt", b"a")
+    trees.write_file(src / "a.txt", b"a")
     os.symlink("/etc/hostname", src / "escape")
     p = run("stage", str(src), str(tmp_path / "dst"), "--no-progress")
     assert_one_line_error(p, "escape")

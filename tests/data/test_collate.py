@@ -22,7 +22,7 @@ import fastload  # noqa: E402
 from fastload import PackedBatch, ShardIndex  # noqa: E402
 from fastload.data import PackedField  # noqa: E402
 from fastload.data.collate import fetch_packed  # noqa: E402
-from test_index import Sample, make_samples, write_tarfile  # noqa: E402
+from kit.shards import Sample, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = pytest.mark.native
 

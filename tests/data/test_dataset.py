@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload import ShardIndex  # noqa: E402
-from test_index import Sample, check_samples, make_samples, write_tarfile  # noqa: E402
+from kit.shards import Sample, check_samples, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = pytest.mark.native
 

@@ -32,7 +32,8 @@ import fastload  # noqa: E402
 from fastload import ShardIndex  # noqa: E402
 from fastload.data import partition  # noqa: E402
 from fastload.data.shuffle import EpochOrder  # noqa: E402
-from test_index import Sample, make_samples, write_tarfile  # noqa: E402
+from kit.procs import with_tests_on_path  # noqa: E402
+from kit.shards import Sample, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -333,7 +334,9 @@ def free_port() -> int:
 
 
 def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 180) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = with_tests_on_path(
+        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    )
     procs = [
         subprocess.Popen([sys.executable, str(HERE), mode, json.dumps(a)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

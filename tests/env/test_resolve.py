@@ -3,7 +3,7 @@ registry under a simulated cluster's dataset roots, and from an HTTP server on l
 started here; checksums; six processes of one "node" resolving at once (one copy); a
 waiter taking over when the process that holds the node lock is killed.
 
-Child processes run this file as a script (see ``_child_main``): ``helpers.Child`` runs
+Child processes run this file as a script (see ``_child_main``): ``procs.Child`` runs
 ``[*wrapper, python, stage_child.py, SPEC]``, and with ``wrapper=[python, this file]``
 this file runs instead, reading SPEC from its last argument.
 """
@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 
 import fastload
-import helpers
 from fastload.env import Environment, detect
+from kit import procs, trees
 
 pytestmark = pytest.mark.native
 
@@ -196,10 +196,10 @@ def http_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 def test_local_tree(env: Environment, tmp_path: Path) -> None:
     src = tmp_path / "shared" / "mydata"
-    helpers.build_small_files(src, 40, per_dir=10)
+    trees.build_small_files(src, 40, per_dir=10)
     path = fastload.resolve(src, env=env)
     assert path == env.tmpdir / "mydata"
-    helpers.assert_same_tree(src, path)
+    trees.assert_same_tree(src, path)
     t0 = time.monotonic()
     assert fastload.resolve(str(src), env=env) == path  # done: returns at once
     assert time.monotonic() - t0 < 5
@@ -207,10 +207,10 @@ def test_local_tree(env: Environment, tmp_path: Path) -> None:
 
 def test_relative_names_are_looked_up_in_dataset_roots(env: Environment) -> None:
     root = env.dataset_roots[0]
-    helpers.build_small_files(root / "corpus" / "v2", 5)
+    trees.build_small_files(root / "corpus" / "v2", 5)
     path = fastload.resolve("corpus/v2", env=env)
     assert path == env.tmpdir / "v2"
-    helpers.assert_same_tree(root / "corpus" / "v2", path)
+    trees.assert_same_tree(root / "corpus" / "v2", path)
     assert fastload.resolve("corpus", env=env, include="v2/dir000/*") == env.tmpdir / "corpus"
     assert sorted(tree_of(env.tmpdir / "corpus")) == sorted(
         "v2/dir000/" + p.name for p in (root / "corpus/v2/dir000").iterdir()
@@ -329,7 +329,7 @@ def test_registry_imagenet_tar_of_tars(tmp_path: Path) -> None:
 
 def test_config_adds_datasets(tmp_path: Path) -> None:
     src = tmp_path / "lab" / "speech"
-    helpers.build_small_files(src, 6)
+    trees.build_small_files(src, 6)
     cfg = tmp_path / "config.toml"
     cfg.write_text(
         textwrap.dedent(f"""
@@ -345,7 +345,7 @@ def test_config_adds_datasets(tmp_path: Path) -> None:
     )
     env = detect(env_vars(tmp_path, FASTLOAD_CONFIG=str(cfg)), "node1")
     assert fastload.resolve("speech", env=env) == env.tmpdir / "speech" / "audio"
-    helpers.assert_same_tree(src, env.tmpdir / "speech" / "audio")
+    trees.assert_same_tree(src, env.tmpdir / "speech" / "audio")
 
     cfg.write_text("[datasets.broken]\nsources = [{ path = 'x', url = 'http://y' }]\n")
     env = detect(env_vars(tmp_path, FASTLOAD_CONFIG=str(cfg)), "node1")
@@ -402,10 +402,10 @@ def test_http_missing_falls_back_to_the_next_source(
     with pytest.raises(FileNotFoundError, match="404"):
         fastload.resolve(server.url("absent.tar"), env=env)
     local = tmp_path / "mirror" / "ds"
-    helpers.build_small_files(local, 4)
+    trees.build_small_files(local, 4)
     got = fastload.resolve("ds", sources=[server.url("absent.tar"), str(local)], env=env)
     assert got == env.tmpdir / "ds"
-    helpers.assert_same_tree(local, got)
+    trees.assert_same_tree(local, got)
 
 
 def test_http_where_the_cache_refuses_locks(
@@ -450,17 +450,17 @@ def test_http_in_the_registry(tmp_path: Path, server: _Server, http_backend: str
 # --------------------------------------------------------------------------------------
 
 
-def child(spec: dict[str, Any], environ: dict[str, str], *, stdin: bool = False) -> helpers.Child:
-    env = helpers.child_env(**environ)
+def child(spec: dict[str, Any], environ: dict[str, str], *, stdin: bool = False) -> procs.Child:
+    env = procs.child_env(**environ)
     for var in [v for v in env if v.startswith("SLURM_")]:
         del env[var]
-    return helpers.Child(spec, env=env, stdin=stdin, wrapper=[sys.executable, str(THIS)])
+    return procs.Child(spec, env=env, stdin=stdin, wrapper=[sys.executable, str(THIS)])
 
 
 def test_six_processes_one_copy(tmp_path: Path) -> None:
     src = tmp_path / "shared" / "ds"
-    helpers.build_small_files(src, 300, per_dir=50)
-    helpers.write_patterned(src / "big.bin", 8 * helpers.MiB, seed=1)
+    trees.build_small_files(src, 300, per_dir=50)
+    trees.write_patterned(src / "big.bin", 8 * trees.MiB, seed=1)
     (tmp_path / "datasets").mkdir()
     spec = {"args": [str(src)], "kwargs": {}, "wait_stdin": True}
     kids = [child(spec, env_vars(tmp_path), stdin=True) for _ in range(6)]
@@ -479,7 +479,7 @@ def test_six_processes_one_copy(tmp_path: Path) -> None:
     copiers = [s for s in staged if s["copied_files"] > 0]
     assert len(copiers) == 1, staged
     assert copiers[0]["copied_files"] == copiers[0]["files"] == 301
-    helpers.assert_same_tree(src, dst)
+    trees.assert_same_tree(src, dst)
 
 
 def test_six_processes_one_download(tmp_path: Path, server: _Server) -> None:
@@ -508,7 +508,7 @@ def test_six_processes_one_download(tmp_path: Path, server: _Server) -> None:
 
 def test_waiter_takes_over_from_a_killed_stager(tmp_path: Path) -> None:
     src = tmp_path / "shared" / "ds"
-    helpers.build_small_files(src, 200, per_dir=50)
+    trees.build_small_files(src, 200, per_dir=50)
     (tmp_path / "datasets").mkdir()
     environ = env_vars(tmp_path)
     # The first stager stops inside the node lock (in its progress callback) ...
@@ -532,7 +532,7 @@ def test_waiter_takes_over_from_a_killed_stager(tmp_path: Path) -> None:
     assert first.returncode == -signal.SIGKILL and first.result is None
     res = second.expect_result()
     assert res["path"] == str(tmp_path / "node-local" / "ds")
-    helpers.assert_same_tree(src, tmp_path / "node-local" / "ds")
+    trees.assert_same_tree(src, tmp_path / "node-local" / "ds")
     assert fastload.verify(tmp_path / "node-local" / "ds").ok
 
 

@@ -2,164 +2,40 @@
 every refusal (malformed, compressed and missing shards, duplicate keys, members without
 a key, corrupt, truncated, foreign and stale indexes), plus the CLI.
 
-The shard writers here are imported by the dataset tests too.
+The samples and shard writers are kit.shards' (the data and packing tests use them too).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import pickle
 import random
-import shutil
 import subprocess
 import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
 import fastload
 from fastload import IndexFormatError, ShardIndex, TarFormatError
 from fastload.cli import main as cli
+from kit.shards import (
+    HAVE_TORCH,
+    Sample,
+    check_samples,
+    make_samples,
+    reader,
+    write_gnutar,
+    write_tarfile,
+    write_wds,
+    write_wds_shards,
+)
 
 pytestmark = pytest.mark.native
-
-Sample = tuple[str, dict[str, bytes]]
-
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-
-
-class _Reader:
-    """ShardIndexDataset's fetch path where torch (its base class) is not installed."""
-
-    def __init__(self, idx: ShardIndex, fields: list[str] | None = None, copy: bool = False,
-                 access: str = "mmap") -> None:
-        self.native, self.args = idx._native, (fields, copy, access)
-
-    def __len__(self) -> int:
-        return len(self.native)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.__getitems__([i])[0]
-
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
-        return self.native.fetch(indices, *self.args)  # type: ignore[no-any-return]
-
-
-def reader(source: ShardIndex | Path, **kwargs: Any) -> Any:
-    """A ShardIndexDataset, or (without torch) the same native fetch behind it."""
-    if HAVE_TORCH:
-        return fastload.ShardIndexDataset(source, **kwargs)
-    idx = source if isinstance(source, ShardIndex) else ShardIndex.open(source)
-    return _Reader(idx, **kwargs)
-
-# --------------------------------------------------------------------------------------
-# Samples and shard writers
-# --------------------------------------------------------------------------------------
-
-
-def make_samples(
-    n: int, *, seed: int = 0, long_keys: str = "pax", prefix: str = ""
-) -> list[Sample]:
-    """``n`` samples: keys in dotted directories, three fields (one with a dot in its
-    name), empty payloads, and (``long_keys``) keys past 100 bytes ("ustar": split at a
-    slash so a ustar prefix holds them) or past 255 ("pax": any layout)."""
-    rng = random.Random(seed)
-    out: list[Sample] = []
-    for i in range(n):
-        if long_keys == "pax" and i == 1:
-            key = f"{prefix}d.v1/" + "k" * 150 + f"{i}"  # base name alone > 100
-        elif long_keys == "pax" and i == 2:
-            key = f"{prefix}deep/" + "/".join(["dir.x"] * 20) + "/" + "y" * 120 + str(i)  # > 255
-        elif long_keys == "ustar" and i == 1:
-            key = f"{prefix}" + "p" * 90 + "/" + "q" * 60 + str(i)  # > 100, fits prefix+name
-        else:
-            key = f"{prefix}dir.with.dots/s{i:05d}"
-        fields = {
-            "jpg": rng.randbytes(rng.randrange(0, 3000)),
-            "cls": str(i).encode(),
-            "seg.png": b"" if i % 3 == 0 else rng.randbytes(rng.randrange(1, 700)),
-        }
-        out.append((key, fields))
-    return out
-
-
-def _members(samples: Sequence[Sample]) -> list[tuple[str, bytes]]:
-    return [(f"{key}.{field}", data) for key, fields in samples for field, data in fields.items()]
-
-
-def write_tarfile(path: Path, samples: Sequence[Sample], fmt: str = "pax") -> Path:
-    formats = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
-    with tarfile.open(path, "w", format=formats[fmt]) as tf:
-        for name, data in _members(samples):
-            ti = tarfile.TarInfo(name)
-            ti.size = len(data)
-            ti.mtime = 1_700_000_000
-            tf.addfile(ti, io.BytesIO(data))
-    return path
-
-
-def gnu_tar_available() -> bool:
-    try:
-        r = subprocess.run(["tar", "--version"], capture_output=True, text=True, check=False)
-    except OSError:
-        return False
-    return "GNU tar" in r.stdout
-
-
-def write_gnutar(path: Path, samples: Sequence[Sample], fmt: str = "posix") -> Path:
-    """GNU tar, members in sample order (a file list, no recursion)."""
-    if not gnu_tar_available():
-        pytest.skip("GNU tar is not installed")
-    src = path.parent / f".{path.name}.src"
-    names = []
-    for name, data in _members(samples):
-        p = src / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-        names.append(name)
-    listing = path.parent / f".{path.name}.list"
-    listing.write_text("\n".join(names) + "\n")
-    subprocess.run(
-        ["tar", "-C", str(src), "-cf", str(path), f"--format={fmt}", "--no-recursion",
-         "-T", str(listing)],
-        check=True,
-    )
-    shutil.rmtree(src)
-    listing.unlink()
-    return path
-
-
-def write_wds(path: Path, samples: Sequence[Sample]) -> Path:
-    wds = pytest.importorskip("webdataset")
-    with wds.TarWriter(str(path)) as w:
-        for key, fields in samples:
-            w.write({"__key__": key, **fields})
-    return path
-
-
-def write_wds_shards(folder: Path, samples: Sequence[Sample], per_shard: int) -> list[Path]:
-    wds = pytest.importorskip("webdataset")
-    folder.mkdir(parents=True, exist_ok=True)
-    with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as w:
-        for key, fields in samples:
-            w.write({"__key__": key, **fields})
-    return sorted(folder.glob("shard-*.tar"))
-
-
-def check_samples(ds: Any, samples: Sequence[Sample]) -> None:
-    """Every sample of ``ds`` equals the one written, in order, by position and key."""
-    assert len(ds) == len(samples)
-    got = ds.__getitems__(list(range(len(ds))))
-    ones = (ds[i] for i in range(len(ds)))
-    for (key, fields), one, batch in zip(samples, ones, got, strict=True):
-        for s in (one, batch):
-            assert s["__key__"] == key
-            assert {k: bytes(v) for k, v in s.items() if k != "__key__"} == fields
 
 
 WRITERS: dict[str, Callable[[Path, Sequence[Sample]], Path]] = {

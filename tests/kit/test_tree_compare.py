@@ -10,14 +10,14 @@ from typing import Callable
 
 import pytest
 
-import helpers
-from helpers import MiB
+from kit import fs, trees
+from kit.trees import MiB
 
 
 @pytest.fixture
 def pair(tmp_path: Path) -> tuple[Path, Path]:
     a = tmp_path / "a"
-    helpers.build_rich_tree(a)
+    trees.build_rich_tree(a)
     b = tmp_path / "b"
     shutil.copytree(a, b, symlinks=True)  # copy2: modes and ns mtimes
     os.chmod(b, os.stat(a).st_mode)
@@ -25,8 +25,8 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_identical_copies_compare_equal(pair: tuple[Path, Path]) -> None:
-    helpers.assert_same_tree(*pair)
-    assert helpers.assert_no_partial_files(*pair) > 10
+    trees.assert_same_tree(*pair)
+    assert trees.assert_no_partial_files(*pair) > 10
 
 
 def _flip(p: Path) -> None:
@@ -83,31 +83,31 @@ def test_each_difference_is_caught(pair: tuple[Path, Path], name: str) -> None:
     rel, mutate = MUTATIONS[name]
     mutate(b / rel)
     with pytest.raises(AssertionError):
-        helpers.assert_same_tree(a, b)
+        trees.assert_same_tree(a, b)
 
 
 def test_zeros_written_into_a_hole_are_the_same_content(pair: tuple[Path, Path]) -> None:
     a, b = pair
     _zero_fill_hole(b / "sparse.bin")
-    assert helpers.allocated_bytes(b / "sparse.bin") > helpers.allocated_bytes(a / "sparse.bin")
-    helpers.assert_same_tree(a, b, mtimes=False)
+    assert fs.allocated_bytes(b / "sparse.bin") > fs.allocated_bytes(a / "sparse.bin")
+    trees.assert_same_tree(a, b, mtimes=False)
 
 
 def test_partial_file_at_final_path_is_caught(pair: tuple[Path, Path]) -> None:
     a, b = pair
     os.truncate(b / "data" / "medium.bin", MiB)
     with pytest.raises(AssertionError, match="partial"):
-        helpers.assert_no_partial_files(a, b)
+        trees.assert_no_partial_files(a, b)
 
 
 def test_temporary_names_are_allowed_after_a_kill(pair: tuple[Path, Path]) -> None:
     a, b = pair
     (b / "data" / ".medium.bin.fl-tmp123").write_bytes(b"half")
-    assert helpers.assert_no_partial_files(a, b) > 0
-    assert helpers.tmp_leftovers(b) == ["data/.medium.bin.fl-tmp123"]
+    assert trees.assert_no_partial_files(a, b) > 0
+    assert trees.tmp_leftovers(b) == ["data/.medium.bin.fl-tmp123"]
 
 
 def test_mentions_size() -> None:
-    assert helpers.mentions_size("need 12.0 MiB, 7.9 MiB free", 12 * MiB)
-    assert helpers.mentions_size("need 12582912 bytes", 12582912)
-    assert not helpers.mentions_size("not enough space", 12 * MiB)
+    assert fs.mentions_size("need 12.0 MiB, 7.9 MiB free", 12 * MiB)
+    assert fs.mentions_size("need 12582912 bytes", 12582912)
+    assert not fs.mentions_size("not enough space", 12 * MiB)

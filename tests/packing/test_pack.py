@@ -22,8 +22,8 @@ import fastload
 from fastload import ShardIndex, SourceChangedError, TarFormatError
 from fastload.cli import main as cli
 from fastload.packing import folder as _pack
-from test_index import gnu_tar_available
-from test_writer import Fields, read_fastload, read_gnu_tar, read_webdataset
+from kit import tars
+from kit.shards import Fields, read_fastload, read_gnu_tar, read_webdataset
 
 pytestmark = pytest.mark.native
 
@@ -115,7 +115,7 @@ def test_sources_in_key_order_give_the_same_shards(src: dict[str, Any], tmp_path
     assert runs["tree"] == runs["tar"] == runs["tar_of_tars"]
 
 
-@pytest.mark.skipif(not gnu_tar_available(), reason="GNU tar is not installed")
+@pytest.mark.skipif(tars.GNU_TAR is None, reason="GNU tar is not installed")
 def test_gnu_tar_extracts_the_shards(src: dict[str, Any], tmp_path: Path) -> None:
     r = fastload.pack(src["tree"], tmp_path / "out", shuffle=True, max_size="100KB")
     assert read_gnu_tar(r.shards, tmp_path / "x") == src["want"]

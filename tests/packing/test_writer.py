@@ -2,14 +2,13 @@
 (fastload's index, webdataset, wids, Python's tarfile, GNU tar) reads back; the same
 samples give the same bytes; limits; encoders; refusals; the pure planning functions.
 
-The readers here are imported by test_pack.py.
+The readers are kit.shards'.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import subprocess
 import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -24,88 +23,19 @@ import fastload
 from fastload import ShardIndex, ShardWriter, _core
 from fastload.packing.plan import cut_shards, member_bytes, permutation, split_key, task_shards
 from fastload.packing.writer import encoders, parse_size, register_encoder
-from test_index import gnu_tar_available, reader
+from kit import tars
+from kit.shards import (
+    Fields,
+    read_fastload,
+    read_gnu_tar,
+    read_tarfile,
+    read_webdataset,
+    read_wids,
+)
 
 pytestmark = pytest.mark.native
 
-Fields = dict[str, bytes]
 MTIME = 946684800
-
-# --------------------------------------------------------------------------------------
-# Readers: each returns {key: {field: bytes}} in the order it met the samples.
-# --------------------------------------------------------------------------------------
-
-
-def read_fastload(index: Path | ShardIndex) -> dict[str, Fields]:
-    """Through ShardIndexDataset (or its native fetch where torch is missing)."""
-    ds = reader(index if isinstance(index, ShardIndex) else ShardIndex.open(index))
-    out: dict[str, Fields] = {}
-    for s in ds.__getitems__(list(range(len(ds)))):
-        out[s["__key__"]] = {k: bytes(v) for k, v in s.items() if k != "__key__"}
-    return out
-
-
-def read_webdataset(shards: Iterable[Path]) -> dict[str, Fields]:
-    """webdataset's own tar reader and key grouping (suffixes kept in their case)."""
-    from webdataset.tariterators import group_by_keys, tar_file_expander
-
-    out: dict[str, Fields] = {}
-    for p in shards:
-        with open(p, "rb") as f:
-            members = tar_file_expander([{"url": str(p), "stream": f}])
-            for s in group_by_keys(members, lcase=False):
-                out[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
-    return out
-
-
-def read_wids(index: Path) -> dict[str, Fields]:
-    """wids's ShardListDataset over the shards (its own header parser, ustar names only)."""
-    wids = pytest.importorskip("wids")
-    idx = ShardIndex.open(index)
-    desc = [{"url": s.path, "nsamples": s.samples} for s in idx.shards]
-    ds = wids.ShardListDataset(desc, localname=_identity, transformations=[])
-    out: dict[str, Fields] = {}
-    try:
-        for i in range(len(ds)):
-            s = ds[i]
-            out[s["__key__"]] = {
-                k[1:]: v.getvalue() for k, v in s.items() if not k.startswith("__")
-            }
-    finally:
-        ds.close()
-    return out
-
-
-def _identity(url: str) -> str:
-    return url
-
-
-def read_tarfile(shards: Iterable[Path]) -> dict[str, Fields]:
-    out: dict[str, Fields] = {}
-    for p in shards:
-        with tarfile.open(p) as tf:
-            for m in tf:
-                key, field = split_key(m.name) or ("?", "?")
-                f = tf.extractfile(m)
-                assert f is not None
-                out.setdefault(key, {})[field] = f.read()
-    return out
-
-
-def read_gnu_tar(shards: Iterable[Path], work: Path) -> dict[str, Fields]:
-    """Extracted by GNU tar, which must not warn; then read from the files."""
-    out: dict[str, Fields] = {}
-    for i, p in enumerate(shards):
-        d = work / f"x{i}"
-        d.mkdir(parents=True)
-        r = subprocess.run(["tar", "-xf", str(p), "-C", str(d)], capture_output=True, text=True)
-        assert r.returncode == 0 and r.stderr == "", r.stderr
-        listed = subprocess.run(["tar", "-tf", str(p)], capture_output=True, text=True, check=True)
-        for name in listed.stdout.splitlines():
-            key, field = split_key(name) or ("?", "?")
-            out.setdefault(key, {})[field] = (d / name).read_bytes()
-    return out
-
 
 # --------------------------------------------------------------------------------------
 # Samples
@@ -186,7 +116,7 @@ def test_every_reader_reads_what_was_written(tmp_path: Path) -> None:
     assert list(read_fastload(w.index)) == [s["__key__"] for s in samples]  # written order
     assert read_webdataset(w.shards) == want
     assert read_tarfile(w.shards) == want
-    if gnu_tar_available():
+    if tars.GNU_TAR is not None:
         assert read_gnu_tar(w.shards, tmp_path / "gnu") == want
     # Every member's metadata is fixed, and fields are in sorted order.
     with tarfile.open(w.shards[0]) as tf:

@@ -12,18 +12,17 @@ from pathlib import Path
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
+from kit import procs, tars, trees
 
 pytestmark = pytest.mark.native
 
-T = ah.tinfo
+T = tars.tinfo
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fastload", *args], capture_output=True,
-                          text=True, timeout=300, env=helpers.child_env(), check=False)
+                          text=True, timeout=300, env=procs.child_env(), check=False)
 
 
 def assert_ok(p: subprocess.CompletedProcess[str]) -> None:
@@ -47,11 +46,11 @@ def nested(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, set[st
     for c in ("n01440764", "n01443537"):
         inner = [(T(f"{c}_{j}.JPEG", mtime=1_500_000_000 + j), os.urandom(2000 + 100 * j))
                  for j in range(4)]
-        classes.append((c, ah.members_archive(base / f"{c}.tar", inner).read_bytes()))
-    outer = ah.members_archive(
+        classes.append((c, tars.members_archive(base / f"{c}.tar", inner).read_bytes()))
+    outer = tars.members_archive(
         base / "train.tar",
         [(T(f"{c}.tar"), data) for c, data in classes] + [(T("README.txt"), b"readme\n")])
-    ref, made = ah.gnu_extract_nested(outer, base / "ref")
+    ref, made = tars.gnu_extract_nested(outer, base / "ref")
     return outer, ref, made
 
 
@@ -61,8 +60,8 @@ def test_stage_archive_default_unpacks(engine: str, nested: tuple[Path, Path, se
     dst = tmp_path / "dst"
     p = run("stage", str(outer), str(dst), "--engine", engine, "--no-progress")
     assert_ok(p)
-    ah.assert_same_extraction(ah.gnu_extract(outer, tmp_path / "flat"), dst,
-                              explicit=ah.explicit_dirs(outer))
+    tars.assert_same_extraction(tars.gnu_extract(outer, tmp_path / "flat"), dst,
+                              explicit=tars.explicit_dirs(outer))
     assert_ok(run("verify", str(dst)))
 
 
@@ -71,11 +70,11 @@ def test_stage_nested(engine: str, nested: tuple[Path, Path, set[str]], tmp_path
     dst = tmp_path / "imagenet"
     p = run("stage", str(outer), str(dst), "--nested", "--engine", engine, "--no-progress")
     assert_ok(p)
-    ah.assert_same_extraction(ref, dst, skip_meta=made)
+    tars.assert_same_extraction(ref, dst, skip_meta=made)
     assert (dst / "n01440764" / "n01440764_0.JPEG").is_file()
     # A second run: already there.
     assert_ok(run("stage", str(outer), str(dst), "--nested", "--no-progress"))
-    ah.assert_same_extraction(ref, dst, skip_meta=made)
+    tars.assert_same_extraction(ref, dst, skip_meta=made)
 
 
 def test_stage_no_unpack(nested: tuple[Path, Path, set[str]], tmp_path: Path) -> None:
@@ -91,8 +90,8 @@ def test_stage_include_exclude(nested: tuple[Path, Path, set[str]], tmp_path: Pa
     p = run("stage", str(outer), str(dst), "--nested", "--include", "n01440764/*",
             "--include", "*.txt", "--exclude", "*_3.JPEG", "--no-progress")
     assert_ok(p)
-    got = set(helpers.regular_files(dst))
-    want = ah.selected(helpers.regular_files(ref), ["n01440764/*", "*.txt"], ["*_3.JPEG"])
+    got = set(trees.regular_files(dst))
+    want = tars.selected(trees.regular_files(ref), ["n01440764/*", "*.txt"], ["*_3.JPEG"])
     assert got == want == {"README.txt", *(f"n01440764/n01440764_{j}.JPEG" for j in range(3))}
 
 
@@ -104,7 +103,7 @@ def test_stage_checksum_ok(algo: str, nested: tuple[Path, Path, set[str]],
     dst = tmp_path / "dst"
     assert_ok(run("stage", str(outer), str(dst), "--nested", "--checksum", f"{algo}:{hexd}",
                   "--no-progress"))
-    ah.assert_same_extraction(ref, dst, skip_meta=made)
+    tars.assert_same_extraction(ref, dst, skip_meta=made)
 
 
 def test_stage_checksum_mismatch(nested: tuple[Path, Path, set[str]], tmp_path: Path) -> None:
@@ -119,7 +118,7 @@ def test_stage_checksum_mismatch(nested: tuple[Path, Path, set[str]], tmp_path: 
 
 
 def test_stage_hostile_archive_fails_cleanly(tmp_path: Path) -> None:
-    a = ah.members_archive(tmp_path / "in" / "evil.tar",
+    a = tars.members_archive(tmp_path / "in" / "evil.tar",
                            [(T("ok.txt"), b"ok\n"), (T("../fl_evil_cli.txt"), b"pwned\n")])
     dst = tmp_path / "out" / "dst"
     p = run("stage", str(a), str(dst), "--no-progress")
@@ -129,7 +128,7 @@ def test_stage_hostile_archive_fails_cleanly(tmp_path: Path) -> None:
 
 
 def test_stage_truncated_archive_fails_cleanly(tmp_path: Path) -> None:
-    a = ah.members_archive(tmp_path / "cut.tar", [(T("big.bin"), os.urandom(50_000))],
+    a = tars.members_archive(tmp_path / "cut.tar", [(T("big.bin"), os.urandom(50_000))],
                            fmt=tarfile.USTAR_FORMAT)
     a.write_bytes(a.read_bytes()[:20_000])
     p = run("stage", str(a), str(tmp_path / "dst"), "--no-progress")

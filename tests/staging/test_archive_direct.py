@@ -21,16 +21,15 @@ from unittest import mock
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
 from fastload import _core
+from kit import fs, tars, trees
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-MiB = helpers.MiB
-cached, drop = ah.cached, ah.drop
+MiB = trees.MiB
+cached, drop = fs.cached, fs.drop
 
 
 def warm(path: Path, offset: int, length: int) -> None:
@@ -64,16 +63,16 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     small files of odd sizes, so read blocks start and end inside members and headers;
     and GNU tar's own extraction of it."""
     base = tmp_path_factory.mktemp("direct")
-    src = ah.build_archive_tree(base / "src")
+    src = trees.build_archive_tree(base / "src")
     rng = random.Random(5)
     (src / "big").mkdir()
-    helpers.write_patterned(src / "big" / "a.bin", 17 * MiB + 1234, 1)
-    helpers.write_patterned(src / "big" / "b.bin", 13 * MiB, 2)
+    trees.write_patterned(src / "big" / "a.bin", 17 * MiB + 1234, 1)
+    trees.write_patterned(src / "big" / "b.bin", 13 * MiB, 2)
     for i in range(300):
         body = rng.randbytes(rng.randrange(1, 90_000))
-        helpers.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
-    archive = ah.gnu_create(src, base / "a.tar", "posix")
-    ref = ah.gnu_extract(archive, base / "ref")
+        trees.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
+    archive = tars.gnu_create(src, base / "a.tar", "posix")
+    ref = tars.gnu_extract(archive, base / "ref")
     return Made(archive, ref, archive.stat().st_size)
 
 
@@ -82,7 +81,7 @@ def test_uncached_archive_is_read_direct_and_left_uncached(stage: Stage, made: M
     drop(made.archive)
     with direct_reads(True):
         stage(made.archive, tmp_path / "out")
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     # Only what sniffing the format read is cached (its first bytes and their readahead).
     assert cached(made.archive, 2 * MiB) == 0
     assert fastload.verify(tmp_path / "out").ok
@@ -95,7 +94,7 @@ def test_buffered_reads_when_disabled(stage: Stage, made: Made, tmp_path: Path) 
     drop(made.archive)
     with direct_reads(False):
         stage(made.archive, tmp_path / "out")
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert cached(made.archive, 2 * MiB) > (made.size - 2 * MiB) // 2
 
 
@@ -106,7 +105,7 @@ def test_partly_cached_archive(stage: Stage, made: Made, tmp_path: Path) -> None
     warm(made.archive, 8 * MiB, 8 * MiB)
     with direct_reads(True):
         stage(made.archive, tmp_path / "out")
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert cached(made.archive, 16 * MiB) == 0
     assert cached(made.archive, 2 * MiB, 6 * MiB) == 0
 
@@ -139,7 +138,7 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
     # the cached ones.
     assert blocks - 8 <= reader.direct_reads < blocks
     assert cached(made.archive, 16 * MiB) == 0
-    ah.assert_same_extraction(made.ref, out)
+    tars.assert_same_extraction(made.ref, out)
 
 
 def test_seek_over_skipped_members_realigns(stage: Stage, made: Made, tmp_path: Path) -> None:
@@ -154,9 +153,9 @@ def test_seek_over_skipped_members_realigns(stage: Stage, made: Made, tmp_path: 
     with direct_reads(True):
         stage(made.archive, tmp_path / "out", exclude=["big/a.bin"])
     assert not (tmp_path / "out" / "big" / "a.bin").exists()
-    helpers.assert_same_file(made.ref / "big" / "b.bin", tmp_path / "out" / "big" / "b.bin")
-    for rel in helpers.regular_files(made.ref / "small"):
-        helpers.assert_same_file(made.ref / "small" / rel, tmp_path / "out" / "small" / rel)
+    trees.assert_same_file(made.ref / "big" / "b.bin", tmp_path / "out" / "big" / "b.bin")
+    for rel in trees.regular_files(made.ref / "small"):
+        trees.assert_same_file(made.ref / "small" / rel, tmp_path / "out" / "small" / rel)
     # Only the page the short block read is cached: everything after it was read direct.
     page = after.offset - after.offset % 4096
     assert cached(made.archive, 2 * MiB) == cached(made.archive, page, 4096)
@@ -170,23 +169,23 @@ def test_checksum_over_direct_reads(stage: Stage, made: Made, tmp_path: Path) ->
         drop(made.archive)
         with pytest.raises(fastload.ChecksumMismatchError):
             stage(made.archive, tmp_path / "bad", checksum="sha256:" + "0" * 64)
-    ah.assert_same_extraction(made.ref, tmp_path / "ok")
+    tars.assert_same_extraction(made.ref, tmp_path / "ok")
 
 
 def test_gzip_and_nested_uncached(stage: Stage, made: Made, tmp_path: Path) -> None:
-    gz = ah.gzip_file(made.archive, tmp_path / "a.tar.gz")
-    tot = ah.members_archive(tmp_path / "tot.tar", [
-        (ah.tinfo("part1.tar"), made.archive.read_bytes()),
-        (ah.tinfo("part2.tar"), made.archive.read_bytes()),
+    gz = tars.gzip_file(made.archive, tmp_path / "a.tar.gz")
+    tot = tars.members_archive(tmp_path / "tot.tar", [
+        (tars.tinfo("part1.tar"), made.archive.read_bytes()),
+        (tars.tinfo("part2.tar"), made.archive.read_bytes()),
     ])
     drop(gz)
     drop(tot)
     with direct_reads(True):
         stage(gz, tmp_path / "gz")
         stage(tot, tmp_path / "tot", unpack="nested")
-    ah.assert_same_extraction(made.ref, tmp_path / "gz")
+    tars.assert_same_extraction(made.ref, tmp_path / "gz")
     for part in ("part1", "part2"):
-        ah.assert_same_extraction(made.ref, tmp_path / "tot" / part)
+        tars.assert_same_extraction(made.ref, tmp_path / "tot" / part)
     assert cached(gz, 2 * MiB) == 0
     assert cached(tot, 2 * MiB) == 0
 
@@ -198,4 +197,4 @@ def test_truncated_uncached_archive_names_it(stage: Stage, made: Made, tmp_path:
     drop(cut)
     with direct_reads(True), pytest.raises(fastload.TarFormatError, match=r"cut\.tar"):
         stage(cut, tmp_path / "out")
-    ah.assert_no_tmp(tmp_path / "out")
+    trees.assert_no_tmp(tmp_path / "out")

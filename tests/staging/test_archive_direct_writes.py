@@ -24,16 +24,15 @@ from typing import Any, Callable
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
 from fastload import _core
+from kit import fs, tars, trees
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-MiB = helpers.MiB
-cached = ah.cached
+MiB = trees.MiB
+cached = fs.cached
 PAGE = 4096
 # Sizes around what decides how a member is written: the threshold the tests set (8 KiB),
 # the page (the buffered tail), the 512-byte tar block, and more than one read block.
@@ -64,22 +63,22 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     sizes = []
     (src / "edge").mkdir(parents=True)
     for i, size in enumerate(SIZES):
-        helpers.write_patterned(src / "edge" / f"e{i:02d}.bin", size, i)
+        trees.write_patterned(src / "edge" / f"e{i:02d}.bin", size, i)
         sizes.append(size)
     for i in range(200):
         size = rng.randrange(1, 40_000)
-        helpers.write_file(src / f"r/{i // 40}/f{i:03d}.bin", rng.randbytes(size))
+        trees.write_file(src / f"r/{i // 40}/f{i:03d}.bin", rng.randbytes(size))
         sizes.append(size)
     os.chmod(src / "edge" / "e03.bin", 0o640)
     os.chmod(src / "edge" / "e12.bin", 0o755)
-    archive = ah.gnu_create(src, base / "a.tar", "posix")
-    ref = ah.gnu_extract(archive, base / "ref")
+    archive = tars.gnu_create(src, base / "a.tar", "posix")
+    ref = tars.gnu_extract(archive, base / "ref")
     return Made(src, archive, ref, sizes)
 
 
 @pytest.fixture
 def capable(tmp_path: Path) -> None:
-    if not ah.direct_capable(tmp_path):
+    if not fs.direct_capable(tmp_path):
         pytest.skip(f"{tmp_path} does not take O_DIRECT writes")
 
 
@@ -87,7 +86,7 @@ def assert_bodies_uncached(out: Path, threshold: int = 64 << 10) -> int:
     """Every member of ``threshold`` bytes or more was written around the cache (nothing
     has read the files yet): none of its whole pages is there. Returns how many."""
     n = 0
-    for rel, size in helpers.regular_files(out).items():
+    for rel, size in trees.regular_files(out).items():
         if size >= threshold:
             assert cached(out / rel, 0, size - size % PAGE) == 0, rel
             n += 1
@@ -97,7 +96,7 @@ def assert_bodies_uncached(out: Path, threshold: int = 64 << 10) -> int:
 def assert_bodies_cached(out: Path) -> None:
     """Written through the cache: most of the big members' bytes are there (dirty, or
     just written back)."""
-    big = {rel: size for rel, size in helpers.regular_files(out).items() if size >= 3 * MiB}
+    big = {rel: size for rel, size in trees.regular_files(out).items() if size >= 3 * MiB}
     assert sum(cached(out / rel) for rel in big) > sum(big.values()) // 2
 
 
@@ -109,7 +108,7 @@ def test_extraction_is_gnu_tars_and_bodies_stay_out_of_the_cache(
     stage(made.archive, out)
     direct = assert_bodies_uncached(out, THRESHOLD)
     assert direct == sum(s >= THRESHOLD for s in made.sizes) > 10
-    ah.assert_same_extraction(made.ref, out)
+    tars.assert_same_extraction(made.ref, out)
     assert fastload.verify(out).ok
 
 
@@ -123,7 +122,7 @@ def test_everything_buffered_when_disabled(stage: Stage, made: Made, tmp_path: P
     made.archive.read_bytes()  # what would make it choose direct writes
     stage(made.archive, out)
     assert_bodies_cached(out)
-    ah.assert_same_extraction(made.ref, out)
+    tars.assert_same_extraction(made.ref, out)
 
 
 def test_auto_direct_when_the_archive_is_cached(stage: Stage, made: Made, tmp_path: Path,
@@ -133,7 +132,7 @@ def test_auto_direct_when_the_archive_is_cached(stage: Stage, made: Made, tmp_pa
     made.archive.read_bytes()
     stage(made.archive, tmp_path / "out")
     assert assert_bodies_uncached(tmp_path / "out") == BIG
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
 
 
 def test_auto_buffered_when_the_archive_comes_from_the_same_disk(
@@ -142,10 +141,10 @@ def test_auto_buffered_when_the_archive_comes_from_the_same_disk(
     monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
     if os.stat(made.archive).st_dev != os.stat(tmp_path).st_dev:
         pytest.skip("the archive and the destination are on different devices here")
-    ah.drop(made.archive)
+    fs.drop(made.archive)
     stage(made.archive, tmp_path / "out")
     assert_bodies_cached(tmp_path / "out")
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
 
 
 def test_auto_direct_from_another_device(stage: Stage, made: Made, tmp_path: Path,
@@ -164,7 +163,7 @@ def test_auto_direct_from_another_device(stage: Stage, made: Made, tmp_path: Pat
     finally:
         archive.unlink(missing_ok=True)
     assert assert_bodies_uncached(tmp_path / "out") == BIG
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
 
 
 def _run_job(archive: Path, out: Path, engine: str, *, compression: str = "none",
@@ -205,7 +204,7 @@ def engine(request: pytest.FixtureRequest) -> str:
 def test_exactly_the_whole_pages_of_big_members_go_direct(made: Made, tmp_path: Path,
                                                           capable: None, engine: str) -> None:
     job = _run_job(made.archive, tmp_path / "out", engine)
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert job.bytes_out == sum(made.sizes)
     assert job.bytes_direct == expected_direct(made.sizes)
 
@@ -213,7 +212,7 @@ def test_exactly_the_whole_pages_of_big_members_go_direct(made: Made, tmp_path: 
 def test_threshold_zero_writes_nothing_direct(made: Made, tmp_path: Path, capable: None,
                                               engine: str) -> None:
     job = _run_job(made.archive, tmp_path / "out", engine, direct_write_min=0)
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert job.bytes_direct == 0
 
 
@@ -223,7 +222,7 @@ def test_compressed_members_go_direct_from_the_write_slots(made: Made, tmp_path:
     ends a member is split where its buffered tail begins."""
     data = gzip.compress(made.archive.read_bytes(), compresslevel=1)
     job = _run_job(made.archive, tmp_path / "out", engine, compression="gzip", data=data)
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert job.bytes_direct == expected_direct(made.sizes)
 
 
@@ -231,13 +230,13 @@ def test_nested_members_go_direct(made: Made, tmp_path: Path, capable: None,
                                   engine: str) -> None:
     """A tar of tars: the inner members' data lies 512-byte aligned in the read blocks
     (an inner tar starts on a block of the outer), so it is written direct in place."""
-    tot = ah.members_archive(tmp_path / "tot.tar", [
-        (ah.tinfo("one.tar"), made.archive.read_bytes()),
-        (ah.tinfo("two.tar"), made.archive.read_bytes()),
+    tot = tars.members_archive(tmp_path / "tot.tar", [
+        (tars.tinfo("one.tar"), made.archive.read_bytes()),
+        (tars.tinfo("two.tar"), made.archive.read_bytes()),
     ])
     job = _run_job(tot, tmp_path / "out", engine, nested=True)
     for part in ("one", "two"):
-        ah.assert_same_extraction(made.ref, tmp_path / "out" / part)
+        tars.assert_same_extraction(made.ref, tmp_path / "out" / part)
     assert job.bytes_direct == 2 * expected_direct(made.sizes)
 
 
@@ -250,12 +249,12 @@ def test_python_tarfile_formats(tmp_path: Path, capable: None, engine: str) -> N
     deep = src / ("d" * 120)
     deep.mkdir(parents=True)
     for i, size in enumerate(sizes):
-        helpers.write_patterned(deep / f"{'n' * (90 + i)}.bin", size, 40 + i)
+        trees.write_patterned(deep / f"{'n' * (90 + i)}.bin", size, 40 + i)
     for fmt in ("ustar", "gnu", "pax"):
-        archive = ah.py_create(src, tmp_path / f"{fmt}.tar", fmt)
-        ref = ah.gnu_extract(archive, tmp_path / f"ref-{fmt}")
+        archive = tars.py_create(src, tmp_path / f"{fmt}.tar", fmt)
+        ref = tars.gnu_extract(archive, tmp_path / f"ref-{fmt}")
         job = _run_job(archive, tmp_path / f"out-{fmt}", engine)
-        ah.assert_same_extraction(ref, tmp_path / f"out-{fmt}")
+        tars.assert_same_extraction(ref, tmp_path / f"out-{fmt}")
         assert job.bytes_direct == expected_direct(sizes)
 
 
@@ -267,7 +266,7 @@ def test_destination_without_direct_io(made: Made, tmp_path: Path, engine: str) 
     out = shm / f"fastload-dw-{os.getpid()}-{engine}"
     try:
         job = _run_job(made.archive, out, engine)
-        ah.assert_same_extraction(made.ref, out)
+        tars.assert_same_extraction(made.ref, out)
         assert job.bytes_direct == 0
     finally:
         shutil.rmtree(out, ignore_errors=True)

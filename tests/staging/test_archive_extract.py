@@ -19,9 +19,8 @@ from typing import Any, Callable
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
+from kit import procs, tars, trees
 
 pytestmark = pytest.mark.native
 
@@ -55,7 +54,7 @@ class Made:
 @pytest.fixture(scope="session")
 def archive_trees(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     base = tmp_path_factory.mktemp("archive-trees")
-    return {long: ah.build_archive_tree(base / f"long-{long}", long=long)
+    return {long: trees.build_archive_tree(base / f"long-{long}", long=long)
             for long in (True, False)}
 
 
@@ -72,14 +71,14 @@ def made(tmp_path_factory: pytest.TempPathFactory,
             src = archive_trees[fmt != "ustar"]
             stem = f"{maker}-{fmt}"
             if maker == "gnutar":
-                plain = ah.gnu_create(src, base / f"{stem}.tar", fmt)
+                plain = tars.gnu_create(src, base / f"{stem}.tar", fmt)
             else:
-                plain = ah.py_create(src, base / f"{stem}.tar", fmt, pax_global=fmt == "pax")
+                plain = tars.py_create(src, base / f"{stem}.tar", fmt, pax_global=fmt == "pax")
             archive = plain
             if compress is not None:
                 archive = compress_archive(plain, compress, src, fmt)
-            ref = ah.gnu_extract(archive, base / f"ref-{stem}-{compress}")
-            cache[key] = Made(archive, ref, ah.explicit_dirs(archive))
+            ref = tars.gnu_extract(archive, base / f"ref-{stem}-{compress}")
+            cache[key] = Made(archive, ref, tars.explicit_dirs(archive))
         return cache[key]
 
     return get
@@ -88,30 +87,30 @@ def made(tmp_path_factory: pytest.TempPathFactory,
 def compress_archive(plain: Path, how: str, src: Path, fmt: str) -> Path:
     stem = plain.with_suffix("")
     if how == "tar-czf":
-        return ah.gnu_create(src, stem.with_name(stem.name + "-czf.tar.gz"), fmt, extra=["-z"])
+        return tars.gnu_create(src, stem.with_name(stem.name + "-czf.tar.gz"), fmt, extra=["-z"])
     if how == "gzip-tgz":
-        return ah.gzip_file(plain, stem.with_name(stem.name + ".tgz"))
+        return tars.gzip_file(plain, stem.with_name(stem.name + ".tgz"))
     if how == "pigz":
         if shutil.which("pigz") is None:
             pytest.skip("pigz is not installed")
         out = stem.with_name(stem.name + "-pigz.tar.gz")
-        out.write_bytes(ah.run(["pigz", "-c", "-p", "2", str(plain)]).stdout)
+        out.write_bytes(tars.run(["pigz", "-c", "-p", "2", str(plain)]).stdout)
         return out
     if how == "gzip-multimember":
-        return ah.gzip_file(plain, stem.with_name(stem.name + "-multi.tar.gz"), members=3)
+        return tars.gzip_file(plain, stem.with_name(stem.name + "-multi.tar.gz"), members=3)
     if how == "zstd":
-        return ah.zstd_file(plain, stem.with_name(stem.name + ".tar.zst"))
+        return tars.zstd_file(plain, stem.with_name(stem.name + ".tar.zst"))
     if how == "zstd-tzst":
-        return ah.zstd_file(plain, stem.with_name(stem.name + ".tzst"))
+        return tars.zstd_file(plain, stem.with_name(stem.name + ".tzst"))
     if how == "zstd-multiframe":
-        return ah.zstd_file(plain, stem.with_name(stem.name + "-multi.tar.zst"), frames=3)
+        return tars.zstd_file(plain, stem.with_name(stem.name + "-multi.tar.zst"), frames=3)
     if how == "gzip-named-tar":
         out = stem.with_name(stem.name + "-gz-content.tar")
-        out.write_bytes(ah.gzip_file(plain, out.with_suffix(".tmpgz")).read_bytes())
+        out.write_bytes(tars.gzip_file(plain, out.with_suffix(".tmpgz")).read_bytes())
         out.with_suffix(".tmpgz").unlink()
         return out
     if how == "zstd-named-tar":
-        tmp = ah.zstd_file(plain, stem.with_name(stem.name + ".tmpzst"))
+        tmp = tars.zstd_file(plain, stem.with_name(stem.name + ".tmpzst"))
         out = stem.with_name(stem.name + "-zst-content.tar")
         tmp.rename(out)
         return out
@@ -123,10 +122,10 @@ def check_result(res: Any, m: Made, dst: Path) -> None:
     counting each link as a file or not is left open."""
     assert res.path == dst
     assert res.skipped is False
-    by_members = ah.member_totals(m.archive)
-    files = helpers.regular_files(m.ref)
+    by_members = tars.member_totals(m.archive)
+    files = trees.regular_files(m.ref)
     by_paths = (len(files), sum(files.values()))
-    if ah.has_hardlinks(m.archive):
+    if tars.has_hardlinks(m.archive):
         assert (res.files, res.bytes) in (by_members, by_paths), (res, by_members, by_paths)
         # A fresh extraction copies everything; whether a hard link counts as copied
         # (it writes no data) is open too.
@@ -137,7 +136,7 @@ def check_result(res: Any, m: Made, dst: Path) -> None:
 
 
 def assert_clean_beside(dst: Path) -> None:
-    extra = {p.name for p in dst.parent.iterdir()} - {dst.name} - ah.state_names(dst)
+    extra = {p.name for p in dst.parent.iterdir()} - {dst.name} - tars.state_names(dst)
     assert not extra, f"left beside the destination: {sorted(extra)}"
 
 
@@ -147,8 +146,8 @@ def extract_and_compare(stage: Stage, m: Made, tmp_path: Path, **kw: Any) -> Any
     res = stage(m.archive, dst, **kw)
     assert dst.is_dir() and not dst.is_symlink(), (
         f"{m.archive.name} was not extracted: dst is not a directory ({res})")
-    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
-    ah.assert_no_tmp(dst)
+    tars.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+    trees.assert_no_tmp(dst)
     assert_clean_beside(dst)
     check_result(res, m, dst)
     return res
@@ -174,13 +173,13 @@ def test_format_details(stage: Stage, made: Callable[..., Made], tmp_path: Path,
     m = made(maker, fmt)
     dst = tmp_path / "dst"
     stage(m.archive, dst)
-    deep = dst / ah.DEEP_LONG_DIR
+    deep = dst / trees.DEEP_LONG_DIR
     assert len(str(deep.relative_to(dst)).encode()) > 255
     assert (deep / "leaf.txt").read_bytes() == b"deep and long\n"
-    assert (dst / "long" / ah.LONG_COMPONENT).stat().st_size == 5000
-    assert (dst / ah.USTAR_PREFIX_PATH).stat().st_size == 3000
-    assert (dst / helpers.UNICODE_DIR / helpers.UNICODE_FILE).is_file()
-    assert os.readlink(dst / "links" / ("t" * 120)) == ah.LONG_LINK_TARGET
+    assert (dst / "long" / trees.LONG_ASCII).stat().st_size == 5000
+    assert (dst / trees.USTAR_PREFIX_PATH).stat().st_size == 3000
+    assert (dst / trees.UNICODE_DIR / trees.UNICODE_FILE).is_file()
+    assert os.readlink(dst / "links" / ("t" * 120)) == trees.LONG_LINK_TARGET
     assert (dst / "links" / ("t" * 120)).read_bytes() == b"deep and long\n"
     assert os.readlink(dst / "links" / "up") == ".."
     a = os.lstat(dst / "hard" / "a.bin")
@@ -195,8 +194,8 @@ def test_format_details(stage: Stage, made: Callable[..., Made], tmp_path: Path,
 def test_gnu_tar_top_level_names(stage: Stage, archive_trees: dict[bool, Path],
                                  tmp_path: Path) -> None:
     """Members named without "./" (``tar -cf A -C dir a b c``)."""
-    a = ah.gnu_create(archive_trees[True], tmp_path / "in" / "top.tar", "gnu", dot=False)
-    m = Made(a, ah.gnu_extract(a, tmp_path / "ref"), ah.explicit_dirs(a))
+    a = tars.gnu_create(archive_trees[True], tmp_path / "in" / "top.tar", "gnu", dot=False)
+    m = Made(a, tars.gnu_extract(a, tmp_path / "ref"), tars.explicit_dirs(a))
     extract_and_compare(stage, m, tmp_path)
 
 
@@ -205,7 +204,7 @@ def test_into_existing_empty_dir(stage: Stage, made: Callable[..., Made], tmp_pa
     dst = tmp_path / "dst"
     dst.mkdir()
     stage(m.archive, dst)
-    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+    tars.assert_same_extraction(m.ref, dst, explicit=m.explicit)
 
 
 def test_verify_extracted_tree(stage: Stage, made: Callable[..., Made], tmp_path: Path) -> None:
@@ -252,7 +251,7 @@ def test_gzip(stage: Stage, made: Callable[..., Made], tmp_path: Path, how: str)
 
 @pytest.mark.parametrize("how", ["zstd", "zstd-tzst", "zstd-multiframe"])
 def test_zstd(stage: Stage, made: Callable[..., Made], tmp_path: Path, how: str) -> None:
-    ah.need_zstd()
+    tars.need_zstd()
     extract_and_compare(stage, made("tarfile", "pax", how), tmp_path)
 
 
@@ -261,7 +260,7 @@ def test_compression_recognised_by_content(stage: Stage, made: Callable[..., Mad
                                            tmp_path: Path, how: str) -> None:
     """A ``.tar`` that holds gzip or zstd data (a common mislabelling)."""
     if how.startswith("zstd"):
-        ah.need_zstd()
+        tars.need_zstd()
     extract_and_compare(stage, made("tarfile", "gnu", how), tmp_path)
 
 
@@ -292,15 +291,15 @@ def test_unpack_false_copies_the_archive(stage: Stage, made: Callable[..., Made]
     res = stage(m.archive, into, unpack=False)
     assert res.path == into / m.archive.name
     assert (into / m.archive.name).read_bytes() == m.archive.read_bytes()
-    assert set(os.listdir(into)) - ah.state_names(into / m.archive.name) == {m.archive.name}
+    assert set(os.listdir(into)) - tars.state_names(into / m.archive.name) == {m.archive.name}
 
 
 def test_non_archive_is_copied_as_a_file(stage: Stage, tmp_path: Path) -> None:
     src = tmp_path / "weights.bin"
-    helpers.write_file(src, os.urandom(70_000), mtime_index=5)
+    trees.write_file(src, os.urandom(70_000), mtime_index=5)
     dst = tmp_path / "weights.copy"
     res = stage(src, dst)
-    helpers.assert_same_file(src, dst)
+    trees.assert_same_file(src, dst)
     assert (res.files, res.bytes) == (1, 70_000)
 
 
@@ -310,56 +309,56 @@ def test_non_archive_is_copied_as_a_file(stage: Stage, tmp_path: Path) -> None:
 
 
 def corner_archive(kind: str, path: Path) -> Path:
-    T = ah.tinfo
+    T = tars.tinfo
     if kind == "base256-size":
         data = os.urandom(3000)
-        path = ah.members_archive(path, [(T("b256.bin"), data), (T("after.txt"), b"after\n")])
+        path = tars.members_archive(path, [(T("b256.bin"), data), (T("after.txt"), b"after\n")])
         buf = bytearray(path.read_bytes())
-        ah.set_base256(buf, ah.header_offsets(bytes(buf))[0][0], ah.F_SIZE, len(data))
+        tars.set_base256(buf, tars.header_offsets(bytes(buf))[0][0], tars.F_SIZE, len(data))
         path.write_bytes(buf)
     elif kind == "base256-mtime":
-        path = ah.members_archive(path, [(T("t.txt"), b"time\n"), (T("u.txt"), b"u\n")])
+        path = tars.members_archive(path, [(T("t.txt"), b"time\n"), (T("u.txt"), b"u\n")])
         buf = bytearray(path.read_bytes())
-        ah.set_base256(buf, ah.header_offsets(bytes(buf))[0][0], ah.F_MTIME, 1_234_567_891)
+        tars.set_base256(buf, tars.header_offsets(bytes(buf))[0][0], tars.F_MTIME, 1_234_567_891)
         path.write_bytes(buf)
     elif kind == "pax-size-overrides-header":
         data = os.urandom(2000)
-        path = ah.members_archive(
+        path = tars.members_archive(
             path, [(T("a.bin", pax={"size": str(len(data))}), data), (T("b.txt"), b"bbb\n")],
             fmt=tarfile.PAX_FORMAT)
         buf = bytearray(path.read_bytes())
-        off = ah.header_offsets(bytes(buf))[0][0]
-        buf[off + ah.F_SIZE[0]:off + ah.F_SIZE[1]] = b"%011o\0" % 0
-        ah.fix_checksum(buf, off)
+        off = tars.header_offsets(bytes(buf))[0][0]
+        buf[off + tars.F_SIZE[0]:off + tars.F_SIZE[1]] = b"%011o\0" % 0
+        tars.fix_checksum(buf, off)
         path.write_bytes(buf)
     elif kind == "pax-mtime-fraction-and-global":
-        path = ah.members_archive(
+        path = tars.members_archive(
             path,
             [(T("frac.txt", pax={"mtime": "1500000000.987654321"}), b"frac\n"),
              (T("global.txt"), b"global mtime\n"),
              (T("d", tarfile.DIRTYPE), None)],
             fmt=tarfile.PAX_FORMAT, pax_headers={"mtime": "1234567890"})
     elif kind == "pax-unicode-path":
-        path = ah.members_archive(
+        path = tars.members_archive(
             path, [(T("\u00e9t\u00e9/\u65e5\u672c.txt"), b"unicode\n")], fmt=tarfile.PAX_FORMAT)
     elif kind == "dir-after-its-contents":
-        path = ah.members_archive(
+        path = tars.members_archive(
             path,
             [(T("ro/inner/f.txt", mode=0o600), b"inside\n"),
              (T("ro/inner", tarfile.DIRTYPE, mode=0o500), None),
              (T("ro", tarfile.DIRTYPE, mode=0o555, mtime=1_400_000_000), None)])
     elif kind == "same-dir-twice":
-        path = ah.members_archive(
+        path = tars.members_archive(
             path,
             [(T("d", tarfile.DIRTYPE, mode=0o755), None), (T("d/x.txt"), b"x\n"),
              (T("d", tarfile.DIRTYPE, mode=0o700, mtime=1_300_000_000), None)])
     elif kind == "hardlink-to-earlier-in-ro-dir":
-        path = ah.members_archive(
+        path = tars.members_archive(
             path,
             [(T("ro", tarfile.DIRTYPE, mode=0o555), None), (T("ro/orig.bin"), b"orig" * 300),
              (T("copy.bin", tarfile.LNKTYPE, linkname="ro/orig.bin"), None)])
     elif kind == "empty-archive":
-        path = ah.members_archive(path, [])
+        path = tars.members_archive(path, [])
     else:
         raise ValueError(kind)
     return path
@@ -373,7 +372,7 @@ CORNERS = ["base256-size", "base256-mtime", "pax-size-overrides-header",
 @pytest.mark.parametrize("kind", CORNERS)
 def test_parser_corner(stage: Stage, tmp_path: Path, kind: str) -> None:
     a = corner_archive(kind, tmp_path / "in" / f"{kind}.tar")
-    m = Made(a, ah.gnu_extract(a, tmp_path / "ref"), ah.explicit_dirs(a))
+    m = Made(a, tars.gnu_extract(a, tmp_path / "ref"), tars.explicit_dirs(a))
     extract_and_compare(stage, m, tmp_path)
 
 
@@ -394,19 +393,19 @@ FLAT_FILTERS = [
 def test_include_exclude(stage: Stage, made: Callable[..., Made], tmp_path: Path,
                          include: list[str] | None, exclude: list[str] | None) -> None:
     m = made("tarfile", "gnu")  # member names without "./"
-    ref_files = helpers.regular_files(m.ref)
+    ref_files = trees.regular_files(m.ref)
     # Hard-linked paths: whether a link member is taken when only its target is
     # selected is open; keep them out of the expectation.
-    links = {p for g in ah.hardlink_groups(m.ref) for p in g}
-    want = ah.selected(ref_files, include, exclude)
+    links = {p for g in trees.hardlink_groups(m.ref) for p in g}
+    want = tars.selected(ref_files, include, exclude)
     assert want and want != set(ref_files), "the filter must select some, not all"
     dst = tmp_path / "dst"
     res = stage(m.archive, dst, include=include, exclude=exclude)
-    got = set(helpers.regular_files(dst))
+    got = set(trees.regular_files(dst))
     assert got - links == want - links, (
         f"missing {sorted(want - got - links)[:10]}, unexpected {sorted(got - want - links)[:10]}")
     for rel in want - links:
-        assert helpers.describe(dst / rel) == helpers.describe(m.ref / rel), rel
+        assert trees.describe(dst / rel) == trees.describe(m.ref / rel), rel
     if not (want & links):
         assert (res.files, res.bytes) == (len(want), sum(ref_files[p] for p in want))
 
@@ -421,7 +420,7 @@ def _inner_files(root: Path, cls: str, n: int, seed: int) -> None:
 
     rng = random.Random(seed)
     for j in range(n):
-        helpers.write_file(root / f"{cls}_{j:04d}.JPEG",
+        trees.write_file(root / f"{cls}_{j:04d}.JPEG",
                            b"\xff\xd8\xff\xe0" + rng.randbytes(rng.randrange(100, 40_000)),
                            mtime_index=seed * 100 + j)
 
@@ -437,28 +436,28 @@ def build_nested(base: Path, outer: str) -> Path:
     _inner_files(work / "n0001", "n0001", 6, 1)
     _inner_files(work / "n0001" / "sub", "n0001_sub", 2, 2)
     os.symlink("n0001_0000.JPEG", work / "n0001" / "alias.JPEG")
-    ah.py_create(work / "n0001", osrc / "n0001.tar", "gnu")
+    tars.py_create(work / "n0001", osrc / "n0001.tar", "gnu")
     # n0002: GNU tar posix, "./" member names.
     _inner_files(work / "n0002", "n0002", 5, 3)
-    ah.gnu_create(work / "n0002", osrc / "n0002.tar", "posix")
+    tars.gnu_create(work / "n0002", osrc / "n0002.tar", "posix")
     # n0003: tarfile ustar.
     _inner_files(work / "n0003", "n0003", 5, 4)
-    ah.py_create(work / "n0003", osrc / "n0003.tar", "ustar")
+    tars.py_create(work / "n0003", osrc / "n0003.tar", "ustar")
     # train/n0004: tarfile pax, one level down.
     _inner_files(work / "n0004", "n0004", 4, 5)
     (osrc / "train").mkdir()
-    ah.py_create(work / "n0004", osrc / "train" / "n0004.tar", "pax")
-    helpers.write_file(osrc / "README.txt", b"an imagenet-like archive\n", mtime_index=900)
-    helpers.write_file(osrc / "labels" / "map.txt", b"n0001 tench\nn0002 goldfish\n",
+    tars.py_create(work / "n0004", osrc / "train" / "n0004.tar", "pax")
+    trees.write_file(osrc / "README.txt", b"an imagenet-like archive\n", mtime_index=900)
+    trees.write_file(osrc / "labels" / "map.txt", b"n0001 tench\nn0002 goldfish\n",
                        mtime_index=901)
     for p in osrc.rglob("*.tar"):
-        helpers.set_mtime(p, 950)
+        trees.set_mtime(p, 950)
     if outer == "tarfile-gnu":
-        return ah.py_create(osrc, base / "train.tar", "gnu")
+        return tars.py_create(osrc, base / "train.tar", "gnu")
     if outer == "gnutar-posix":
-        return ah.gnu_create(osrc, base / "train.tar", "posix", dot=False)
+        return tars.gnu_create(osrc, base / "train.tar", "posix", dot=False)
     if outer == "gnutar-gnu-gz":
-        return ah.gnu_create(osrc, base / "train.tar.gz", "gnu", dot=False, extra=["-z"])
+        return tars.gnu_create(osrc, base / "train.tar.gz", "gnu", dot=False, extra=["-z"])
     raise ValueError(outer)
 
 
@@ -480,9 +479,9 @@ def nested_archive(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         if outer not in cache:
             base = tmp_path_factory.mktemp(f"nested-{outer}")
             a = build_nested(base, outer)
-            ref, made_dirs = ah.gnu_extract_nested(a, base / "ref")
-            flat_ref = ah.gnu_extract(a, base / "flat-ref")
-            cache[outer] = Nested(a, ref, made_dirs, ah.explicit_dirs(a, nested=True), flat_ref)
+            ref, made_dirs = tars.gnu_extract_nested(a, base / "ref")
+            flat_ref = tars.gnu_extract(a, base / "flat-ref")
+            cache[outer] = Nested(a, ref, made_dirs, tars.explicit_dirs(a, nested=True), flat_ref)
         return cache[outer]
 
     return get
@@ -495,9 +494,9 @@ def test_nested_matches_the_shell_loop(stage: Stage, nested_archive: Callable[[s
     assert n.made_dirs == {"n0001", "n0002", "n0003", "train/n0004"}
     dst = tmp_path / "dst"
     res = stage(n.archive, dst, unpack="nested")
-    ah.assert_same_extraction(n.ref, dst, explicit=n.explicit, skip_meta=n.made_dirs)
-    ah.assert_no_tmp(dst)
-    files = helpers.regular_files(n.ref)
+    tars.assert_same_extraction(n.ref, dst, explicit=n.explicit, skip_meta=n.made_dirs)
+    trees.assert_no_tmp(dst)
+    files = trees.regular_files(n.ref)
     assert (res.files, res.bytes) == (len(files), sum(files.values()))
     assert not list(dst.rglob("*.tar")), "an inner tar was written to disk"
     assert fastload.verify(dst).ok
@@ -508,7 +507,7 @@ def test_nested_off_keeps_inner_tars(stage: Stage, nested_archive: Callable[[str
     n = nested_archive("tarfile-gnu")
     dst = tmp_path / "dst"
     stage(n.archive, dst)  # unpack="auto": the outer archive only
-    ah.assert_same_extraction(n.flat_ref, dst, explicit=ah.explicit_dirs(n.archive))
+    tars.assert_same_extraction(n.flat_ref, dst, explicit=tars.explicit_dirs(n.archive))
     assert (dst / "n0001.tar").read_bytes() == (n.flat_ref / "n0001.tar").read_bytes()
 
 
@@ -528,15 +527,15 @@ def test_nested_include_exclude(stage: Stage, nested_archive: Callable[[str], Ne
     """Globs apply to the output path (n0001/x.JPEG), not to the outer member
     (n0001.tar)."""
     n = nested_archive("tarfile-gnu")
-    ref_files = helpers.regular_files(n.ref)
-    want = ah.selected(ref_files, include, exclude)
+    ref_files = trees.regular_files(n.ref)
+    want = tars.selected(ref_files, include, exclude)
     assert want and want != set(ref_files), "the filter must select some, not all"
     dst = tmp_path / "dst"
     res = stage(n.archive, dst, unpack="nested", include=include, exclude=exclude)
-    got = set(helpers.regular_files(dst))
+    got = set(trees.regular_files(dst))
     assert got == want, f"missing {sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
     for rel in want:
-        assert helpers.describe(dst / rel) == helpers.describe(n.ref / rel), rel
+        assert trees.describe(dst / rel) == trees.describe(n.ref / rel), rel
     assert (res.files, res.bytes) == (len(want), sum(ref_files[p] for p in want))
     assert not list(dst.rglob("*.tar"))
 
@@ -577,7 +576,7 @@ def test_checksum_mismatch(stage: Stage, made: Callable[..., Made], tmp_path: Pa
         stage(m.archive, dst, checksum=bad)
     res = stage(m.archive, dst, checksum=good)
     assert res.skipped is False
-    ah.assert_same_extraction(m.ref, dst, explicit=m.explicit)
+    tars.assert_same_extraction(m.ref, dst, explicit=m.explicit)
     assert fastload.verify(dst).ok
     assert stage(m.archive, dst, checksum=good).skipped is True
 
@@ -585,8 +584,8 @@ def test_checksum_mismatch(stage: Stage, made: Callable[..., Made], tmp_path: Pa
 def test_result_counts_plain_members(stage: Stage, tmp_path: Path) -> None:
     """files/bytes: the regular files extracted and their total size; directories and
     symlinks are not files."""
-    T = ah.tinfo
-    a = ah.members_archive(tmp_path / "in" / "counts.tar", [
+    T = tars.tinfo
+    a = tars.members_archive(tmp_path / "in" / "counts.tar", [
         (T("d", tarfile.DIRTYPE), None), (T("d/a"), b"a" * 10), (T("d/b"), b""),
         (T("l", tarfile.SYMTYPE, linkname="d/a"), None), (T("e", tarfile.DIRTYPE), None),
         (T("c"), b"c" * 1000)])
@@ -603,9 +602,9 @@ def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int,
     killed run with another mode is not reused as it is (without O_TMPFILE, the named
     temporary is opened O_EXCL and replaced)."""
     monkeypatch.setenv("FASTLOAD_TMPFILE", tmpfile)
-    T = ah.tinfo
+    T = tars.tinfo
     modes = [0o644, 0o600, 0o755, 0o777, 0o666, 0o400, 0o640, 0o711, 0o000]
-    a = ah.members_archive(tmp_path / "in" / "modes.tar", [
+    a = tars.members_archive(tmp_path / "in" / "modes.tar", [
         (T(f"f{mode:03o}", mode=mode), b"x" * (mode + 1)) for mode in modes])
     dst = tmp_path / "dst"
     dst.mkdir()
@@ -631,8 +630,8 @@ def test_modes_exact_under_any_umask(stage: Stage, tmp_path: Path, umask: int,
 def _replacing_archive(path: Path) -> tuple[Path, dict[str, bytes]]:
     """Members that land on names already taken: a file repeated (the later wins) and a
     symlink replaced by a file; what the destination must end with."""
-    T = ah.tinfo
-    a = ah.members_archive(path, [
+    T = tars.tinfo
+    a = tars.members_archive(path, [
         (T("d", tarfile.DIRTYPE), None),
         (T("d/x"), b"first" * 1000),
         (T("d/l", tarfile.SYMTYPE, linkname="x"), None),
@@ -648,7 +647,7 @@ def _check_replaced(dst: Path, want: dict[str, bytes]) -> None:
     assert sorted(got) == sorted(want), got
     for rel, data in want.items():
         assert not got[rel].is_symlink() and got[rel].read_bytes() == data, rel
-    assert helpers.tmp_leftovers(dst) == []
+    assert trees.tmp_leftovers(dst) == []
 
 
 @pytest.mark.parametrize("tmpfile", ["1", "0"], ids=["O_TMPFILE", "named-temporaries"])
@@ -680,8 +679,8 @@ def test_unprivileged_extraction(engine: str, world_dir: Path,
     a, want = _replacing_archive(world_dir / "replace.tar")
     os.chmod(a, 0o644)
     dst = world_dir / "dst"
-    child = helpers.run_child(helpers.stage_spec(a, dst, engine=engine), **unprivileged,
-                              env=helpers.child_env())
+    child = procs.run_child(procs.stage_spec(a, dst, engine=engine), **unprivileged,
+                              env=procs.child_env())
     res = child.expect_result()
     assert res["files"] == 3, res
     _check_replaced(dst, want)
@@ -708,8 +707,8 @@ def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
     (remote / "tree").mkdir(parents=True)
     for i in range(5):
         (remote / "tree" / f"f{i}").write_bytes(bytes([i]) * 3000)
-    T = ah.tinfo
-    ah.members_archive(remote / "a.tar", [(T(f"f{i}"), bytes([i]) * 3000) for i in range(5)])
+    T = tars.tinfo
+    tars.members_archive(remote / "a.tar", [(T(f"f{i}"), bytes([i]) * 3000) for i in range(5)])
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     r = subprocess.run([str(NETSIM), "mount", str(remote), str(mnt), "200", "200"],

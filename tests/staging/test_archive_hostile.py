@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-import archive_helpers as ah
 import fastload
+from kit import tars
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-T = ah.tinfo
+T = tars.tinfo
 REG, DIR, SYM, LNK = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
 
 UNSAFE = (fastload.UnsafeArchiveError,)
@@ -60,7 +60,7 @@ class Built:
 
 def tar_of(lay: Layout, name: str, members: list[tuple[tarfile.TarInfo, bytes | None]],
            fmt: int = tarfile.GNU_FORMAT) -> Path:
-    return ah.members_archive(lay.archives / f"{name}.tar", members, fmt=fmt)
+    return tars.members_archive(lay.archives / f"{name}.tar", members, fmt=fmt)
 
 
 def ok_member() -> tuple[tarfile.TarInfo, bytes]:
@@ -256,15 +256,15 @@ def size_past_end(lay: Layout) -> Built:
     """A header announcing 1 MiB, then 1,000 bytes and the end of the file."""
     a = tar_of(lay, "size-past-end", [ok_member(), (T("fl_evil_big.bin"), os.urandom(1 << 20))])
     data = a.read_bytes()
-    off = ah.header_offsets(data)[1][0]
-    a.write_bytes(data[:off + ah.BLOCK + 1000])
+    off = tars.header_offsets(data)[1][0]
+    a.write_bytes(data[:off + tars.BLOCK + 1000])
     return Built(a, ("fl_evil_big", a.name), {"ok.txt": BENIGN})
 
 
 def truncated_mid_header(lay: Layout) -> Built:
     a = tar_of(lay, "trunc-header", [ok_member(), (T("fl_evil_trunc_hdr.txt"), BENIGN * 3)])
     data = a.read_bytes()
-    off = ah.header_offsets(data)[1][0]
+    off = tars.header_offsets(data)[1][0]
     a.write_bytes(data[:off + 300])
     return Built(a, ("fl_evil_trunc_hdr", a.name), {"ok.txt": BENIGN})
 
@@ -273,8 +273,8 @@ def truncated_mid_data(lay: Layout) -> Built:
     a = tar_of(lay, "trunc-data", [ok_member(), (T("fl_evil_trunc.bin"), os.urandom(100_000)),
                                    (T("after.txt"), BENIGN)])
     data = a.read_bytes()
-    off = ah.header_offsets(data)[1][0]
-    a.write_bytes(data[:off + ah.BLOCK + 50_000])
+    off = tars.header_offsets(data)[1][0]
+    a.write_bytes(data[:off + tars.BLOCK + 50_000])
     return Built(a, ("fl_evil_trunc", a.name), {"ok.txt": BENIGN})
 
 
@@ -283,7 +283,7 @@ def bad_checksum(lay: Layout) -> Built:
     a = tar_of(lay, "bad-chksum", [ok_member(), (T("fl_evil_chksum.txt"), b"data\n"),
                                    (T("after.txt"), BENIGN)])
     buf = bytearray(a.read_bytes())
-    off = ah.header_offsets(bytes(buf))[1][0]
+    off = tars.header_offsets(bytes(buf))[1][0]
     buf[off + 8] ^= 0x01  # "fl_evil_chksum" -> "fl_evil_bhksum": still a plausible name
     a.write_bytes(buf)
     return Built(a, ("fl_evil", a.name), {"ok.txt": BENIGN})
@@ -292,7 +292,7 @@ def bad_checksum(lay: Layout) -> Built:
 def bad_checksum_first(lay: Layout) -> Built:
     a = tar_of(lay, "bad-chksum-first", [(T("fl_evil_first.txt"), b"data\n")])
     buf = bytearray(a.read_bytes())
-    buf[ah.F_CHKSUM[0]:ah.F_CHKSUM[0] + 6] = b"000001"
+    buf[tars.F_CHKSUM[0]:tars.F_CHKSUM[0] + 6] = b"000001"
     a.write_bytes(buf)
     return Built(a, ("fl_evil_first", a.name))
 
@@ -305,7 +305,7 @@ def compressed_truncated(how: str) -> Callable[[Layout], Built]:
             a = lay.archives / "ctrunc.tar.gz"
             a.write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
         else:
-            a = ah.zstd_file(plain, lay.archives / "ctrunc.tar.zst")
+            a = tars.zstd_file(plain, lay.archives / "ctrunc.tar.zst")
         data = a.read_bytes()
         a.write_bytes(data[: len(data) // 2])
         return Built(a, ("fl_evil_ctrunc", a.name), {"ok.txt": BENIGN})
@@ -400,14 +400,14 @@ def raised_by(fn: Callable[[], Any]) -> BaseException | None:
 def test_hostile_archive(stage: Stage, layout: Layout, case: Callable[[Layout], Built],
                          errors: tuple[type, ...]) -> None:
     built = case(layout)
-    guard = ah.Outside(layout.tmp_path, layout.dst, layout.sentinel)
+    guard = tars.Outside(layout.tmp_path, layout.dst, layout.sentinel)
     for attempt in ("first run", "second run"):
         # The second run must refuse again: the first must not have marked dst complete.
         err = raised_by(lambda: stage(built.archive, layout.dst, **built.kwargs))
         guard.check()
         assert err is not None, f"{attempt}: {built.archive.name} was accepted"
         check_exception(err, errors, built)
-        ah.assert_only_expected(layout.dst, built.files, built.symlinks)
+        tars.assert_only_expected(layout.dst, built.files, built.symlinks)
     with pytest.raises(fastload.StageError):
         fastload.verify(layout.dst)
 
@@ -434,7 +434,7 @@ def test_write_through_inside_symlink(stage: Stage, layout: Layout, kind: str) -
     exception type, or a file in the wrong place is not."""
     members, landed = INSIDE_LINK_CASES[kind]
     a = tar_of(layout, kind, members)
-    guard = ah.Outside(layout.tmp_path, layout.dst, layout.sentinel)
+    guard = tars.Outside(layout.tmp_path, layout.dst, layout.sentinel)
     try:
         stage(a, layout.dst)
     except fastload.UnsafeArchiveError as e:
@@ -476,7 +476,7 @@ def test_gnu_tar_agrees_these_are_broken(layout: Layout) -> None:
     so they are broken archives, not fastload's misreading. (A header cut short is not
     among them: GNU tar 1.34 and tarfile both take it silently for the end of the
     archive; the spec is stricter.)"""
-    tar = ah.need_gnu_tar()
+    tar = tars.need_gnu_tar()
     for build in (size_past_end, truncated_mid_data, bad_checksum):
         built = build(layout)
         ref = layout.tmp_path / f"ref-{built.archive.stem}"

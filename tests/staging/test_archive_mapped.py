@@ -23,16 +23,15 @@ from typing import Any, Callable
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
 from fastload import _core
 from fastload.staging import readers as _readers
+from kit import fs, tars, trees
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-MiB = helpers.MiB
+MiB = trees.MiB
 PAGE = 4096
 
 
@@ -51,13 +50,13 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     sizes = [9 * MiB + 4097, 5 * MiB, 70_000, 4096, 1]
     (src / "big").mkdir(parents=True)
     for i, size in enumerate(sizes):
-        helpers.write_patterned(src / "big" / f"b{i}.bin", size, 60 + i)
+        trees.write_patterned(src / "big" / f"b{i}.bin", size, 60 + i)
     for i in range(300):
         size = rng.randrange(1, 60_000)
-        helpers.write_file(src / f"small/{i // 50}/s{i:03d}.bin", rng.randbytes(size))
+        trees.write_file(src / f"small/{i // 50}/s{i:03d}.bin", rng.randbytes(size))
         sizes.append(size)
-    archive = ah.gnu_create(src, base / "a.tar", "posix")
-    return Made(archive, ah.gnu_extract(archive, base / "ref"), sizes)
+    archive = tars.gnu_create(src, base / "a.tar", "posix")
+    return Made(archive, tars.gnu_extract(archive, base / "ref"), sizes)
 
 
 @pytest.fixture
@@ -88,16 +87,16 @@ def test_a_cached_archive_is_mapped(stage: Stage, made: Made, tmp_path: Path,
     res = stage(made.archive, tmp_path / "out")
     assert readers == ["mapped"]
     assert res.files == len(made.sizes) and res.bytes == sum(made.sizes)
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert fastload.verify(tmp_path / "out").ok
 
 
 def test_an_uncached_archive_is_read(stage: Stage, made: Made, tmp_path: Path,
                                      readers: list[str]) -> None:
-    ah.drop(made.archive)
+    fs.drop(made.archive)
     stage(made.archive, tmp_path / "out")
     assert readers == ["read"]
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
 
 
 def test_the_environment_overrides(stage: Stage, made: Made, tmp_path: Path,
@@ -106,11 +105,11 @@ def test_the_environment_overrides(stage: Stage, made: Made, tmp_path: Path,
     made.archive.read_bytes()
     stage(made.archive, tmp_path / "read")
     monkeypatch.setenv("FASTLOAD_MAPPED_READS", "1")
-    ah.drop(made.archive)
+    fs.drop(made.archive)
     stage(made.archive, tmp_path / "mapped")  # the pages are read in by populate()
     assert readers == ["read", "mapped"]
-    ah.assert_same_extraction(made.ref, tmp_path / "read")
-    ah.assert_same_extraction(made.ref, tmp_path / "mapped")
+    tars.assert_same_extraction(made.ref, tmp_path / "read")
+    tars.assert_same_extraction(made.ref, tmp_path / "mapped")
 
 
 def test_checksummed_and_compressed_archives_are_read(stage: Stage, made: Made, tmp_path: Path,
@@ -121,12 +120,12 @@ def test_checksummed_and_compressed_archives_are_read(stage: Stage, made: Made, 
 
     digest = hashlib.sha256(made.archive.read_bytes()).hexdigest()
     stage(made.archive, tmp_path / "sum", checksum=f"sha256:{digest}")
-    gz = ah.gzip_file(made.archive, tmp_path / "a.tar.gz")
+    gz = tars.gzip_file(made.archive, tmp_path / "a.tar.gz")
     gz.read_bytes()
     stage(gz, tmp_path / "gz")
     assert readers == ["read", "read"]
-    ah.assert_same_extraction(made.ref, tmp_path / "sum")
-    ah.assert_same_extraction(made.ref, tmp_path / "gz")
+    tars.assert_same_extraction(made.ref, tmp_path / "sum")
+    tars.assert_same_extraction(made.ref, tmp_path / "gz")
 
 
 def test_members_selected_by_globs_from_the_mapping(stage: Stage, made: Made, tmp_path: Path,
@@ -135,7 +134,7 @@ def test_members_selected_by_globs_from_the_mapping(stage: Stage, made: Made, tm
     made.archive.read_bytes()
     res = stage(made.archive, tmp_path / "out", exclude=["big/*"])
     assert readers == ["mapped"]
-    got = helpers.regular_files(tmp_path / "out")
+    got = trees.regular_files(tmp_path / "out")
     assert not any(p.startswith("big/") for p in got)
     assert res.files == len(got) == len(made.sizes) - 5
     for rel in got:
@@ -174,28 +173,28 @@ def test_any_split_extracts_like_gnu_tar(made: Made, tmp_path: Path, engine: str
     job = _mapped_job(made.archive, tmp_path / "out", engine)
     _feed_in_windows(job, size, window)
     job.finish()
-    ah.assert_same_extraction(made.ref, tmp_path / "out")
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
     assert job.bytes_in == size
     assert job.bytes_out == sum(made.sizes)
-    if ah.direct_capable(tmp_path) and window % 512 == 0:
+    if fs.direct_capable(tmp_path) and window % 512 == 0:
         assert job.bytes_direct == sum(s - s % PAGE for s in made.sizes if s >= 8192)
 
 
 def test_nested_from_the_mapping(made: Made, tmp_path: Path, engine: str) -> None:
-    tot = ah.members_archive(tmp_path / "tot.tar", [
-        (ah.tinfo("one.tar"), made.archive.read_bytes()),
-        (ah.tinfo("two.tar"), made.archive.read_bytes()),
+    tot = tars.members_archive(tmp_path / "tot.tar", [
+        (tars.tinfo("one.tar"), made.archive.read_bytes()),
+        (tars.tinfo("two.tar"), made.archive.read_bytes()),
     ])
     job = _mapped_job(tot, tmp_path / "out", engine, nested=True)
     _feed_in_windows(job, tot.stat().st_size, 3 * MiB + 512)
     job.finish()
     for part in ("one", "two"):
-        ah.assert_same_extraction(made.ref, tmp_path / "out" / part)
+        tars.assert_same_extraction(made.ref, tmp_path / "out" / part)
 
 
 def _assert_only_whole_files(out: Path, ref: Path) -> None:
-    ah.assert_no_tmp(out)
-    for rel in helpers.regular_files(out):
+    trees.assert_no_tmp(out)
+    for rel in trees.regular_files(out):
         assert (out / rel).read_bytes() == (ref / rel).read_bytes(), rel
 
 
@@ -255,7 +254,7 @@ def test_truncated_while_staging(stage: Stage, made: Made, tmp_path: Path,
     archive.write_bytes(data)
     res = stage(archive, dst)
     assert not res.skipped
-    ah.assert_same_extraction(made.ref, dst)
+    tars.assert_same_extraction(made.ref, dst)
 
 
 _FOREIGN_FAULT = """

@@ -18,9 +18,8 @@ from typing import Any, Callable
 
 import pytest
 
-import archive_helpers as ah
 import fastload
-import helpers
+from kit import procs, tars, trees
 
 pytestmark = pytest.mark.native
 
@@ -35,19 +34,19 @@ class Archive:
         self.explicit = explicit
         self.made_dirs = made_dirs
         self.kwargs = kwargs
-        files = helpers.regular_files(ref)
+        files = trees.regular_files(ref)
         self.files = len(files)
         self.bytes = sum(files.values())
 
 
 def _mixed_tree(root: Path) -> Path:
     """1,500 small files and two 32 MiB files: long enough to interrupt, quick to make."""
-    helpers.build_small_files(root / "small", 1500, seed=3)
+    trees.build_small_files(root / "small", 1500, seed=3)
     (root / "big").mkdir()
     for i in range(2):
         p = root / "big" / f"big{i}.bin"
-        helpers.write_patterned(p, 32 * helpers.MiB + 4097 * i, seed=200 + i)
-        helpers.set_mtime(p, 7000 + i)
+        trees.write_patterned(p, 32 * trees.MiB + 4097 * i, seed=200 + i)
+        trees.set_mtime(p, 7000 + i)
     return root
 
 
@@ -55,17 +54,17 @@ def _mixed_tree(root: Path) -> Path:
 def mixed_archive(tmp_path_factory: pytest.TempPathFactory) -> Archive:
     base = tmp_path_factory.mktemp("resume-archive")
     src = _mixed_tree(base / "src")
-    a = ah.gnu_create(src, base / "mixed.tar", "gnu")
+    a = tars.gnu_create(src, base / "mixed.tar", "gnu")
     shutil.rmtree(src)
-    ref = ah.gnu_extract(a, base / "ref")
-    return Archive(a, ref, ah.explicit_dirs(a), set(), {})
+    ref = tars.gnu_extract(a, base / "ref")
+    return Archive(a, ref, tars.explicit_dirs(a), set(), {})
 
 
 @pytest.fixture(scope="session")
 def mixed_archive_gz(mixed_archive: Archive,
                      tmp_path_factory: pytest.TempPathFactory) -> Archive:
     base = tmp_path_factory.mktemp("resume-archive-gz")
-    a = ah.gzip_file(mixed_archive.path, base / "mixed.tar.gz")
+    a = tars.gzip_file(mixed_archive.path, base / "mixed.tar.gz")
     return Archive(a, mixed_archive.ref, mixed_archive.explicit, set(), {})
 
 
@@ -78,19 +77,19 @@ def nested_archive(tmp_path_factory: pytest.TempPathFactory) -> Archive:
     osrc.mkdir()
     for c in range(12):
         cls = base / "classes" / f"n{c:04d}"
-        helpers.build_small_files(cls, 100, per_dir=100, seed=50 + c)
+        trees.build_small_files(cls, 100, per_dir=100, seed=50 + c)
         if c < 2:
-            helpers.write_patterned(cls / "big.bin", 32 * helpers.MiB, seed=300 + c)
-        ah.py_create(cls, osrc / f"n{c:04d}.tar", "gnu")
-    a = ah.gnu_create(osrc, base / "train.tar", "gnu", dot=False)
+            trees.write_patterned(cls / "big.bin", 32 * trees.MiB, seed=300 + c)
+        tars.py_create(cls, osrc / f"n{c:04d}.tar", "gnu")
+    a = tars.gnu_create(osrc, base / "train.tar", "gnu", dot=False)
     shutil.rmtree(base / "classes")
     shutil.rmtree(osrc)
-    ref, made_dirs = ah.gnu_extract_nested(a, base / "ref")
-    return Archive(a, ref, ah.explicit_dirs(a, nested=True), made_dirs, {"unpack": "nested"})
+    ref, made_dirs = tars.gnu_extract_nested(a, base / "ref")
+    return Archive(a, ref, tars.explicit_dirs(a, nested=True), made_dirs, {"unpack": "nested"})
 
 
 def spec(a: Archive, dst: Path, engine: str, **more: Any) -> dict[str, Any]:
-    return helpers.stage_spec(a.path, dst, engine=engine, **a.kwargs, **more)
+    return procs.stage_spec(a.path, dst, engine=engine, **a.kwargs, **more)
 
 
 _durations: dict[tuple[str, str, str], float] = {}
@@ -102,7 +101,7 @@ def full_seconds(a: Archive, tmp_path: Path, engine: str) -> float:
     key = (str(a.path), engine, os.environ.get("FASTLOAD_TMPFILE", ""))
     if key not in _durations:
         dst = tmp_path / "calibration"
-        child = helpers.Child(spec(a, dst, engine), env=helpers.child_env())
+        child = procs.Child(spec(a, dst, engine), env=procs.child_env())
         assert child.wait_line("START") is not None, child.finish().stderr
         t0 = time.monotonic()
         child.finish()
@@ -114,8 +113,8 @@ def full_seconds(a: Archive, tmp_path: Path, engine: str) -> float:
 
 
 def interrupt_at(a: Archive, dst: Path, engine: str, delay: float, sig: int,
-                 **more: Any) -> helpers.Child:
-    child = helpers.Child({**spec(a, dst, engine), **more}, env=helpers.child_env())
+                 **more: Any) -> procs.Child:
+    child = procs.Child({**spec(a, dst, engine), **more}, env=procs.child_env())
     assert child.wait_line("START") is not None, child.finish().stderr
     time.sleep(delay)
     child.signal(sig)
@@ -126,14 +125,14 @@ def interrupt_at(a: Archive, dst: Path, engine: str, delay: float, sig: int,
 
 
 def assert_extracted(a: Archive, dst: Path) -> None:
-    ah.assert_same_extraction(a.ref, dst, explicit=a.explicit, skip_meta=a.made_dirs)
-    ah.assert_no_tmp(dst)
+    tars.assert_same_extraction(a.ref, dst, explicit=a.explicit, skip_meta=a.made_dirs)
+    trees.assert_no_tmp(dst)
 
 
 def resume(a: Archive, dst: Path, engine: str) -> dict[str, Any]:
     """In a child too: a lock left by a killed process would hang this one."""
-    res = helpers.run_child(spec(a, dst, engine), timeout=180,
-                            env=helpers.child_env()).expect_result()
+    res = procs.run_child(spec(a, dst, engine), timeout=180,
+                            env=procs.child_env()).expect_result()
     assert_extracted(a, dst)
     assert (res["files"], res["bytes"]) == (a.files, a.bytes)
     assert 0 <= res["copied_files"] <= a.files
@@ -148,7 +147,7 @@ def kill_and_resume(a: Archive, tmp_path: Path, engine: str,
         dst = tmp_path / f"dst{i}"
         child = interrupt_at(a, dst, engine, frac * full, signal.SIGKILL)
         was_killed = child.returncode == -signal.SIGKILL
-        complete = helpers.assert_no_partial_files(a.ref, dst)
+        complete = trees.assert_no_partial_files(a.ref, dst)
         res = resume(a, dst, engine)
         if was_killed:
             killed.append((frac, complete, res["copied_files"]))
@@ -191,7 +190,7 @@ def test_repeated_kills_then_resume(engine: str, mixed_archive: Archive,
     dst = tmp_path / "dst"
     for frac in (0.3, 0.3):
         interrupt_at(mixed_archive, dst, engine, frac * full, signal.SIGKILL)
-        helpers.assert_no_partial_files(mixed_archive.ref, dst)
+        trees.assert_no_partial_files(mixed_archive.ref, dst)
     resume(mixed_archive, dst, engine)
     assert fastload.verify(dst).ok
 
@@ -209,7 +208,7 @@ def test_ctrl_c_stops_and_resumes(engine: str, mixed_archive: Archive, tmp_path:
     assert child.result is None
     assert child.error is None, f"Ctrl-C became another exception: {child.error}"
     assert "KeyboardInterrupt" in child.stderr, child.stderr[-2000:]
-    helpers.assert_no_partial_files(mixed_archive.ref, dst)
+    trees.assert_no_partial_files(mixed_archive.ref, dst)
     with pytest.raises(fastload.StageError):
         fastload.verify(dst)  # not complete
     res = resume(mixed_archive, dst, engine)
@@ -243,13 +242,13 @@ def test_nested_second_run_is_skipped(stage: Stage, nested_archive: Archive,
 
 def test_changed_archive_is_extracted_again(stage: Stage, tmp_path: Path) -> None:
     """Same archive path, new content: not skipped; the new members are there."""
-    T = ah.tinfo
+    T = tars.tinfo
     a = tmp_path / "in" / "data.tar"
-    ah.members_archive(a, [(T("x.txt", mtime=1_600_000_000), b"version one\n")])
+    tars.members_archive(a, [(T("x.txt", mtime=1_600_000_000), b"version one\n")])
     dst = tmp_path / "dst"
     stage(a, dst)
     assert (dst / "x.txt").read_bytes() == b"version one\n"
-    ah.members_archive(a, [(T("x.txt", mtime=1_600_000_100), b"version two!\n"),
+    tars.members_archive(a, [(T("x.txt", mtime=1_600_000_100), b"version two!\n"),
                            (T("y.txt"), b"new\n")])
     res = stage(a, dst)
     assert res.skipped is False
@@ -264,7 +263,7 @@ def test_concurrent_extractors_make_one_extraction(engine: str, mixed_archive: A
     dst = tmp_path / "data" / "dst"
     dst.parent.mkdir()
     s = {**spec(mixed_archive, dst, engine), "wait_stdin": True}
-    children = [helpers.Child(s, env=helpers.child_env(), stdin=True) for _ in range(n_procs)]
+    children = [procs.Child(s, env=procs.child_env(), stdin=True) for _ in range(n_procs)]
     try:
         for c in children:  # all imported and waiting: start them together
             assert c.wait_line("READY") is not None, c.finish().stderr
@@ -284,5 +283,5 @@ def test_concurrent_extractors_make_one_extraction(engine: str, mixed_archive: A
         if r is not extractors[0]:
             assert r["skipped"] is True or r["copied_files"] == 0, r
     assert_extracted(mixed_archive, dst)
-    leftovers = {p.name for p in dst.parent.iterdir()} - {"dst"} - ah.state_names(dst)
+    leftovers = {p.name for p in dst.parent.iterdir()} - {"dst"} - tars.state_names(dst)
     assert not leftovers, leftovers

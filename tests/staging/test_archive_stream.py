@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-import archive_helpers as ah
 import fastload
+from kit import tars, trees
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-T = ah.tinfo
+T = tars.tinfo
 
 KINDS = ["gzip", "zstd"]
 SUFFIX = {"gzip": ".tar.gz", "zstd": ".tar.zst"}
@@ -56,7 +56,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Big]:
         body = rng.randbytes(n) if i % 3 else (b"line %d of a text file\n" % i) * (n // 24)
         files[f"cls{i % 4}/f{i:03d}.bin"] = body
     members = [(T(p), data) for p, data in files.items()]
-    plain = ah.members_archive(base / "big.tar", members)
+    plain = tars.members_archive(base / "big.tar", members)
     cache: dict[str, Big] = {}
 
     def get(kind: str) -> Big:
@@ -65,7 +65,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Big]:
             if kind == "gzip":
                 out.write_bytes(gzip.compress(plain.read_bytes(), compresslevel=6, mtime=0))
             else:
-                ah.zstd_file(plain, out)
+                tars.zstd_file(plain, out)
             assert out.stat().st_size > 12 << 20, "the archive must span several read blocks"
             cache[kind] = Big(out, files)
         return cache[kind]
@@ -110,7 +110,7 @@ def assert_extracted(b: Big, dst: Path) -> None:
 
 
 def assert_failed_cleanly(dst: Path) -> None:
-    ah.assert_no_tmp(dst)
+    trees.assert_no_tmp(dst)
     assert decoder_threads() == [], "a decoder thread outlived its extraction"
     with pytest.raises(fastload.StageError):
         fastload.verify(dst)  # not complete
@@ -121,7 +121,7 @@ def assert_failed_cleanly(dst: Path) -> None:
 def test_damaged_stream_fails_naming_the_archive(stage: Stage, big: Callable[[str], Big],
                                                  tmp_path: Path, kind: str, how: str) -> None:
     if kind == "zstd":
-        ah.need_zstd()
+        tars.need_zstd()
     b = big(kind)
     archive = damaged(b, tmp_path / "in" / f"data{SUFFIX[kind]}", how)
     dst = tmp_path / "dst"
@@ -151,7 +151,7 @@ def test_progress_exception_stops_and_rerun_completes(stage: Stage, big: Callabl
                                                       tmp_path: Path, kind: str,
                                                       exc: type[BaseException]) -> None:
     if kind == "zstd":
-        ah.need_zstd()
+        tars.need_zstd()
     b = big(kind)
     dst = tmp_path / "dst"
     seen: list[tuple[int, ...]] = []
@@ -176,7 +176,7 @@ def test_progress_exception_stops_and_rerun_completes(stage: Stage, big: Callabl
 def test_checksum_over_the_compressed_bytes(stage: Stage, big: Callable[[str], Big],
                                             tmp_path: Path, kind: str) -> None:
     if kind == "zstd":
-        ah.need_zstd()
+        tars.need_zstd()
     b = big(kind)
     good = "sha256:" + hashlib.sha256(b.archive.read_bytes()).hexdigest()
     bad = "md5:" + hashlib.md5(b.archive.read_bytes() + b"x").hexdigest()
@@ -190,8 +190,8 @@ def test_checksum_over_the_compressed_bytes(stage: Stage, big: Callable[[str], B
 
 def test_many_extractions_leave_no_threads(stage: Stage, tmp_path: Path) -> None:
     """Small archives too: each job's decoder thread ends with it."""
-    a = ah.members_archive(tmp_path / "in" / "small.tar", [(T("a.txt"), b"a" * 1000)])
-    gz = ah.gzip_file(a, tmp_path / "in" / "small.tar.gz")
+    a = tars.members_archive(tmp_path / "in" / "small.tar", [(T("a.txt"), b"a" * 1000)])
+    gz = tars.gzip_file(a, tmp_path / "in" / "small.tar.gz")
     for i in range(20):
         stage(gz, tmp_path / f"d{i}")
     assert decoder_threads() == []
@@ -247,7 +247,7 @@ def test_python_gzip_path(stage: Stage, big: Callable[[str], Big], tmp_path: Pat
     plain = tmp_path / "in" / "plain.tar"
     plain.parent.mkdir()
     plain.write_bytes(gzip.decompress(b.archive.read_bytes()))
-    multi = ah.gzip_file(plain, tmp_path / "in" / "multi.tar.gz", members=3)
+    multi = tars.gzip_file(plain, tmp_path / "in" / "multi.tar.gz", members=3)
     with open(multi, "ab") as f:
         f.write(b"\0" * 512)
     dst = tmp_path / "dst"
@@ -346,11 +346,11 @@ def test_read_blocks_small_and_pinned(tmp_path: Path, nested: bool, engine: str)
     files = {f"d{i % 3}/f{i:02d}": rng.randbytes(rng.choice([0, 100, 70_000, 300_000]))
              for i in range(40)}
     files["big"] = rng.randbytes(3 << 20)
-    inner = ah.members_archive(tmp_path / "inner.tar", [(T(f"x/{p}"), d) for p, d in
+    inner = tars.members_archive(tmp_path / "inner.tar", [(T(f"x/{p}"), d) for p, d in
                                                          list(files.items())[:20]])
     members = [(T(p), d) for p, d in files.items()]
     members.append((T("n01.tar"), inner.read_bytes()))
-    archive = ah.members_archive(tmp_path / "a.tar", members)
+    archive = tars.members_archive(tmp_path / "a.tar", members)
     out = tmp_path / "out"
     job = _job(out, archive, nested=nested, engine=engine, read_block_size=1 << 16,
                read_blocks=3)
@@ -372,4 +372,4 @@ def test_read_blocks_small_and_pinned(tmp_path: Path, nested: bool, engine: str)
             assert (out / "n01" / "x" / p).read_bytes() == d, p
     else:
         assert (out / "n01.tar").read_bytes() == inner.read_bytes()
-    ah.assert_no_tmp(out)
+    trees.assert_no_tmp(out)

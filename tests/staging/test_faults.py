@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import fastload
-import helpers
-from helpers import MiB
+from kit import procs, trees
+from kit.trees import MiB
 
 pytestmark = pytest.mark.native
 
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.native
 @pytest.fixture(scope="module")
 def fault_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("faults") / "src"
-    helpers.build_rich_tree(root / "rich")
-    helpers.build_small_files(root / "small", 300, per_dir=60, seed=3)
-    helpers.write_patterned(root / "striped.bin", 9 * MiB + 333, seed=9)
-    helpers.set_mtime(root / "striped.bin", 77)
+    trees.build_rich_tree(root / "rich")
+    trees.build_small_files(root / "small", 300, per_dir=60, seed=3)
+    trees.write_patterned(root / "striped.bin", 9 * MiB + 333, seed=9)
+    trees.set_mtime(root / "striped.bin", 77)
     return root
 
 
@@ -42,12 +42,12 @@ TRANSPARENT = [
 def test_eintr_and_short_io_are_transparent(engine: str, fault_src: Path, tmp_path: Path,
                                             faults: str) -> None:
     dst = tmp_path / "dst"
-    child = helpers.run_child(helpers.stage_spec(fault_src, dst, engine=engine),
-                              env=helpers.child_env(FASTLOAD_FAULTS=faults))
+    child = procs.run_child(procs.stage_spec(fault_src, dst, engine=engine),
+                              env=procs.child_env(FASTLOAD_FAULTS=faults))
     res = child.expect_result()
     assert res["engine"] == engine
     assert res["copied_files"] == res["files"]
-    helpers.assert_same_tree(fault_src, dst)
+    trees.assert_same_tree(fault_src, dst)
     v = fastload.verify(dst)
     assert v.ok and not v.mismatched and not v.missing
 
@@ -62,19 +62,19 @@ def test_eintr_and_short_io_are_transparent(engine: str, fault_src: Path, tmp_pa
 def test_eio_raises_and_clean_run_completes(engine: str, fault_src: Path, tmp_path: Path,
                                             faults: str) -> None:
     dst = tmp_path / "dst"
-    child = helpers.run_child(helpers.stage_spec(fault_src, dst, engine=engine),
-                              env=helpers.child_env(FASTLOAD_FAULTS=faults))
+    child = procs.run_child(procs.stage_spec(fault_src, dst, engine=engine),
+                              env=procs.child_env(FASTLOAD_FAULTS=faults))
     err = child.expect_error()
     assert err["is"]["OSError"], err
     assert err["is"]["StageError"], err
     assert err["errno"] == errno.EIO, err
     where = f"{err['filename']} {err['str']}"
     assert str(fault_src) in where or str(dst) in where, f"no path in {err}"
-    helpers.assert_no_partial_files(fault_src, dst)
+    trees.assert_no_partial_files(fault_src, dst)
 
-    child = helpers.run_child(helpers.stage_spec(fault_src, dst, engine=engine),
-                              env=helpers.child_env())
+    child = procs.run_child(procs.stage_spec(fault_src, dst, engine=engine),
+                              env=procs.child_env())
     res = child.expect_result()
     assert res["skipped"] is False
-    helpers.assert_same_tree(fault_src, dst)
-    assert helpers.tmp_leftovers(dst) == []
+    trees.assert_same_tree(fault_src, dst)
+    assert trees.tmp_leftovers(dst) == []

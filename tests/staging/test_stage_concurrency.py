@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import helpers
+from kit import procs, trees
 
 pytestmark = pytest.mark.native
 
@@ -17,8 +17,8 @@ def test_concurrent_stagers_make_one_copy(engine: str, mixed_src: Path, tmp_path
                                           n_procs: int) -> None:
     dst = tmp_path / "data" / "dst"
     dst.parent.mkdir()
-    spec = {**helpers.stage_spec(mixed_src, dst, engine=engine), "wait_stdin": True}
-    children = [helpers.Child(spec, env=helpers.child_env(), stdin=True)
+    spec = {**procs.stage_spec(mixed_src, dst, engine=engine), "wait_stdin": True}
+    children = [procs.Child(spec, env=procs.child_env(), stdin=True)
                 for _ in range(n_procs)]
     try:
         for c in children:  # all imported and waiting: start them together
@@ -30,7 +30,7 @@ def test_concurrent_stagers_make_one_copy(engine: str, mixed_src: Path, tmp_path
             c.finish(timeout=180)
     results = [c.expect_result() for c in children]
 
-    n, size = len(helpers.regular_files(mixed_src)), sum(helpers.regular_files(mixed_src).values())
+    n, size = len(trees.regular_files(mixed_src)), sum(trees.regular_files(mixed_src).values())
     for r in results:
         assert (r["files"], r["bytes"]) == (n, size), r
         assert r["path"] == str(dst)
@@ -41,7 +41,7 @@ def test_concurrent_stagers_make_one_copy(engine: str, mixed_src: Path, tmp_path
         if r is not copiers[0]:
             assert r["copied_bytes"] == 0, r
             assert r["skipped"] is True or r["copied_files"] == 0, r
-    helpers.assert_same_tree(mixed_src, dst)
+    trees.assert_same_tree(mixed_src, dst)
     leftovers = {p.name for p in dst.parent.iterdir()} - {
         "dst", ".dst.fastload.lock", ".dst.fastload"}
     assert not leftovers, leftovers
@@ -52,8 +52,8 @@ def test_concurrent_stagers_different_destinations(engine: str, rich_src: Path,
     """Locks are per destination: stagers of different destinations do not block or
     disturb each other."""
     dsts = [tmp_path / f"dst{i}" for i in range(3)]
-    children = [helpers.Child({**helpers.stage_spec(rich_src, d, engine=engine),
-                               "wait_stdin": True}, env=helpers.child_env(), stdin=True)
+    children = [procs.Child({**procs.stage_spec(rich_src, d, engine=engine),
+                               "wait_stdin": True}, env=procs.child_env(), stdin=True)
                 for d in dsts]
     try:
         for c in children:
@@ -67,4 +67,4 @@ def test_concurrent_stagers_different_destinations(engine: str, rich_src: Path,
         d = dsts[i]
         res = c.expect_result()
         assert res["copied_files"] == res["files"] > 0
-        helpers.assert_same_tree(rich_src, d)
+        trees.assert_same_tree(rich_src, d)

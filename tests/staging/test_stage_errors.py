@@ -15,8 +15,8 @@ from typing import Any, Callable
 import pytest
 
 import fastload
-import helpers
-from helpers import MiB
+from kit import fs, procs, trees
+from kit.trees import MiB
 
 pytestmark = pytest.mark.native
 
@@ -55,10 +55,10 @@ def test_missing_source(stage: Stage, tmp_path: Path, shape: str) -> None:
 
 def _locked_tree(base: Path) -> Path:
     src = base / "src"
-    helpers.build_small_files(src / "many", 50, per_dir=10)
-    helpers.write_file(src / "locked" / "secret.bin", os.urandom(50_000), mtime_index=1)
-    helpers.write_file(src / "open.bin", os.urandom(70_000), mtime_index=2)
-    helpers.make_world_readable(src)
+    trees.build_small_files(src / "many", 50, per_dir=10)
+    trees.write_file(src / "locked" / "secret.bin", os.urandom(50_000), mtime_index=1)
+    trees.write_file(src / "open.bin", os.urandom(70_000), mtime_index=2)
+    fs.make_world_readable(src)
     return src
 
 
@@ -69,21 +69,21 @@ def test_unreadable_source(engine: str, world_dir: Path, unprivileged: dict[str,
     locked = src / "locked" / "secret.bin" if what == "file" else src / "locked"
     os.chmod(locked, 0o000)  # root-owned: the child (root without bypass, or nobody) is locked out
     dst = world_dir / "dst"
-    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
-                              env=helpers.child_env())
+    child = procs.run_child(procs.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=procs.child_env())
     err = child.expect_error()
     assert err["is"]["PermissionError"], err
     assert err["is"]["StageError"], err
     assert err["errno"] in (errno.EACCES, errno.EPERM)
     assert locked.name in f"{err['str']} {err['filename']}", err
-    helpers.assert_no_partial_files(src, dst)
+    trees.assert_no_partial_files(src, dst)
 
     # Fixed: the same user resumes and gets the whole tree.
     os.chmod(locked, 0o644 if what == "file" else 0o755)
-    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
-                              env=helpers.child_env())
+    child = procs.run_child(procs.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=procs.child_env())
     res = child.expect_result()
-    helpers.assert_same_tree(src, dst)
+    trees.assert_same_tree(src, dst)
     assert res["files"] == 52
 
 
@@ -93,8 +93,8 @@ def test_dst_in_unwritable_dir(engine: str, world_dir: Path, unprivileged: dict[
     parent.mkdir()
     os.chmod(parent, 0o555)  # root-owned: the child cannot create in it
     dst = parent / "dst"
-    child = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), **unprivileged,
-                              env=helpers.child_env())
+    child = procs.run_child(procs.stage_spec(src, dst, engine=engine), **unprivileged,
+                              env=procs.child_env())
     err = child.expect_error()
     assert err["is"]["PermissionError"] and err["is"]["StageError"], err
     assert str(parent) in f"{err['str']} {err['filename']}", err
@@ -120,9 +120,9 @@ def test_dst_on_readonly_fs(stage: Stage, rich_src: Path, tmpfs: Any) -> None:
 @pytest.mark.parametrize("where", ["sub/dst", "dst", "."])
 def test_dst_inside_src(stage: Stage, tmp_path: Path, where: str) -> None:
     src = tmp_path / "src"
-    helpers.write_file(src / "sub" / "a.bin", os.urandom(1000), mtime_index=1)
-    helpers.write_file(src / "b.bin", os.urandom(1000), mtime_index=2)
-    before = helpers.snapshot(src)
+    trees.write_file(src / "sub" / "a.bin", os.urandom(1000), mtime_index=1)
+    trees.write_file(src / "b.bin", os.urandom(1000), mtime_index=2)
+    before = trees.snapshot(src)
     dst = src / where if where != "." else src
     with pytest.raises(fastload.FastloadError) as info:
         stage(src, dst)
@@ -131,7 +131,7 @@ def test_dst_inside_src(stage: Stage, tmp_path: Path, where: str) -> None:
     text = _names(e)
     assert str(dst) in text, text
     assert str(src) in text.replace(str(dst), "", 1) or src == dst, text
-    assert helpers.snapshot(src) == before, "the source was changed"
+    assert trees.snapshot(src) == before, "the source was changed"
 
 
 # --------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_not_enough_space(stage: Stage, tmp_path: Path, tmpfs: Any) -> None:
     src = tmp_path / "src"
     src.mkdir()
     for i in range(3):
-        helpers.write_patterned(src / f"part{i}.bin", 4 * MiB, seed=i)
+        trees.write_patterned(src / f"part{i}.bin", 4 * MiB, seed=i)
     mnt = tmpfs("8m")
     dst = mnt / "dst"
     with pytest.raises(fastload.NotEnoughSpaceError) as info:
@@ -154,16 +154,16 @@ def test_not_enough_space(stage: Stage, tmp_path: Path, tmpfs: Any) -> None:
     assert e.needed >= 12 * MiB
     assert 0 < e.free <= 8 * MiB
     msg = str(e)
-    assert helpers.mentions_size(msg, e.needed), f"needed {e.needed} not in {msg!r}"
-    assert helpers.mentions_size(msg, e.free), f"free {e.free} not in {msg!r}"
+    assert fs.mentions_size(msg, e.needed), f"needed {e.needed} not in {msg!r}"
+    assert fs.mentions_size(msg, e.free), f"free {e.free} not in {msg!r}"
     if dst.exists():
-        copied = helpers.regular_files(dst)
+        copied = trees.regular_files(dst)
         assert sum(copied.values()) == 0, f"copied before the space check: {copied}"
 
     # With room, the same call succeeds.
-    assert helpers.remount_tmpfs_size(mnt, 64 * MiB) == 0
+    assert fs.remount_tmpfs_size(mnt, 64 * MiB) == 0
     res = stage(src, dst)
-    helpers.assert_same_tree(src, dst)
+    trees.assert_same_tree(src, dst)
     assert res.bytes == 12 * MiB
 
 
@@ -173,9 +173,9 @@ def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.mkdir()
     for i in range(8):
         p = src / f"big{i}.bin"
-        helpers.write_patterned(p, 16 * MiB + i, seed=200 + i)
-        helpers.set_mtime(p, i)
-    helpers.write_file(src / "small.txt", b"small\n", mtime_index=9)
+        trees.write_patterned(p, 16 * MiB + i, seed=200 + i)
+        trees.set_mtime(p, i)
+    trees.write_file(src / "small.txt", b"small\n", mtime_index=9)
     return src
 
 
@@ -187,25 +187,25 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
     # lowered to what it holds: the next writes fail with ENOSPC. The stage runs in a
     # child at idle priority so this process notices the first writes at once.
     # 1 MiB stripes: many writes per file, so some are still to come when the disk fills.
-    child, fired = helpers.run_child_with_trigger(
-        helpers.stage_spec(src, dst, engine=engine, stripe_size=MiB), mnt,
-        lambda: helpers.shrink_tmpfs_to_used(mnt))
+    child, fired = procs.run_child_with_trigger(
+        procs.stage_spec(src, dst, engine=engine, stripe_size=MiB), mnt,
+        lambda: fs.shrink_tmpfs_to_used(mnt))
     assert fired, "the stage finished before the disk could be filled"
     err = child.expect_error()
     assert err["is"]["OSError"] and err["errno"] == errno.ENOSPC, err
     assert err["is"]["StageError"], err
     text = f"{err['str']} {err['filename']}"
-    names = [Path(rel).name for rel in helpers.regular_files(src)]
+    names = [Path(rel).name for rel in trees.regular_files(src)]
     assert any(name in text for name in names), f"no file named in {text!r}"
-    helpers.assert_no_partial_files(src, dst)
+    trees.assert_no_partial_files(src, dst)
 
-    assert helpers.remount_tmpfs_size(mnt, 192 * MiB) == 0
-    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine, stripe_size=MiB),
-                            env=helpers.child_env()).expect_result()
-    helpers.assert_same_tree(src, dst)
+    assert fs.remount_tmpfs_size(mnt, 192 * MiB) == 0
+    res = procs.run_child(procs.stage_spec(src, dst, engine=engine, stripe_size=MiB),
+                            env=procs.child_env()).expect_result()
+    trees.assert_same_tree(src, dst)
     assert res["skipped"] is False
     assert res["copied_bytes"] <= res["bytes"]
-    assert helpers.tmp_leftovers(mnt) == []
+    assert trees.tmp_leftovers(mnt) == []
 
 
 # --------------------------------------------------------------------------------------
@@ -217,12 +217,12 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
 def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
                                     change: str) -> None:
     src = tmp_path / "src"
-    helpers.build_small_files(src / "small", 100, per_dir=50)
+    trees.build_small_files(src / "small", 100, per_dir=50)
     big = src / "sub" / "big.bin"
     big.parent.mkdir()
     size = 96 * MiB
-    helpers.write_patterned(big, size, seed=5)
-    old_digest = helpers.content_digest(big)
+    trees.write_patterned(big, size, seed=5)
+    old_digest = trees.content_digest(big)
     mnt = tmpfs("256m")
     dst = mnt / "dst"
 
@@ -233,16 +233,16 @@ def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
         else:
             os.truncate(big, size // 2)
 
-    child, fired = helpers.run_child_with_trigger(
-        helpers.stage_spec(src, dst, engine=engine), mnt, mutate)
+    child, fired = procs.run_child_with_trigger(
+        procs.stage_spec(src, dst, engine=engine), mnt, mutate)
     assert fired, "the stage finished before the source could be changed"
     err = child.expect_error()
     assert err["is"]["SourceChangedError"], err
     assert err["is"]["OSError"] and err["is"]["StageError"], err
     assert "big.bin" in f"{err['str']} {err['filename']}", err
-    helpers.assert_no_partial_files(src, dst, also_ok={"sub/big.bin": {old_digest}})
+    trees.assert_no_partial_files(src, dst, also_ok={"sub/big.bin": {old_digest}})
 
-    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine),
-                            env=helpers.child_env()).expect_result()
-    helpers.assert_same_tree(src, dst)
-    assert res["bytes"] == sum(helpers.regular_files(src).values())
+    res = procs.run_child(procs.stage_spec(src, dst, engine=engine),
+                            env=procs.child_env()).expect_result()
+    trees.assert_same_tree(src, dst)
+    assert res["bytes"] == sum(trees.regular_files(src).values())

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import helpers
+from kit import procs, trees
 
 pytestmark = pytest.mark.native
 
@@ -28,8 +28,8 @@ def full_stage_seconds(src: Path, tmp_path: Path, engine: str) -> float:
     """Wall time of one uninterrupted child stage, from its START line to its exit."""
     if engine not in _durations:
         dst = tmp_path / "calibration"
-        child = helpers.Child(helpers.stage_spec(src, dst, engine=engine),
-                              env=helpers.child_env())
+        child = procs.Child(procs.stage_spec(src, dst, engine=engine),
+                              env=procs.child_env())
         assert child.wait_line("START") is not None, child.finish().stderr
         t0 = time.monotonic()
         child.finish()
@@ -40,11 +40,11 @@ def full_stage_seconds(src: Path, tmp_path: Path, engine: str) -> float:
 
 
 def interrupt_at(src: Path, dst: Path, engine: str, delay: float, sig: int,
-                 **spec: Any) -> helpers.Child:
+                 **spec: Any) -> procs.Child:
     """Starts a stage child, sends ``sig`` ``delay`` s after it began staging, and waits
     for it (a generous limit: a child that does not stop fails the test)."""
-    child = helpers.Child({**helpers.stage_spec(src, dst, engine=engine), **spec},
-                          env=helpers.child_env())
+    child = procs.Child({**procs.stage_spec(src, dst, engine=engine), **spec},
+                          env=procs.child_env())
     assert child.wait_line("START") is not None, child.finish().stderr
     time.sleep(delay)
     child.signal(sig)
@@ -56,11 +56,11 @@ def interrupt_at(src: Path, dst: Path, engine: str, delay: float, sig: int,
 
 def resume(src: Path, dst: Path, engine: str) -> dict[str, Any]:
     """Resumes in a child too: a lock left held by the killed process would hang it."""
-    res = helpers.run_child(helpers.stage_spec(src, dst, engine=engine), timeout=180,
-                            env=helpers.child_env()).expect_result()
-    helpers.assert_same_tree(src, dst)
-    assert helpers.tmp_leftovers(dst) == []
-    n, size = len(helpers.regular_files(src)), sum(helpers.regular_files(src).values())
+    res = procs.run_child(procs.stage_spec(src, dst, engine=engine), timeout=180,
+                            env=procs.child_env()).expect_result()
+    trees.assert_same_tree(src, dst)
+    assert trees.tmp_leftovers(dst) == []
+    n, size = len(trees.regular_files(src)), sum(trees.regular_files(src).values())
     assert (res["files"], res["bytes"]) == (n, size)
     assert 0 <= res["copied_files"] <= n
     assert 0 <= res["copied_bytes"] <= size
@@ -71,13 +71,13 @@ def test_sigkill_at_random_moments(engine: str, mixed_src: Path, tmp_path: Path)
     full = full_stage_seconds(mixed_src, tmp_path, engine)
     rng = random.Random(1234)
     fractions = sorted(rng.uniform(0.1, 0.8) for _ in range(4))
-    n_files = len(helpers.regular_files(mixed_src))
+    n_files = len(trees.regular_files(mixed_src))
     killed_runs = []
     for i, frac in enumerate(fractions):
         dst = tmp_path / f"dst{i}"
         child = interrupt_at(mixed_src, dst, engine, frac * full, signal.SIGKILL)
         was_killed = child.returncode == -signal.SIGKILL
-        complete = helpers.assert_no_partial_files(mixed_src, dst)
+        complete = trees.assert_no_partial_files(mixed_src, dst)
         res = resume(mixed_src, dst, engine)
         if was_killed:
             killed_runs.append((round(frac, 2), complete, res["copied_files"]))
@@ -96,7 +96,7 @@ def test_repeated_kills_then_resume(engine: str, mixed_src: Path, tmp_path: Path
     dst = tmp_path / "dst"
     for frac in (0.25, 0.4, 0.3):
         interrupt_at(mixed_src, dst, engine, frac * full, signal.SIGKILL)
-        helpers.assert_no_partial_files(mixed_src, dst)
+        trees.assert_no_partial_files(mixed_src, dst)
     resume(mixed_src, dst, engine)
 
 
@@ -113,5 +113,5 @@ def test_ctrl_c_stops_and_resumes(engine: str, mixed_src: Path, tmp_path: Path) 
     assert child.result is None
     assert child.error is None, f"Ctrl-C became another exception: {child.error}"
     assert "KeyboardInterrupt" in child.stderr, child.stderr[-2000:]
-    helpers.assert_no_partial_files(mixed_src, dst)
+    trees.assert_no_partial_files(mixed_src, dst)
     resume(mixed_src, dst, engine)

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import pytest
 
 import fastload
-import helpers
-from helpers import MiB
+from kit import fs, trees
+from kit.trees import MiB
 
 pytestmark = pytest.mark.native
 
@@ -43,7 +43,7 @@ def assert_clean_beside(dst: Path) -> None:
 @pytest.fixture
 def one_file(tmp_path: Path) -> Path:
     p = tmp_path / "in" / "sample.bin"
-    helpers.write_file(p, os.urandom(MiB + 17), mode=0o640, mtime_index=3)
+    trees.write_file(p, os.urandom(MiB + 17), mode=0o640, mtime_index=3)
     return p
 
 
@@ -53,13 +53,13 @@ def test_file_to_new_path(stage: Stage, engine: str, one_file: Path, tmp_path: P
     res = stage(one_file, dst)
     assert isinstance(res.path, Path)
     assert res.path == dst
-    helpers.assert_same_file(one_file, dst)
+    trees.assert_same_file(one_file, dst)
     assert (res.files, res.bytes) == (1, MiB + 17)
     assert (res.copied_files, res.copied_bytes) == (1, MiB + 17)
     assert res.skipped is False
     assert res.engine == engine
     assert isinstance(res.seconds, float) and res.seconds >= 0
-    assert helpers.tmp_leftovers(dst.parent) == []
+    assert trees.tmp_leftovers(dst.parent) == []
 
 
 def test_file_into_existing_dir(stage: Stage, one_file: Path, tmp_path: Path) -> None:
@@ -68,18 +68,18 @@ def test_file_into_existing_dir(stage: Stage, one_file: Path, tmp_path: Path) ->
     (dst / "other.txt").write_bytes(b"already here")
     res = stage(str(one_file), str(dst))  # str paths are accepted too
     assert res.path == dst / "sample.bin"
-    helpers.assert_same_file(one_file, dst / "sample.bin")
+    trees.assert_same_file(one_file, dst / "sample.bin")
     assert (dst / "other.txt").read_bytes() == b"already here"
     assert (res.files, res.bytes, res.copied_files) == (1, MiB + 17, 1)
-    assert helpers.tmp_leftovers(dst) == []
+    assert trees.tmp_leftovers(dst) == []
 
 
 def test_empty_file(stage: Stage, tmp_path: Path) -> None:
     src = tmp_path / "empty"
-    helpers.write_file(src, b"", mode=0o600, mtime_index=1)
+    trees.write_file(src, b"", mode=0o600, mtime_index=1)
     dst = tmp_path / "empty.copy"
     res = stage(src, dst)
-    helpers.assert_same_file(src, dst)
+    trees.assert_same_file(src, dst)
     assert (res.files, res.bytes) == (1, 0)
 
 
@@ -92,11 +92,11 @@ def test_rich_tree(stage: Stage, rich_src: Path, tmp_path: Path, totals: Any) ->
     dst = tmp_path / "dst"
     res = stage(rich_src, dst)
     assert res.path == dst
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
     n, size = totals(rich_src)
     assert res.bytes == size
     # Whether symlinks count as files is not settled; regular files always do.
-    n_links = sum(1 for p in helpers.walk_entries(rich_src).values() if p.is_symlink())
+    n_links = sum(1 for p in trees.walk_entries(rich_src).values() if p.is_symlink())
     assert n <= res.files <= n + n_links
     assert res.copied_bytes == size
     assert res.skipped is False
@@ -107,11 +107,11 @@ def test_rich_tree_details(stage: Stage, rich_src: Path, tmp_path: Path) -> None
     """The same as assert_same_tree checks, spelled out, so a failure says which."""
     dst = tmp_path / "dst"
     stage(rich_src, dst)
-    deep = helpers.deep_dir(dst)
+    deep = trees.deep_dir(dst)
     assert (deep / "leaf.txt").read_bytes() == b"deep leaf\n"
-    assert (deep / helpers.LONG_ASCII).read_bytes() == b"deep and long\n"
-    assert (dst / "long" / helpers.LONG_UNICODE).stat().st_size == 300
-    assert (dst / helpers.UNICODE_DIR / helpers.UNICODE_FILE).is_file()
+    assert (deep / trees.LONG_ASCII).read_bytes() == b"deep and long\n"
+    assert (dst / "long" / trees.LONG_UNICODE).stat().st_size == 300
+    assert (dst / trees.UNICODE_DIR / trees.UNICODE_FILE).is_file()
     assert (dst / "empty.txt").stat().st_size == 0
     assert (dst / "empty_dir").is_dir() and not any((dst / "empty_dir").iterdir())
     assert (dst / "nested" / "empty" / "inner").is_dir()
@@ -133,7 +133,7 @@ def test_many_small_files(stage: Stage, small_files_src: Path, tmp_path: Path,
                           totals: Any) -> None:
     dst = tmp_path / "dst"
     res = stage(small_files_src, dst)
-    helpers.assert_same_tree(small_files_src, dst)
+    trees.assert_same_tree(small_files_src, dst)
     assert (res.files, res.bytes) == totals(small_files_src)
     assert res.copied_files == res.files
     assert_clean_beside(dst)
@@ -144,7 +144,7 @@ def test_into_existing_empty_dir(stage: Stage, rich_src: Path, tmp_path: Path) -
     dst = tmp_path / "dst"
     dst.mkdir()
     stage(rich_src, dst)
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
 
 
 @pytest.mark.parametrize("workers", [1, 8])
@@ -152,7 +152,7 @@ def test_workers_and_stripes(stage: Stage, rich_src: Path, tmp_path: Path,
                              workers: int) -> None:
     dst = tmp_path / "dst"
     stage(rich_src, dst, workers=workers, stripe_size=256 * 1024)
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
 
 
 def test_stage_creates_missing_parents(stage: Stage, rich_src: Path, tmp_path: Path) -> None:
@@ -160,7 +160,7 @@ def test_stage_creates_missing_parents(stage: Stage, rich_src: Path, tmp_path: P
     parents do not exist yet is the ordinary case."""
     dst = tmp_path / "a" / "b" / "dst"
     stage(rich_src, dst)
-    helpers.assert_same_tree(rich_src, dst)
+    trees.assert_same_tree(rich_src, dst)
 
 
 # --------------------------------------------------------------------------------------
@@ -175,28 +175,28 @@ def test_sparse_file_stays_sparse(stage: Stage, tmp_path: Path) -> None:
         f.write(os.urandom(4096))
         f.seek(64 * MiB - 4096)
         f.write(os.urandom(4096))
-    if helpers.allocated_bytes(src) > MiB:
+    if fs.allocated_bytes(src) > MiB:
         pytest.skip("this file system does not keep holes")
     dst = tmp_path / "holes.copy"
     stage(src, dst, stripe_size=MiB)
-    helpers.assert_same_file(src, dst)
+    trees.assert_same_file(src, dst)
     # Two stripes hold data; the 62 whole-hole stripes must not be written.
-    assert helpers.allocated_bytes(dst) <= 4 * MiB, helpers.allocated_bytes(dst)
+    assert fs.allocated_bytes(dst) <= 4 * MiB, fs.allocated_bytes(dst)
 
 
 def test_file_over_4gib(stage: Stage, tmp_path: Path) -> None:
     """Sparse source: costs no disk. A copier that reads the holes takes a few seconds
     here; one that writes them fails the allocation check."""
-    size = 4 * helpers.GiB + 3 * MiB + 7
+    size = 4 * trees.GiB + 3 * MiB + 7
     src = tmp_path / "huge.bin"
-    marks = {0: os.urandom(MiB), 4 * helpers.GiB - 512 * 1024: os.urandom(MiB),
+    marks = {0: os.urandom(MiB), 4 * trees.GiB - 512 * 1024: os.urandom(MiB),
              size - 7: b"theend!"}
     with open(src, "wb") as f:
         f.truncate(size)
         for off, data in marks.items():
             f.seek(off)
             f.write(data)
-    if helpers.allocated_bytes(src) > 64 * MiB:
+    if fs.allocated_bytes(src) > 64 * MiB:
         pytest.skip("this file system does not keep holes")
     dst = tmp_path / "huge.copy"
     res = stage(src, dst)
@@ -206,8 +206,8 @@ def test_file_over_4gib(stage: Stage, tmp_path: Path) -> None:
         for off, data in marks.items():
             f.seek(off)
             assert f.read(len(data)) == data, f"bytes at {off} differ"
-    helpers.assert_same_file(src, dst)  # holes read as zero; data compared everywhere
-    assert helpers.allocated_bytes(dst) <= 512 * MiB, "the copy of the holes is not sparse"
+    trees.assert_same_file(src, dst)  # holes read as zero; data compared everywhere
+    assert fs.allocated_bytes(dst) <= 512 * MiB, "the copy of the holes is not sparse"
 
 
 # --------------------------------------------------------------------------------------
@@ -221,13 +221,13 @@ def filter_src(tmp_path: Path) -> Path:
     files = ["a/x.txt", "a/y.bin", "a/b/z.txt", "a/b/w.bin", "c/w.txt", "c/a/q.txt",
              "top.txt", "top.bin", "logs/keep.txt", "logs/run.log"]
     for i, rel in enumerate(files):
-        helpers.write_file(root / rel, f"{rel}\n".encode() * (i + 1), mtime_index=i)
+        trees.write_file(root / rel, f"{rel}\n".encode() * (i + 1), mtime_index=i)
     (root / "e").mkdir()
     return root
 
 
 def _staged_files(dst: Path) -> set[str]:
-    return set(helpers.regular_files(dst))
+    return set(trees.regular_files(dst))
 
 
 @pytest.mark.parametrize(
@@ -259,7 +259,7 @@ def test_include_exclude(stage: Stage, filter_src: Path, tmp_path: Path,
     res = stage(filter_src, dst, **kwargs)
     assert _staged_files(dst) == expected
     for rel in expected:
-        helpers.assert_same_file(filter_src / rel, dst / rel)
+        trees.assert_same_file(filter_src / rel, dst / rel)
     assert res.files == len(expected)
     assert res.bytes == sum((filter_src / rel).stat().st_size for rel in expected)
     if "include" in kwargs:
@@ -286,8 +286,8 @@ def test_exclude_prunes_before_walking(stage: Stage, filter_src: Path,
 @pytest.fixture
 def link_src(tmp_path: Path) -> Path:
     root = tmp_path / "lsrc"
-    helpers.write_file(root / "real" / "data.txt", b"data\n", mtime_index=1)
-    helpers.write_file(root / "plain.txt", b"plain\n", mtime_index=2)
+    trees.write_file(root / "real" / "data.txt", b"data\n", mtime_index=1)
+    trees.write_file(root / "plain.txt", b"plain\n", mtime_index=2)
     (tmp_path / "outside.txt").write_bytes(b"outside\n")
     return root
 
@@ -436,21 +436,21 @@ def test_progress_off_prints_nothing(stage: Stage, rich_src: Path, tmp_path: Pat
 def test_second_run_is_skipped(stage: Stage, rich_src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     first = stage(rich_src, dst)
-    before = helpers.snapshot(dst)
+    before = trees.snapshot(dst)
     second = stage(rich_src, dst)
     assert second.skipped is True
     assert (second.copied_files, second.copied_bytes) == (0, 0)
     assert (second.files, second.bytes) == (first.files, first.bytes)
     assert second.path == dst
-    assert helpers.snapshot(dst) == before
-    helpers.assert_same_tree(rich_src, dst)
+    assert trees.snapshot(dst) == before
+    trees.assert_same_tree(rich_src, dst)
 
 
 def test_changed_source_copies_only_the_change(stage: Stage, tmp_path: Path,
                                                totals: Any) -> None:
     src = tmp_path / "src"
     for i in range(20):
-        helpers.write_file(src / f"d{i % 3}" / f"f{i}.bin", os.urandom(1000 + i), mtime_index=i)
+        trees.write_file(src / f"d{i % 3}" / f"f{i}.bin", os.urandom(1000 + i), mtime_index=i)
     dst = tmp_path / "dst"
     first = stage(src, dst)
     assert first.copied_files == 20
@@ -458,18 +458,18 @@ def test_changed_source_copies_only_the_change(stage: Stage, tmp_path: Path,
     grown = src / "d0" / "f0.bin"
     with open(grown, "ab") as f:
         f.write(b"more")
-    helpers.set_mtime(grown, 100)
+    trees.set_mtime(grown, 100)
     rewritten = src / "d1" / "f1.bin"  # same size, new bytes, new mtime
-    helpers.write_file(rewritten, os.urandom(1001), mtime_index=101)
+    trees.write_file(rewritten, os.urandom(1001), mtime_index=101)
     added = src / "new" / "added.bin"
-    helpers.write_file(added, os.urandom(4321), mtime_index=102)
+    trees.write_file(added, os.urandom(4321), mtime_index=102)
 
     again = stage(src, dst)
     assert again.skipped is False
     assert again.copied_files == 3
     assert again.copied_bytes == 1004 + 1001 + 4321
     assert (again.files, again.bytes) == totals(src)
-    helpers.assert_same_tree(src, dst)
+    trees.assert_same_tree(src, dst)
     third = stage(src, dst)
     assert third.skipped is True
 
@@ -480,22 +480,22 @@ def test_check_source_false_trusts_the_manifest(stage: Stage, tmp_path: Path) ->
     the change."""
     src = tmp_path / "src"
     for i in range(5):
-        helpers.write_file(src / f"f{i}.bin", os.urandom(2000), mtime_index=i)
+        trees.write_file(src / f"f{i}.bin", os.urandom(2000), mtime_index=i)
     dst = tmp_path / "dst"
     stage(src, dst)
-    helpers.write_file(src / "f0.bin", os.urandom(3000), mtime_index=50)
+    trees.write_file(src / "f0.bin", os.urandom(3000), mtime_index=50)
     trusted = stage(src, dst, check_source=False)
     assert trusted.skipped is True and trusted.copied_files == 0
     assert (dst / "f0.bin").stat().st_size == 2000
     checked = stage(src, dst)
     assert checked.skipped is False and checked.copied_files == 1
-    helpers.assert_same_tree(src, dst)
+    trees.assert_same_tree(src, dst)
 
 
 def test_no_temporary_files_left(stage: Stage, mixed_src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     stage(mixed_src, dst)
-    assert helpers.tmp_leftovers(tmp_path) == []
+    assert trees.tmp_leftovers(tmp_path) == []
     assert not [p for p in dst.rglob(".*")], "hidden entries inside the dataset directory"
 
 
@@ -505,7 +505,7 @@ def test_copy_of_copy(stage: Stage, rich_src: Path, tmp_path: Path) -> None:
     stage(rich_src, first)
     second = tmp_path / "two"
     stage(first, second)
-    helpers.assert_same_tree(rich_src, second)
+    trees.assert_same_tree(rich_src, second)
 
 
 def test_env_forces_pread(rich_src: Path, tmp_path: Path,
@@ -515,7 +515,7 @@ def test_env_forces_pread(rich_src: Path, tmp_path: Path,
     monkeypatch.setenv("FASTLOAD_ENGINE", "pread")
     res = fastload.stage(rich_src, tmp_path / "dst", engine="auto")
     assert res.engine == "pread"
-    helpers.assert_same_tree(rich_src, tmp_path / "dst")
+    trees.assert_same_tree(rich_src, tmp_path / "dst")
 
 
 def test_auto_engine_picks_first_available(rich_src: Path, tmp_path: Path,
@@ -531,7 +531,7 @@ def test_staging_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    helpers.build_small_files(tmp_path / "src", 50)
+    trees.build_small_files(tmp_path / "src", 50)
     code = (
         "import sys, fastload\n"
         f"fastload.stage({str(tmp_path / 'src')!r}, {str(tmp_path / 'dst')!r})\n"
@@ -541,4 +541,4 @@ def test_staging_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:
         "from fastload import ShardWriter, register_encoder, PackResult, pack_dataset\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
-    helpers.assert_same_tree(tmp_path / "src", tmp_path / "dst")
+    trees.assert_same_tree(tmp_path / "src", tmp_path / "dst")

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import pytest
 
 import fastload
-import helpers
-from helpers import MiB
+from kit import trees
+from kit.trees import MiB
 
 pytestmark = pytest.mark.native
 
@@ -52,8 +52,8 @@ def test_verify_takes_str(staged: tuple[Path, Any]) -> None:
     ("data/medium.bin", 3 * MiB + 122),          # the last byte
     ("data/medium.bin", 2 * MiB + 17),           # in a middle chunk
     ("sparse.bin", 12 * MiB),                    # inside a hole
-    (f"{helpers.UNICODE_DIR}/{helpers.UNICODE_FILE}", 3),
-    (f"long/{helpers.LONG_UNICODE}", 299),
+    (f"{trees.UNICODE_DIR}/{trees.UNICODE_FILE}", 3),
+    (f"long/{trees.LONG_UNICODE}", 299),
 ], ids=["first-byte", "last-byte", "middle-chunk", "in-a-hole", "unicode-name", "long-name"])
 def test_one_corrupt_byte_is_found(staged: tuple[Path, Any], rel: str, offset: int) -> None:
     dst, res = staged
@@ -96,7 +96,7 @@ def test_several_problems_all_listed(staged: tuple[Path, Any]) -> None:
 
 def test_verify_single_file(stage: Stage, tmp_path: Path) -> None:
     src = tmp_path / "one.bin"
-    helpers.write_file(src, os.urandom(2 * MiB), mtime_index=1)
+    trees.write_file(src, os.urandom(2 * MiB), mtime_index=1)
     dst = tmp_path / "copy.bin"
     stage(src, dst)
     v = fastload.verify(dst)
@@ -109,7 +109,7 @@ def test_verify_single_file(stage: Stage, tmp_path: Path) -> None:
 def test_never_staged(tmp_path: Path, shape: str) -> None:
     dst = tmp_path / "dst"
     if shape == "plain_dir":
-        helpers.write_file(dst / "x.txt", b"x")
+        trees.write_file(dst / "x.txt", b"x")
     with pytest.raises((FileNotFoundError, fastload.FastloadError)) as info:
         fastload.verify(dst)
     assert "dst" in f"{info.value} {getattr(info.value, 'filename', '')}"

@@ -1,9 +1,7 @@
-"""Helpers for the archive-extraction tests: making archives with GNU tar and Python's
-tarfile (plain, gzip, zstd), GNU tar's own extraction as the reference, comparing an
-extracted tree with it, crafting header bytes, and checking that nothing was written
-outside a destination.
-
-Imported by the test modules as ``archive_helpers`` (like ``helpers``).
+"""Tar archives: making them with GNU tar and Python's tarfile (plain, gzip, zstd, hand-made
+members, patched header bytes), GNU tar's own extraction as the reference and comparing an
+extracted tree with it, the include/exclude glob rules, and checking that a hostile archive
+wrote nothing outside its destination.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import fnmatch
 import gzip
 import importlib.util
 import io
-import mmap
 import os
 import shutil
 import stat
@@ -25,11 +22,12 @@ from typing import Any
 
 import pytest
 
-import helpers
+from kit import trees
 
 # --------------------------------------------------------------------------------------
 # Tools
 # --------------------------------------------------------------------------------------
+
 
 GNU_FORMATS = ("gnu", "posix", "ustar")  # tar --format=...
 PY_FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
@@ -42,12 +40,10 @@ def _gnu_tar() -> str | None:
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
     return exe if "GNU tar" in out.stdout else None
 
-
 GNU_TAR = _gnu_tar()
 ZSTD_CLI = shutil.which("zstd")
 HAVE_ZSTANDARD = importlib.util.find_spec("zstandard") is not None
 HAVE_ZSTD = bool(ZSTD_CLI) or HAVE_ZSTANDARD
-
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -67,77 +63,6 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:
     p = subprocess.run(cmd, capture_output=True, check=False, **kw)
     assert p.returncode == 0, f"{cmd} failed ({p.returncode}): {p.stderr.decode(errors='replace')}"
     return p
-
-
-# --------------------------------------------------------------------------------------
-# Trees to archive
-# --------------------------------------------------------------------------------------
-
-LONG_COMPONENT = "L" * 251 + ".bin"  # 255 bytes: the longest name Linux takes
-# 151 bytes, splittable at '/' into ustar prefix (60) and name (90).
-USTAR_PREFIX_PATH = "p" * 60 + "/" + "q" * 86 + ".bin"
-DEEP_LONG_DIR = "long/" + "/".join(["d" * 50] * 6)  # a path over 255 bytes
-LONG_LINK_TARGET = "../" + DEEP_LONG_DIR + "/leaf.txt"  # > 100 bytes, stays inside
-
-
-def build_archive_tree(root: Path, *, long: bool = True, seed: int = 11) -> Path:
-    """The shapes extraction must reproduce: sizes around block boundaries, unicode,
-    spaces, a path needing the ustar prefix field, relative symlinks (to a file, a
-    directory, "." and ".."), hard links, empty directories, odd modes and a 0o555
-    directory, mtimes with a nanosecond part. ``long`` adds what only GNU and pax can
-    hold: a 255-byte name, a path over 255 bytes, a symlink target over 100 bytes and
-    hard links with long names and long targets."""
-    import random
-
-    rng = random.Random(seed)
-    root.mkdir(parents=True)
-    k = iter(range(1000))
-
-    def w(rel: str, data: bytes, mode: int = 0o644) -> None:
-        helpers.write_file(root / rel, data, mode=mode)
-
-    w("top.txt", b"top level\n")
-    w("empty.bin", b"")
-    for n in (1, 511, 512, 513, 100 * 1024 + 7, helpers.MiB + 123):
-        w(f"sizes/b{n}", rng.randbytes(n))
-    w(f"{helpers.UNICODE_DIR}/{helpers.UNICODE_FILE}", "\u3053\u3093\u306b\u3061\u306f\n".encode())
-    w(helpers.EMOJI_FILE, rng.randbytes(777))
-    w("sp ace 'quote'.txt", b"spaces\n")
-    w(USTAR_PREFIX_PATH, rng.randbytes(3000))
-    os.makedirs(root / "links")
-    os.symlink("../top.txt", root / "links" / "to_file")
-    os.symlink("../sizes", root / "links" / "to_dir")
-    os.symlink(".", root / "links" / "dot")
-    os.symlink("..", root / "links" / "up")
-    os.symlink("missing/target", root / "links" / "dangling")
-    w("hard/a.bin", rng.randbytes(4000))
-    os.link(root / "hard" / "a.bin", root / "hard" / "b.bin")
-    os.makedirs(root / "other")
-    os.link(root / "hard" / "a.bin", root / "other" / "c.bin")
-    (root / "empty_dir").mkdir()
-    (root / "nested" / "empty" / "inner").mkdir(parents=True)
-    w("modes/rw.bin", b"owner only\n", 0o600)
-    w("modes/exec.sh", b"#!/bin/sh\necho hi\n", 0o755)
-    w("modes/ro.txt", b"read only\n", 0o444)
-    w("modes/ro_dir/inside.txt", b"in a 0555 dir\n")
-    (root / "modes" / "private_dir").mkdir()
-    if long:
-        w(f"long/{LONG_COMPONENT}", rng.randbytes(5000))
-        w(f"{DEEP_LONG_DIR}/leaf.txt", b"deep and long\n")
-        os.symlink(LONG_LINK_TARGET, root / "links" / ("t" * 120))
-        os.link(root / "hard" / "a.bin", root / "long" / ("h" * 200 + ".hl"))
-        # Sorted after long/, so its member is a hard link with a target over 100 bytes.
-        w(f"{DEEP_LONG_DIR}/target.bin", rng.randbytes(600))
-        os.makedirs(root / "zz")
-        os.link(root / DEEP_LONG_DIR / "target.bin", root / "zz" / "to_long")
-    # Times last (creating entries changes directory mtimes), deepest first.
-    entries = sorted(helpers.walk_entries(root).items(), key=lambda kv: -kv[0].count("/"))
-    for _rel, p in entries:
-        if not p.is_symlink():
-            helpers.set_mtime(p, next(k))
-    os.chmod(root / "modes" / "ro_dir", 0o555)
-    os.chmod(root / "modes" / "private_dir", 0o700)
-    return root
 
 
 # --------------------------------------------------------------------------------------
@@ -265,7 +190,7 @@ def gnu_extract_nested(archive: Path, ref: Path) -> tuple[Path, set[str]]:
     tars, relative)."""
     gnu_extract(archive, ref)
     made: set[str] = set()
-    for rel, p in sorted(helpers.walk_entries(ref).items()):
+    for rel, p in sorted(trees.walk_entries(ref).items()):
         if rel.endswith(".tar") and p.is_file() and not p.is_symlink():
             d = p.with_name(p.name[: -len(".tar")])
             # The loop changes the parent's mtime; keep the one GNU tar set from the
@@ -337,7 +262,7 @@ def _entry(p: Path, rel: str, explicit: set[str], skip_meta: set[str]) -> tuple[
         return ("dir", oct(stat.S_IMODE(st.st_mode)), mtime)
     if stat.S_ISREG(st.st_mode):
         return ("file", oct(stat.S_IMODE(st.st_mode)), st.st_size,
-                st.st_mtime_ns // 1_000_000_000, helpers.content_digest(p))
+                st.st_mtime_ns // 1_000_000_000, trees.content_digest(p))
     return ("special", stat.S_IFMT(st.st_mode))
 
 
@@ -345,17 +270,7 @@ def extraction_state(root: Path, *, explicit: Iterable[str] = (),
                      skip_meta: Iterable[str] = ()) -> dict[str, tuple[Any, ...]]:
     ex, sk = set(explicit), set(skip_meta)
     return {rel: _entry(p, rel, ex, sk)
-            for rel, p in helpers.walk_entries(root).items()}
-
-
-def hardlink_groups(root: Path) -> set[frozenset[str]]:
-    """Sets of paths (relative) sharing one inode, for inodes with more than one path."""
-    by_inode: dict[tuple[int, int], set[str]] = {}
-    for rel, p in helpers.walk_entries(root).items():
-        st = os.lstat(p)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            by_inode.setdefault((st.st_dev, st.st_ino), set()).add(rel)
-    return {frozenset(v) for v in by_inode.values() if len(v) > 1}
+            for rel, p in trees.walk_entries(root).items()}
 
 
 def assert_same_extraction(ref: Path, dst: Path, *, explicit: Iterable[str] = (),
@@ -366,27 +281,12 @@ def assert_same_extraction(ref: Path, dst: Path, *, explicit: Iterable[str] = ()
     not compared (the ones made for inner tars)."""
     a = extraction_state(ref, explicit=explicit, skip_meta=skip_meta)
     b = extraction_state(dst, explicit=explicit, skip_meta=skip_meta)
-    missing = sorted(set(a) - set(b))
-    extra = sorted(set(b) - set(a))
-    differ = sorted(k for k in set(a) & set(b) if a[k] != b[k])
-    problems = []
-    if missing:
-        problems.append(f"missing in dst ({len(missing)}): {missing[:10]}")
-    if extra:
-        problems.append(f"extra in dst ({len(extra)}): {extra[:10]}")
-    for k in differ[:10]:
-        problems.append(f"differs: {k!r}: gnu tar={a[k]} fastload={b[k]}")
-    if len(differ) > 10:
-        problems.append(f"... and {len(differ) - 10} more differing entries")
-    ga, gb = hardlink_groups(ref), hardlink_groups(dst)
+    problems = trees.differences(a, b, names=("gnu tar", "fastload"))
+    ga, gb = trees.hardlink_groups(ref), trees.hardlink_groups(dst)
     if ga != gb:
         problems.append(f"hard links differ: gnu tar={sorted(map(sorted, ga))} "
                         f"fastload={sorted(map(sorted, gb))}")
     assert not problems, "extraction differs from GNU tar's:\n  " + "\n  ".join(problems)
-
-
-def assert_no_tmp(dst: Path) -> None:
-    assert helpers.tmp_leftovers(dst) == []
 
 
 # --------------------------------------------------------------------------------------
@@ -412,6 +312,7 @@ def selected(paths: Iterable[str], include: list[str] | None,
 # --------------------------------------------------------------------------------------
 # Crafting header bytes
 # --------------------------------------------------------------------------------------
+
 
 BLOCK = 512
 F_SIZE = (124, 136)
@@ -452,6 +353,8 @@ def state_names(dst: Path) -> set[str]:
 
 
 @dataclass
+
+
 class Outside:
     """Everything outside ``dst`` a hostile archive could reach: the test's whole
     tmp_path (recursively, except dst and its state beside it), the sentinel directory
@@ -482,7 +385,7 @@ class Outside:
                 p = base / name
                 if p in skip:
                     continue
-                tree[p.relative_to(self.tmp_path).as_posix()] = helpers.describe(p)
+                tree[p.relative_to(self.tmp_path).as_posix()] = trees.describe(p)
         st = os.lstat(self.secret)
         return {
             "tree": tree,
@@ -513,12 +416,12 @@ def assert_only_expected(dst: Path, files: dict[str, bytes],
     Temporary names (``.NAME.fl-tmp*``) are tolerated."""
     if not dst.exists():
         return
-    for rel, p in helpers.walk_entries(dst).items():
+    for rel, p in trees.walk_entries(dst).items():
         st = os.lstat(p)
         if stat.S_ISDIR(st.st_mode):
             continue
         if stat.S_ISREG(st.st_mode):
-            if helpers.is_tmp_name(p.name):
+            if trees.is_tmp_name(p.name):
                 continue
             assert rel in files, f"{rel!r} was written though it is not a benign member"
             assert p.read_bytes() == files[rel], f"{rel!r} at its final path is partial"
@@ -528,50 +431,3 @@ def assert_only_expected(dst: Path, files: dict[str, bytes],
             assert os.readlink(p) == symlinks[rel]
         else:
             raise AssertionError(f"{rel!r} in dst is a special file ({stat.S_IFMT(st.st_mode):o})")
-
-
-# --------------------------------------------------------------------------------------
-# The page cache
-# --------------------------------------------------------------------------------------
-
-
-def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
-    """Bytes of the range of ``path`` in the page cache (reads nothing)."""
-    from fastload import _core
-
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        return _core.cached_bytes(fd, offset, size - offset if length is None else length)
-    finally:
-        os.close(fd)
-
-
-def drop(path: Path) -> None:
-    """Evicts ``path`` from the page cache; skips where the file system keeps it."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if cached(path):
-        pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")
-
-
-def direct_capable(directory: Path) -> bool:
-    """Whether a file in ``directory`` takes an O_DIRECT write of one aligned page."""
-    path = directory / ".direct-probe"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    try:
-        buf = mmap.mmap(-1, 4096)  # page-aligned
-        os.write(fd, buf)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        path.unlink()

@@ -1,0 +1,131 @@
+"""File systems under the tests: allocated blocks, permissions, tmpfs size limits changed
+in place (fast enough to race a copy), the page cache, O_DIRECT, and how a message about
+space states a size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kit.trees import MiB
+
+# --------------------------------------------------------------------------------------
+# Blocks and permissions
+# --------------------------------------------------------------------------------------
+
+
+def allocated_bytes(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def make_world_readable(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                st = os.stat(p)
+                os.chmod(p, stat.S_IMODE(st.st_mode) | 0o044 | (0o011 if p.is_dir() else 0))
+    os.chmod(root, stat.S_IMODE(os.stat(root).st_mode) | 0o055)
+
+
+# --------------------------------------------------------------------------------------
+# tmpfs size changes without a fork (fast enough to race a copy)
+# --------------------------------------------------------------------------------------
+
+
+_MS_REMOUNT = 32
+
+
+def remount_tmpfs_size(path: Path, size: int) -> int:
+    """Changes a tmpfs's size limit in place. Returns 0 or an errno (EINVAL when the new
+    limit is below what the tmpfs already holds)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    rc = libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_REMOUNT,
+                    f"size={size}".encode())
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def shrink_tmpfs_to_used(mount: Path) -> None:
+    """Lowers a tmpfs's size limit to a little above what it holds now. A remount below
+    the current use fails (EINVAL) and a copy may be filling the tmpfs fast, so the
+    headroom starts at 4 MiB and doubles until a remount succeeds."""
+    slack = MiB
+    for _ in range(20):
+        st = os.statvfs(mount)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        if remount_tmpfs_size(mount, used + slack) == 0:
+            return
+        slack *= 2
+    raise AssertionError(f"could not shrink the tmpfs at {mount}")
+
+
+# --------------------------------------------------------------------------------------
+# The page cache and O_DIRECT
+# --------------------------------------------------------------------------------------
+
+
+def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
+    """Bytes of the range of ``path`` in the page cache (reads nothing)."""
+    from fastload import _core
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        return _core.cached_bytes(fd, offset, size - offset if length is None else length)
+    finally:
+        os.close(fd)
+
+
+def drop(path: Path) -> None:
+    """Evicts ``path`` from the page cache; skips where the file system keeps it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached(path):
+        pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")
+
+
+def direct_capable(directory: Path) -> bool:
+    """Whether a file in ``directory`` takes an O_DIRECT write of one aligned page."""
+    path = directory / ".direct-probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, 4096)  # page-aligned
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+# --------------------------------------------------------------------------------------
+# Messages
+# --------------------------------------------------------------------------------------
+
+
+def mentions_size(message: str, n: int) -> bool:
+    """Whether a message states the byte count ``n`` in some usual form: raw, with
+    thousands separators, or scaled to K/M/G (binary or decimal) with 0-2 decimals."""
+    if str(n) in message or f"{n:,}" in message:
+        return True
+    for unit in (1000, 1024, 1000**2, 1024**2, 1000**3, 1024**3):
+        for digits in (0, 1, 2):
+            scaled = f"{n / unit:.{digits}f}"
+            if scaled != "0" and scaled.strip("0.") and scaled in message:
+                return True
+    return False

@@ -1,0 +1,267 @@
+"""Child processes: one fastload call per process (kit/stage_child.py, run by path),
+its stdout parsed as it arrives, signals, and an action fired from this process the moment
+a child starts writing into a file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[1]
+CHILD_SCRIPT = Path(__file__).resolve().with_name("stage_child.py")
+
+
+# --------------------------------------------------------------------------------------
+# Child processes running one stage() call (kit/stage_child.py)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+
+
+class Child:
+    """A ``python tests/kit/stage_child.py`` process; its stdout is parsed as it arrives."""
+
+    spec: dict[str, Any]
+    env: dict[str, str] | None = None
+    as_user: int | None = None
+    wrapper: list[str] = field(default_factory=list)  # e.g. setpriv ... --
+    stdin: bool = False
+    lines: list[str] = field(default_factory=list)
+    stderr: str = ""
+
+    def __post_init__(self) -> None:
+        kwargs: dict[str, Any] = {}
+        if self.as_user is not None:
+            kwargs.update(user=self.as_user, group=self.as_user, extra_groups=[])
+        self.proc = subprocess.Popen(
+            [*self.wrapper, sys.executable, str(CHILD_SCRIPT), json.dumps(self.spec)],
+            stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd="/",
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            **kwargs,
+        )
+        self._cond = threading.Condition()
+        self._eof = False
+        self._err_parts: list[str] = []
+        self._t_out = threading.Thread(target=self._read_out, daemon=True)
+        self._t_err = threading.Thread(target=self._read_err, daemon=True)
+        self._t_out.start()
+        self._t_err.start()
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for chunk in iter(lambda: self.proc.stderr.read(4096), ""):  # type: ignore[union-attr]
+            self._err_parts.append(chunk)
+
+    def wait_line(self, prefix: str, timeout: float = 120.0) -> str | None:
+        """Waits for a stdout line starting with ``prefix``; None if the child's stdout
+        closed (it exited) first."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if line.startswith(prefix):
+                        return line
+                seen = len(self.lines)
+                if self._eof:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"child printed no {prefix!r} line in {timeout} s")
+                self._cond.wait(left)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.close()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def finish(self, timeout: float = 180.0) -> Child:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # a child still waiting for "go" goes on
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self._join()
+            raise AssertionError(
+                f"child did not finish within {timeout} s (killed); stderr:\n{self.stderr}"
+            ) from None
+        self._join()
+        return self
+
+    def _join(self) -> None:
+        self._t_out.join()
+        self._t_err.join()
+        for pipe in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+        self.stderr = "".join(self._err_parts)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def _tagged(self, tag: str) -> dict[str, Any] | None:
+        for line in self.lines:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        return None
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self._tagged("RESULT")
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return self._tagged("ERROR")
+
+    @property
+    def progress(self) -> list[tuple[int, int, int, int]]:
+        out = []
+        for line in self.lines:
+            if line.startswith("PROGRESS "):
+                a, b, c, d = (int(x) for x in line.split()[1:])
+                out.append((a, b, c, d))
+        return out
+
+    def expect_result(self) -> dict[str, Any]:
+        res = self.result
+        assert self.returncode == 0 and res is not None, (
+            f"child failed (rc={self.returncode}): error={self.error}\nstderr:\n{self.stderr}"
+        )
+        return res
+
+    def expect_error(self) -> dict[str, Any]:
+        err = self.error
+        assert err is not None, (
+            f"child did not raise (rc={self.returncode}, result={self.result})\n"
+            f"stderr:\n{self.stderr}"
+        )
+        return err
+
+
+def stage_spec(src: Path, dst: Path, **kwargs: Any) -> dict[str, Any]:
+    return {"op": "stage", "src": str(src), "dst": str(dst), "kwargs": kwargs}
+
+
+def run_child(spec: dict[str, Any], *, timeout: float = 180.0, **kw: Any) -> Child:
+    return Child(spec, **kw).finish(timeout)
+
+
+def with_tests_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with tests/ first on PYTHONPATH: a test module run as a child script
+    (env/test_resolve.py, data/test_iterable.py) imports the kit from there, not from
+    its own folder."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = with_tests_on_path({k: v for k, v in os.environ.items() if k != "FASTLOAD_FAULTS"})
+    env.update(extra)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+# --------------------------------------------------------------------------------------
+# An action at the moment a child starts writing
+# --------------------------------------------------------------------------------------
+
+
+def _wait_until_settled(mount: Path) -> None:
+    """Waits until the use of ``mount`` stops changing (I/O already in the kernel when
+    the writer was stopped completes)."""
+    last = -1
+    for _ in range(200):
+        st = os.statvfs(mount)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        if used == last:
+            return
+        last = used
+        time.sleep(0.02)
+
+
+def _enter_realtime() -> Any:
+    """Makes the calling thread SCHED_FIFO (needs root); returns what to restore, or None."""
+    try:
+        old = (os.sched_getscheduler(0), os.sched_getparam(0))
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(10))
+    except (OSError, AttributeError):
+        return None
+    return old
+
+
+def run_child_with_trigger(
+    spec: dict[str, Any], mount: Path, action: Any, *, threshold: int = 512 * 1024,
+    timeout: float = 180.0,
+) -> tuple[Child, bool]:
+    """Runs a stage child and, from this process, calls ``action`` once as soon as the
+    file system at ``mount`` holds ``threshold`` more bytes than before: i.e. once the
+    child passed its space check and is writing data. Returns the finished child and
+    whether the action ran while the child was still running.
+
+    The watching thread runs real-time (SCHED_FIFO, polling every ~100 us) so the
+    child's copy threads cannot starve it on a small, busy machine; without the right
+    to do so it busy-polls and the child runs at a lower priority."""
+    st = os.statvfs(mount)
+    base = (st.f_blocks - st.f_bfree) * st.f_frsize
+    probe = _enter_realtime()
+    if probe is not None:
+        os.sched_setscheduler(0, *probe)
+    wrapper = [] if probe is not None else ["nice", "-n", "10"]
+    child = Child(spec, env=child_env(), wrapper=wrapper)
+    fired = False
+    deadline = time.monotonic() + timeout
+    restore = _enter_realtime()
+    try:
+        while child.proc.poll() is None and time.monotonic() < deadline:
+            st = os.statvfs(mount)
+            if (st.f_blocks - st.f_bfree) * st.f_frsize - base >= threshold:
+                # Freeze the child while acting, so the action is not a race with a
+                # copy that moves at GB/s. (A stop and continue may make some blocking
+                # system calls return EINTR: the engine must cope with that anyway.)
+                os.kill(child.proc.pid, signal.SIGSTOP)
+                try:
+                    _wait_until_settled(mount)
+                    action()
+                finally:
+                    os.kill(child.proc.pid, signal.SIGCONT)
+                fired = True
+                break
+            if restore is not None:
+                time.sleep(0.0001)
+    finally:
+        if restore is not None:
+            os.sched_setscheduler(0, *restore)
+    return child.finish(timeout), fired

@@ -1,0 +1,202 @@
+"""Shared memory for packed batches: the blocks a DataLoader worker allocates a batch's
+payloads in and reuses once the main process has dropped them (``_core.ShmBlock``, memfd),
+the main process's mappings of them, and how a batch's tensors travel between processes
+(every storage once: a pool block by its descriptor, a small one inline). Used by
+:mod:`.collate`, which owns the packed types.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.reduction as _reduction
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import get_worker_info
+
+from .. import _core
+
+_ALIGN = 64  # each field's payload block starts on a cache line (and an int64 boundary)
+
+
+# --- allocation ------------------------------------------------------------------------
+
+
+class _BlockPool:
+    """A DataLoader worker's shared-memory blocks (``_core.ShmBlock``, memfd), reused
+    from batch to batch. A fresh segment per batch (what torch allocates for a tensor
+    in a worker) pays a page fault, a zeroed page and a page-cache insertion for every
+    4 KiB, and a truncation when freed: most of the cost of a large batch. A block is
+    reused once the main process has dropped every tensor over the batch last written
+    into it (its lease count, kept in the block, is zero); the pool grows while the
+    main process holds more batches, and keeps at most ``max_idle`` spare blocks."""
+
+    _GRAIN = 1 << 20
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self.pid = os.getpid()
+        self.max_idle = max_idle
+        self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
+        free = sorted(
+            (b for b in self.blocks.values() if b.users == 0), key=lambda b: b.capacity
+        )
+        block = next((b for b in free if b.capacity >= nbytes), None)
+        if block is None:
+            # an eighth of headroom, so batches of varying size fit the same block
+            want = -(-(nbytes + nbytes // 8) // self._GRAIN) * self._GRAIN
+            block = _core.ShmBlock(want)
+            self.blocks[block.address] = block
+        spare = [b for b in free if b is not block]
+        for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
+            del self.blocks[b.address]
+        lease = block.lease()
+        return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
+
+    def block_of(self, storage: torch.UntypedStorage) -> _core.ShmBlock | None:
+        return self.blocks.get(storage.data_ptr())
+
+
+_pool: _BlockPool | None = None
+
+
+def _worker_pool() -> _BlockPool:
+    global _pool
+    if _pool is None or _pool.pid != os.getpid():  # a forked child starts its own
+        _pool = _BlockPool()
+    return _pool
+
+
+class _BlockHandover:
+    """Pickles as the descriptor of a pool block (the way torch hands over its own
+    shared storages), retaining a lease for the receiving process to take over."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: _core.ShmBlock) -> None:
+        self.block = block
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        b = self.block
+        b.retain()  # before this process's own lease can go
+        return _attach_block, (_reduction.DupFd(b.fd), b.length, os.getpid(), b.inode)
+
+
+# The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
+# from batch to batch, so a block written again costs no new mapping and no page faults
+# here. Those of a worker that has exited are dropped when another block arrives.
+_views: dict[tuple[int, int], _core.ShmView] = {}
+_MAX_VIEWS_PER_WORKER = 8
+
+
+def _attach_block(handle: Any, length: int, pid: int, inode: int) -> torch.Tensor:
+    fd = handle.detach()
+    key = (pid, inode)
+    view = _views.get(key)
+    if view is not None and view.length == length:
+        os.close(fd)
+    else:
+        view = _core.ShmView(fd, length)
+        _forget_views(pid)
+        _views[key] = view
+    return torch.frombuffer(view.adopt(), dtype=torch.uint8)
+
+
+def _forget_views(pid: int) -> None:
+    """Drops the mappings of exited workers, and the oldest of ``pid``'s beyond
+    ``_MAX_VIEWS_PER_WORKER`` (blocks its pool has let go)."""
+    for p in {p for p, _ in _views} - {pid}:
+        try:
+            os.kill(p, 0)
+        except ProcessLookupError:
+            for key in [k for k in _views if k[0] == p]:
+                del _views[key]
+        except PermissionError:  # pragma: no cover - alive, another user's
+            pass
+    mine = [k for k in _views if k[0] == pid]
+    for key in mine[: max(0, len(mine) + 1 - _MAX_VIEWS_PER_WORKER)]:
+        del _views[key]
+
+
+class _Arena:
+    """The ``alloc`` callback of the native packers: one block (shared memory in a
+    DataLoader worker, ordinary memory elsewhere) cut into the requested pieces, each
+    aligned; ``pieces`` keeps the tensors, ``views`` is what the native side fills."""
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self.pieces: list[torch.Tensor] = []
+
+    def __call__(self, sizes: list[int]) -> list[memoryview]:
+        starts = []
+        at = 0
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // _ALIGN) * _ALIGN
+        block = _worker_pool().take(at) if self.shared else torch.empty(at, dtype=torch.uint8)
+        self.pieces = [block[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        return [p.numpy().data for p in self.pieces]
+
+
+def _in_worker() -> bool:
+    return get_worker_info() is not None
+
+
+# --- pickling ------------------------------------------------------------------------
+#
+# A batch's tensors are views of a few storages (usually one: the block collate
+# allocated). Pickled naively, each view would carry its whole storage again, and through
+# torch's multiprocessing pickler each would be one more file descriptor handed over. So
+# every distinct storage travels once, as one uint8 tensor (a shared-memory handle
+# through the DataLoader), and each tensor as its place in one of them. Small private
+# storages (labels, masks) travel inline as bytes: cheaper than a descriptor.
+
+_INLINE = 64 << 10
+
+_Spec = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _ship(tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[_Spec]]:
+    """(storages, per tensor (storage number, offset, shape, stride, dtype))."""
+    bases: list[Any] = []
+    seen: dict[tuple[str, int], int] = {}
+    pool = _pool if _pool is not None and _pool.pid == os.getpid() else None
+    specs: list[_Spec] = []
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        k = seen.get(key)
+        if k is None:
+            k = seen[key] = len(bases)
+            bases.append(_base(st, t.device, pool))
+        specs.append((k, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype))
+    return bases, specs
+
+
+def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | None) -> Any:
+    """How one storage travels: a pool block by its descriptor, a small private one
+    inline as bytes, anything else as a tensor (torch's own sharing)."""
+    block = pool.block_of(st) if pool is not None else None
+    if block is not None:
+        return _BlockHandover(block)
+    base = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+    if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
+        return base.numpy().tobytes()
+    return base
+
+
+def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
+    storages = [
+        b.untyped_storage() if not isinstance(b, bytes)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage() if b
+        else torch.empty(0, dtype=torch.uint8).untyped_storage()
+        for b in bases
+    ]
+    out = []
+    for k, offset, shape, stride, dtype in specs:
+        st = storages[k]
+        out.append(torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride))
+    return out

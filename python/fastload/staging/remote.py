@@ -12,6 +12,10 @@ two versions. Each part's digest is computed as it arrives (the manifest's chunk
 so :func:`verify` works as for local data); a part file records its finished parts, so
 after a kill a big object resumes from its last whole part. Files are renamed into place
 once whole; the manifest is written last.
+
+Over 500 lines on purpose: it is one pipeline (plan, fetch, parts, commit) whose steps
+share the job's state; the client side (listing, ranged reads, errors) is already
+apart in sources/objstore.py.
 """
 
 from __future__ import annotations

@@ -59,18 +59,20 @@ def test_pack_over_a_job_array(slurm: Cluster, tmp_path: Path) -> None:
         out = shared / name
         script = ARRAY_SCRIPT.format(flag=shared / f"{name}.failed", python=slurm.python,
                                      src=src, out=out, flags=flags)  # fmt: skip
-        _, proc = slurm.sbatch(script, "--array=0-3", "-o", str(shared / f"{name}-%a.txt"),
-                               check=False)  # fmt: skip
-        assert proc.returncode != 0  # task 2 failed...
+        _, code = slurm.sbatch(script, "--array=0-3", "-o", str(shared / f"{name}-%a.txt"))
+        assert code == 3  # task 2 failed...
         assert "task 2 fails once" in (shared / f"{name}-2.txt").read_text()
         mine = set(want[2::4])
         assert mine and not any((out / n).exists() for n in mine)
         assert sorted(p.name for p in out.glob("*.tar")) == sorted(set(want) - mine)
         if name == "flags":  # ...and runs again alone: its own shards, no other's
-            slurm.sbatch(script, "--array=2", "-o", str(shared / f"{name}-rerun.txt"))
+            _, code = slurm.sbatch(script, "--array=2", "-o", str(shared / f"{name}-rerun.txt"))
         else:  # alone, the array is one task: say which
-            slurm.sbatch(script.replace("--no-progress ", "--no-progress --num-tasks 4 "),
-                         "--array=2", "-o", str(shared / f"{name}-rerun.txt"))  # fmt: skip
+            _, code = slurm.sbatch(
+                script.replace("--no-progress ", "--no-progress --num-tasks 4 "),
+                "--array=2", "-o", str(shared / f"{name}-rerun.txt"),
+            )  # fmt: skip
+        assert code == 0
         assert "task 2 of 4" in (shared / f"{name}-rerun.txt").read_text()
         slurm.run([slurm.python, "-m", "fastload", "index", str(out)])
         assert sorted(p.name for p in out.glob("*.tar")) == want

@@ -44,7 +44,7 @@ def test_stage_and_resolve_one_copy_per_node(slurm: Cluster, tmp_path: Path) -> 
     want = make_tree(src)
     # One job on three nodes: stage, then resolve (six tasks each), then the CLI (one a
     # node); each task reports what it got while the job (and its SLURM_TMPDIR) exists.
-    job, _ = slurm.sbatch(
+    job, code = slurm.sbatch(
         f"""#!/bin/bash
 set -e
 srun {slurm.python} {TASK} stage {src} data
@@ -54,6 +54,7 @@ srun -n 3 --ntasks-per-node=1 bash -c '{slurm.python} -m fastload stage --no-pro
 """,
         "-N", "3", "--ntasks-per-node=2", "-o", str(tmp_path / "out.txt"),
     )  # fmt: skip
+    assert code == 0, (tmp_path / "out.txt").read_text()
     lines = [json.loads(x) for x in (tmp_path / "out.txt").read_text().splitlines()
              if x.startswith("{")]  # fmt: skip
     staged = [x for x in lines if "copied_files" in x]

@@ -17,10 +17,10 @@ Where the rank comes from, first match wins:
 
 The local rank comes from ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0. The node (its
 number in the job, for one-per-node work such as staging) comes from ``SLURM_NODEID``
-with ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), else torchrun's ``GROUP_RANK`` with
-``GROUP_WORLD_SIZE``; torchrun's come first when torchrun gave the rank. Else node 0 of
-1. The worker comes from the DataLoader's ``get_worker_info()`` (``None`` in the main
-process: worker 0 of 1).
+with ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``), else torchrun's ``GROUP_RANK`` (else
+0) of ``GROUP_WORLD_SIZE``, else ``NNODES``, else ``WORLD_SIZE // LOCAL_WORLD_SIZE``;
+torchrun's come first when torchrun gave the rank. Else node 0 of 1. The worker comes
+from the DataLoader's ``get_worker_info()`` (``None`` in the main process: worker 0 of 1).
 """
 
 from __future__ import annotations
@@ -96,21 +96,37 @@ def _local_rank(environ: Mapping[str, str], slurm: bool) -> int:
     return 0
 
 
-_SLURM_NODES = ("SLURM_NODEID", ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"))
-_TORCHRUN_NODES = ("GROUP_RANK", ("GROUP_WORLD_SIZE",))
+def _slurm_nodes(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    if "SLURM_NODEID" not in environ:
+        return None
+    node = _int(environ, "SLURM_NODEID")
+    for name in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if name in environ:
+            return node, _int(environ, name)
+    return node, node + 1  # a node number without a count counts the nodes up to it
+
+
+def _torchrun_nodes(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    per_node = "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ
+    if not per_node and not any(n in environ for n in ("GROUP_RANK", "GROUP_WORLD_SIZE", "NNODES")):
+        return None
+    node = _int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0
+    for name in ("GROUP_WORLD_SIZE", "NNODES"):
+        if name in environ:
+            return node, _int(environ, name)
+    if per_node and (local := _int(environ, "LOCAL_WORLD_SIZE")) > 0:
+        return node, max(_int(environ, "WORLD_SIZE") // local, 1)
+    return node, node + 1
 
 
 def _node(environ: Mapping[str, str], torchrun_first: bool) -> tuple[int, int]:
-    """(node, num_nodes) from the first family of variables that names the node. A node
-    number without a count counts the nodes up to it."""
-    families = [_SLURM_NODES, _TORCHRUN_NODES]
+    """(node, num_nodes) from the first family of variables that names the node."""
+    families = [_slurm_nodes, _torchrun_nodes]
     if torchrun_first:
         families.reverse()
-    for node_var, count_vars in families:
-        if node_var in environ:
-            node = _int(environ, node_var)
-            count = next((_int(environ, v) for v in count_vars if v in environ), node + 1)
-            return node, count
+    for family in families:
+        if (found := family(environ)) is not None:
+            return found
     return 0, 1
 
 

@@ -4,7 +4,7 @@ ARGS``; prints one JSON line (the test reads every task's).
     env                     fastload.env.detect() and world() as this task sees them
     stage SRC NAME          fastload.stage(SRC, $SLURM_TMPDIR/NAME)
     resolve SRC CACHE       fastload.resolve(SRC, cache=CACHE) (into $SLURM_TMPDIR)
-    iterate INDEX WORKERS   the __key__ of every sample this rank's DataLoader yields
+    iterate INDEX [WORKERS] the __key__ of every sample this rank's DataLoader yields
     list DIR                the files under DIR (hidden ones left out)
 """
 
@@ -48,7 +48,8 @@ def main(op: str, *args: str) -> dict[str, Any]:
         import torch.utils.data
 
         ds = fastload.ShardIterableDataset(args[0], shuffle=True, seed=5)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=int(args[1]))
+        workers = int(args[1]) if len(args) > 1 else 2
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
         out.update(keys=[s["__key__"] for s in loader])
     elif op == "list":
         root = Path(args[0])

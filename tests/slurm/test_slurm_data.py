@@ -1,10 +1,10 @@
-"""Under real srun/sbatch: the IterableDataset's rank x worker split from SLURM's own
-variables, and ``fastload pack`` split over a job array (a failed task re-run alone)."""
+"""Under real sbatch: ``fastload pack`` split over a job array, with the flags or the
+array's own variables (a failed task re-run alone). The IterableDataset's rank x worker
+split under srun is in test_slurm_readme.py (the README's training script)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from pathlib import Path
 
 import fastload
@@ -17,23 +17,6 @@ def make_samples(root: Path, n: int = 120) -> None:
         d = root / f"class{i % 3}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"s{i:04d}.bin").write_bytes(hashlib.sha256(str(i).encode()).digest() * (i + 1))
-
-
-def test_iterable_split_from_real_slurm_variables(slurm: Cluster, tmp_path: Path) -> None:
-    shared = slurm.root / "shared" / tmp_path.name
-    src, shards = shared / "src", shared / "shards"
-    make_samples(src)
-    packed = fastload.pack(src, shards, max_count=10, progress=False)
-    assert packed.index is not None
-    keys = ShardIndex.open(packed.index).keys()
-    # 2 nodes x 2 tasks, 2 DataLoader workers each: 8 readers; torch.distributed is not
-    # initialised, so the ranks are SLURM_PROCID of SLURM_NTASKS.
-    tasks = slurm.task(["-N", "2", "--ntasks-per-node=2"], "iterate", str(packed.index), "2")
-    assert sorted(t["rank"] for t in tasks) == [0, 1, 2, 3]
-    assert all(t["source"] == "slurm" and t["world_size"] == 4 for t in tasks)
-    seen = Counter(k for t in tasks for k in t["keys"])
-    assert set(seen) == set(keys) and set(seen.values()) == {1}  # all, none twice
-    assert all(len(t["keys"]) == len(keys) // 4 for t in tasks)
 
 
 ARRAY_SCRIPT = """#!/bin/bash

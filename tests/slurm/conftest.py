@@ -76,7 +76,11 @@ class Cluster:
 
     def task(self, srun_args: Sequence[str], *task_args: str) -> list[dict[str, Any]]:
         """``srun SRUN_ARGS python slurm_task.py TASK_ARGS``: one JSON line per task."""
-        out = self.srun(*srun_args, self.python, str(TASK), *task_args).stdout
+        return self.task_lines(self.srun(*srun_args, self.python, str(TASK), *task_args).stdout)
+
+    @staticmethod
+    def task_lines(out: str) -> list[dict[str, Any]]:
+        """slurm_task.py's JSON lines among ``out``'s."""
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
     def sbatch(self, script: str, *args: str, wait: bool = True) -> tuple[int, int]:

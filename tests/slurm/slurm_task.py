@@ -25,7 +25,8 @@ def _who() -> dict[str, Any]:
     return {
         "rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank,
         "node": w.node, "num_nodes": w.num_nodes, "source": w.source,
-        "nodename": os.environ.get("SLURMD_NODENAME"), "job": os.environ.get("SLURM_JOB_ID"),
+        "nodename": os.environ.get("SLURMD_NODENAME"),
+        "slurm_nodeid": os.environ.get("SLURM_NODEID"), "job": os.environ.get("SLURM_JOB_ID"),
         "slurm_tmpdir": os.environ.get("SLURM_TMPDIR"),
     }  # fmt: skip
 

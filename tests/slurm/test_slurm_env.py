@@ -4,8 +4,9 @@ variables SLURM itself sets (three nodes, two tasks each)."""
 from __future__ import annotations
 
 import json
+import socket
 
-from conftest import NODES, Cluster
+from conftest import NODES, TASK, Cluster
 
 
 def test_detect_and_world_under_srun(slurm: Cluster) -> None:
@@ -43,11 +44,34 @@ def test_fastload_env_command(slurm: Cluster) -> None:
         node = r["node"]
         assert r["environment"] == "slurm" and r["cpus"] == 3
         assert r["cpus_from"] == "SLURM_CPUS_ON_NODE"
-        assert node["num_nodes"] == 2 and node["node"] == NODES.index(node["name"])
+        assert node["num_nodes"] == 2 and node["node"] == int(node["node_id"])
         assert r["tmpdir"]["path"] == str(slurm.local(node["name"], node["job_id"]))
         assert r["tmpdir"]["exists"] is True
         assert r["world"]["source"] == "slurm" and r["world"]["world_size"] == 2
-    assert sorted(r["node"]["name"] for r in reports) == ["n1", "n2"]
+    # Two of the three nodes (whichever were idle), numbered 0 and 1 in the job.
+    assert len({r["node"]["name"] for r in reports}) == 2
+    assert sorted(r["node"]["node"] for r in reports) == [0, 1]
     text = slurm.srun("-N", "1", "-n", "1", "--nodelist=n2",
                       slurm.python, "-m", "fastload", "env").stdout  # fmt: skip
     assert "environment    slurm" in text and "(n2), node 0, job" in text
+
+
+def test_world_under_torchrun_in_srun(slurm: Cluster) -> None:
+    # One torchrun agent per node, two workers each, started the usual way on a SLURM
+    # cluster; torchrun's node numbers are the reverse of SLURM's, so that the test
+    # tells which one world() took: torchrun gave the rank, its GROUP_RANK wins.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tasks = slurm.task_lines(slurm.srun(
+        "-N", "2", "--ntasks-per-node=1", "--cpus-per-task=2", "bash", "-c",
+        f"exec {slurm.python} -m torch.distributed.run --nnodes 2 --nproc-per-node 2"
+        f' --node-rank $((1 - SLURM_NODEID)) --master-addr 127.0.0.1 --master-port {port}'
+        f" {TASK} env",
+    ).stdout)  # fmt: skip
+    assert sorted(t["rank"] for t in tasks) == [0, 1, 2, 3]
+    for t in tasks:
+        assert t["source"] == "torchrun" and t["world_size"] == 4
+        assert t["num_nodes"] == 2 and t["node"] == 1 - int(t["slurm_nodeid"])
+        assert t["environment"] == "slurm" and t["tmpdir"] == t["slurm_tmpdir"]
+    assert sorted(t["slurm_nodeid"] for t in tasks) == ["0", "0", "1", "1"]

@@ -122,6 +122,8 @@ TaskPlugin=task/none
 MpiDefault=none
 LaunchParameters=use_interactive_step
 SchedulerType=sched/builtin
+# Batch jobs start on the next tick (about 1 s), not after the default 3 s of delay.
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides

@@ -30,15 +30,15 @@ def test_detect_and_world_under_srun(slurm: Cluster) -> None:
 
 
 def test_fastload_env_command(slurm: Cluster) -> None:
-    out = slurm.srun("-N", "2", "--ntasks-per-node=1", "--cpus-per-task=3",
+    # Each task prints an indented report; --label keeps the two tasks' lines apart
+    # (srun writes the lines as they come, interleaved).
+    out = slurm.srun("-N", "2", "--ntasks-per-node=1", "--cpus-per-task=3", "--label",
                      slurm.python, "-m", "fastload", "env", "--json").stdout  # fmt: skip
-    decoder, reports, i = json.JSONDecoder(), [], 0
-    while i < len(out):
-        if out[i].isspace():
-            i += 1
-            continue
-        r, i = decoder.raw_decode(out, i)
-        reports.append(r)
+    lines: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        task, _, text = line.partition(": ")
+        lines.setdefault(task.strip(), []).append(text)
+    reports = [json.loads("\n".join(v)) for v in lines.values()]
     assert len(reports) == 2
     for r in reports:
         node = r["node"]

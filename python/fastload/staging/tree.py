@@ -9,6 +9,7 @@ directory metadata, create symlinks and write the manifest, atomically.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -61,37 +62,45 @@ def tree_fingerprint(src: str, entries: list[tuple[Any, ...]], options: dict[str
     return h.hexdigest()
 
 
-def stage_tree(
-    src_abs: Path,
-    dst_abs: Path,
-    is_file: bool,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    engine: str,
-    progress: Progress,
-    workers: int | None,
-    stripe: int,
-    t0: float,
-    sync: bool,
-) -> StageResult:
+@dataclasses.dataclass
+class TreePlan:
+    """What a stage of a tree (or a file) has to do: the source's listing, what is
+    already in place (``done``: path -> journal record) and what is not (``todo``:
+    indices into ``files``). ``complete``: a complete manifest matches, nothing to do."""
+
+    src_root: Path
+    dst_root: Path
+    entries: list[tuple[Any, ...]]
+    files: list[tuple[Any, ...]]
+    src_names: list[str]
+    fingerprint: str
+    old: dict[str, Any] | None
+    complete: bool
+    done: dict[str, tuple[int, int, int, str]]
+    todo: list[int]
+    journal: Journal
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e[2] for e in self.files)
+
+
+def list_tree(
+    src_abs: Path, is_file: bool, options: dict[str, Any], workers: int | None
+) -> list[tuple[Any, ...]]:
+    """The source's entries (path, kind, size, blocks, mode, mtime_ns, link target), the
+    subset filter applied; for a file, its one entry."""
     threads = min(64, max(8, (workers or DEFAULT_FILES_IN_FLIGHT)))
     if is_file:
-        src_root, dst_root = src_abs.parent, dst_abs.parent
-        tree = _core.stat_file(str(src_root), src_abs.name)
-        entries = [(dst_abs.name, *e[1:]) for e in tree.entries()]
-        src_names = [src_abs.name]
-    else:
-        src_root, dst_root = src_abs, dst_abs
-        tree = _core.walk(
-            str(src_abs),
-            options["include"],
-            options["exclude"],
-            options["on_special"] == "skip",
-            threads,
-        )
-        entries = tree.entries()
-        src_names = [e[0] for e in entries if e[1] == FILE]
-    if options["include"] and not is_file:
+        return _core.stat_file(str(src_abs.parent), src_abs.name).entries()
+    entries = _core.walk(
+        str(src_abs),
+        options["include"],
+        options["exclude"],
+        options["on_special"] == "skip",
+        threads,
+    ).entries()
+    if options["include"]:
         # With include patterns, keep only the directories leading to something taken.
         keep: set[str] = set()
         for e in entries:
@@ -99,15 +108,40 @@ def stage_tree(
                 parts = e[0].split("/")[:-1]
                 keep.update("/".join(parts[: k + 1]) for k in range(len(parts)))
         entries = [e for e in entries if e[1] != DIR or e[0] in keep]
+    return entries
+
+
+def plan_tree(
+    src_abs: Path,
+    dst_abs: Path,
+    is_file: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    workers: int | None,
+    stripe: int,
+    listing: list[tuple[Any, ...]] | None = None,
+) -> TreePlan:
+    """Lists the source (or takes ``listing``, from :func:`list_tree`) and works out what
+    is already in place (under the node lock)."""
+    listed = listing if listing is not None else list_tree(src_abs, is_file, options, workers)
+    if is_file:
+        src_root, dst_root = src_abs.parent, dst_abs.parent
+        entries = [(dst_abs.name, *e[1:]) for e in listed]
+        src_names = [src_abs.name]
+    else:
+        src_root, dst_root = src_abs, dst_abs
+        entries = list(listed)
+        src_names = [e[0] for e in entries if e[1] == FILE]
     fingerprint = tree_fingerprint(str(src_abs), entries, {**options, "chunk": stripe})
     files = [e for e in entries if e[1] == FILE]
-    total_bytes = sum(e[2] for e in files)
 
     def proven(records: Records) -> Records:
         return prove(dst_root, records, engine, workers, stripe)
 
     # Written on an earlier boot without a flush: only what reads back whole counts.
     old, whole = reread(dst_root, dst_abs, old, fingerprint, proven)
+    journal = Journal(dst_abs, stripe)
     if (
         whole
         and old is not None
@@ -115,12 +149,14 @@ def stage_tree(
         and old.get("fingerprint") == fingerprint
         and os.path.lexists(dst_abs)
     ):
-        make_durable(dst_abs, old, sync)
-        return StageResult(dst_abs, len(files), total_bytes, time.monotonic() - t0, "none", True)
+        done = {e[0]: tuple(old["files"][e[0]]) for e in files if e[0] in old["files"]}
+        return TreePlan(
+            src_root, dst_root, entries, files, src_names, fingerprint, old,
+            complete=True, done=done, todo=[], journal=journal,
+        )  # fmt: skip
 
     # What is already in place: from the interrupted run's journal, or from the previous
     # complete manifest (a re-stage after the source changed copies only the changes).
-    journal = Journal(dst_abs, stripe, durable=sync)
     known = known_records(journal, old, stripe, proven)
     done: dict[str, tuple[int, int, int, str]] = {}
     todo: list[int] = []
@@ -146,6 +182,60 @@ def stage_tree(
                 digest_local(dst_root, [files[i] for i in rehash], engine, workers, stripe)
             )
             todo = [i for i in todo if files[i][0] not in done]
+    return TreePlan(
+        src_root, dst_root, entries, files, src_names, fingerprint, old,
+        complete=False, done=done, todo=todo, journal=journal,
+    )  # fmt: skip
+
+
+def space_needed(plan: TreePlan, dst_parent: Path) -> int:
+    """Bytes (in whole blocks of ``dst_parent``'s file system) the files to do take."""
+    bsize = os.statvfs(dst_parent).f_frsize or 4096
+    needed = 0
+    for i in plan.todo:
+        size, blocks = plan.files[i][2], plan.files[i][3]
+        alloc = min(size, blocks * 512) if blocks * 512 < size else size
+        needed += -(-alloc // bsize) * bsize
+    return needed
+
+
+def make_dirs(plan: TreePlan, dst_abs: Path, is_file: bool) -> None:
+    """Directories first, writable for us; their own modes and times are set at the end."""
+    with named_os_errors("cannot create directory: "):
+        if not is_file:
+            dst_abs.mkdir(exist_ok=True)
+            ensure_writable(dst_abs)
+        for e in plan.entries:
+            if e[1] == DIR:
+                d = plan.dst_root / e[0]
+                d.mkdir(exist_ok=True)
+                ensure_writable(d)
+
+
+def stage_tree(
+    src_abs: Path,
+    dst_abs: Path,
+    is_file: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    progress: Progress,
+    workers: int | None,
+    stripe: int,
+    t0: float,
+    sync: bool,
+    listing: list[tuple[Any, ...]] | None = None,
+) -> StageResult:
+    plan = plan_tree(src_abs, dst_abs, is_file, options, old, engine, workers, stripe, listing)
+    src_root, dst_root, entries, files = plan.src_root, plan.dst_root, plan.entries, plan.files
+    src_names, fingerprint, total_bytes = plan.src_names, plan.fingerprint, plan.total_bytes
+    old, done, todo = plan.old, plan.done, plan.todo
+    if plan.complete:
+        assert old is not None
+        make_durable(dst_abs, old, sync)
+        return StageResult(dst_abs, len(files), total_bytes, time.monotonic() - t0, "none", True)
+    journal = plan.journal
+    journal.durable = sync
     done_bytes = sum(r[0] for r in done.values())
 
     # Files a previous stage put here that the source no longer has.
@@ -156,25 +246,9 @@ def stage_tree(
                 with contextlib.suppress(OSError):
                     (dst_root / p).unlink()
 
-    st_parent = os.statvfs(dst_abs.parent)
-    bsize = st_parent.f_frsize or 4096
-    needed = 0
-    for i in todo:
-        size, blocks = files[i][2], files[i][3]
-        alloc = min(size, blocks * 512) if blocks * 512 < size else size
-        needed += -(-alloc // bsize) * bsize
-    check_space(dst_abs.parent, needed, dst_abs)
-
-    # Directories first, writable for us; their own modes and times are set at the end.
+    check_space(dst_abs.parent, space_needed(plan, dst_abs.parent), dst_abs)
+    make_dirs(plan, dst_abs, is_file)
     dirs = [e for e in entries if e[1] == DIR]
-    with named_os_errors("cannot create directory: "):
-        if not is_file:
-            dst_abs.mkdir(exist_ok=True)
-            ensure_writable(dst_abs)
-        for e in dirs:
-            d = dst_root / e[0]
-            d.mkdir(exist_ok=True)
-            ensure_writable(d)
 
     journal.open(done)
     on_progress, bar = progress_callback(

@@ -127,6 +127,12 @@ void register_extract(py::module_& m) {
              for (const auto& p : j.take_reused()) out.append(fs_str(p));
              return out;
            })
+      .def("take_warnings",
+           [](copy::ExtractJob& j) {
+             py::list out;
+             for (const auto& w : j.take_warnings()) out.append(fs_str(w));
+             return out;
+           })
       .def("links",
            [](const copy::ExtractJob& j) {
              py::list out;

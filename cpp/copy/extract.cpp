@@ -255,6 +255,16 @@ std::vector<ExtractedFile> ExtractJob::take_done() { return std::exchange(impl_-
 
 std::vector<std::string> ExtractJob::take_reused() { return std::exchange(impl_->reused, {}); }
 
+std::vector<std::string> ExtractJob::take_warnings() {
+  Impl& im = *impl_;
+  if (im.warnings_dropped) {
+    im.warnings.push_back("tar '" + im.name + "': " + std::to_string(im.warnings_dropped) +
+                          " more warnings not shown");
+    im.warnings_dropped = 0;
+  }
+  return std::exchange(im.warnings, {});
+}
+
 std::vector<ExtractedLink> ExtractJob::links() const { return impl_->links; }
 
 std::vector<std::string> ExtractJob::dirs() const {

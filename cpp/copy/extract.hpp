@@ -132,6 +132,10 @@ class ExtractJob {
   std::vector<ExtractedFile> take_done();
   // Output paths of members skipped because they were already complete (options.complete).
   std::vector<std::string> take_reused();
+  // Where GNU tar warns and goes on (a lone zero block, trailing garbage, an unknown
+  // type extracted as a file, ...): one line each, naming the archive and the offset or
+  // member, in archive order, since the last call. From the feeding thread.
+  std::vector<std::string> take_warnings();
   std::vector<ExtractedLink> links() const;
   std::vector<std::string> dirs() const;
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }

@@ -242,6 +242,11 @@ struct ExtractJob::Impl {
   std::vector<ExtractedLink> links;
   std::vector<ExtractedFile> done;
   std::vector<std::string> reused;
+  // What GNU tar would warn about (tar::Sink::on_warning), until take_warnings(); at
+  // most kMaxWarnings kept, the rest only counted.
+  static constexpr size_t kMaxWarnings = 1000;
+  std::vector<std::string> warnings;
+  uint64_t warnings_dropped = 0;
   bool dead = false;
   std::string engine_name;
 };
@@ -255,6 +260,7 @@ struct Level final : tar::Sink {
   tar::Action on_member(const tar::Member& m) override;
   void on_data(const char* data, size_t n) override;
   void on_member_end() override;
+  void on_warning(const std::string& message) override;
   std::string parser_name() const { return name_; }
 
   static constexpr uint32_t kNone = ExtractJob::Impl::kNone;

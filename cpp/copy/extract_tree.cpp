@@ -111,6 +111,13 @@ void Level::on_member_end() {
   current_ = kNone;
 }
 
+void Level::on_warning(const std::string& message) {
+  if (im_.warnings.size() < ExtractJob::Impl::kMaxWarnings)
+    im_.warnings.push_back(message);
+  else
+    ++im_.warnings_dropped;
+}
+
 // ---- directories ---------------------------------------------------------------------
 
 // ensure_dir(), shared: a file in flight keeps its directory open after the cache drops it.

@@ -251,7 +251,27 @@ def has_hardlinks(archive: Path) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _entry(p: Path, rel: str, explicit: set[str], skip_meta: set[str]) -> tuple[Any, ...]:
+def data_extents(path: Path) -> list[tuple[int, int]]:
+    """The data runs of a file, as SEEK_DATA/SEEK_HOLE see them (the holes between)."""
+    out = []
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size, pos = os.fstat(fd).st_size, 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break  # only a hole is left
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            out.append((start, end))
+            pos = end
+    finally:
+        os.close(fd)
+    return out
+
+
+def _entry(p: Path, rel: str, explicit: set[str], skip_meta: set[str],
+           holes: bool = False) -> tuple[Any, ...]:
     st = os.lstat(p)
     if stat.S_ISLNK(st.st_mode):
         return ("symlink", os.readlink(p))
@@ -262,25 +282,28 @@ def _entry(p: Path, rel: str, explicit: set[str], skip_meta: set[str]) -> tuple[
         return ("dir", oct(stat.S_IMODE(st.st_mode)), mtime)
     if stat.S_ISREG(st.st_mode):
         return ("file", oct(stat.S_IMODE(st.st_mode)), st.st_size,
-                st.st_mtime_ns // 1_000_000_000, trees.content_digest(p))
+                st.st_mtime_ns // 1_000_000_000, trees.content_digest(p),
+                *([data_extents(p)] if holes else []))
     return ("special", stat.S_IFMT(st.st_mode))
 
 
 def extraction_state(root: Path, *, explicit: Iterable[str] = (),
-                     skip_meta: Iterable[str] = ()) -> dict[str, tuple[Any, ...]]:
+                     skip_meta: Iterable[str] = (), holes: bool = False
+                     ) -> dict[str, tuple[Any, ...]]:
     ex, sk = set(explicit), set(skip_meta)
-    return {rel: _entry(p, rel, ex, sk)
+    return {rel: _entry(p, rel, ex, sk, holes)
             for rel, p in trees.walk_entries(root).items()}
 
 
 def assert_same_extraction(ref: Path, dst: Path, *, explicit: Iterable[str] = (),
-                           skip_meta: Iterable[str] = ()) -> None:
+                           skip_meta: Iterable[str] = (), holes: bool = False) -> None:
     """dst holds exactly ref's entries: bytes, file and directory modes, file mtimes and
     those of directories that were archive members (1 s resolution), symlink targets,
     and the same hard-link groups. ``skip_meta``: directories whose mode and mtime are
-    not compared (the ones made for inner tars)."""
-    a = extraction_state(ref, explicit=explicit, skip_meta=skip_meta)
-    b = extraction_state(dst, explicit=explicit, skip_meta=skip_meta)
+    not compared (the ones made for inner tars). ``holes``: files also have the same
+    holes (SEEK_HOLE), for archives of sparse members extracted on one file system."""
+    a = extraction_state(ref, explicit=explicit, skip_meta=skip_meta, holes=holes)
+    b = extraction_state(dst, explicit=explicit, skip_meta=skip_meta, holes=holes)
     problems = trees.differences(a, b, names=("gnu tar", "fastload"))
     ga, gb = trees.hardlink_groups(ref), trees.hardlink_groups(dst)
     if ga != gb:
@@ -340,6 +363,61 @@ def set_base256(buf: bytearray, off: int, fld: tuple[int, int], value: int) -> N
     raw[0] |= 0x80
     buf[off + fld[0]:off + fld[1]] = raw
     fix_checksum(buf, off)
+
+
+def raw_header(name: str | bytes, *, typeflag: bytes = b"0", size: int = 0,
+               mode: int = 0o644, mtime: int = 1_650_000_000, linkname: str | bytes = b"",
+               magic: str = "ustar", signed_checksum: bool = False,
+               prefix: bytes = b"") -> bytes:
+    """One header block as old and vendor writers make it, which no tool here writes:
+    ``magic`` "ustar" (POSIX), "gnu" (old GNU "ustar  \\0") or "v7" (none); the checksum
+    summed over signed bytes when ``signed_checksum`` (pre-POSIX tars on machines with a
+    signed char); numbers in octal with a NUL."""
+    def enc(v: str | bytes) -> bytes:
+        return v.encode() if isinstance(v, str) else v
+
+    def octal(value: int, width: int) -> bytes:
+        return b"%0*o\0" % (width - 1, value)
+
+    h = bytearray(BLOCK)
+    h[0:100] = enc(name)[:100].ljust(100, b"\0")
+    h[100:108] = octal(mode, 8)
+    h[108:116] = octal(0, 8)
+    h[116:124] = octal(0, 8)
+    h[124:136] = octal(size, 12)
+    h[136:148] = octal(mtime, 12)
+    h[156:157] = typeflag
+    h[157:257] = enc(linkname)[:100].ljust(100, b"\0")
+    if magic == "ustar":
+        h[257:265] = b"ustar\x0000"
+    elif magic == "gnu":
+        h[257:265] = b"ustar  \0"
+    if magic != "v7":
+        h[265:269] = b"root"
+        h[297:301] = b"root"
+        h[345:500] = prefix[:155].ljust(155, b"\0")
+    h[148:156] = b" " * 8
+    total = sum((b - 256 if b > 127 else b) for b in h) if signed_checksum else sum(h)
+    h[148:156] = b"%06o\0 " % (total & 0o777777)
+    return bytes(h)
+
+
+def raw_member(name: str | bytes, data: bytes = b"", **kw: Any) -> bytes:
+    """A header (:func:`raw_header`) and its data, padded to whole blocks."""
+    pad = -len(data) % BLOCK
+    return raw_header(name, size=len(data), **kw) + data + bytes(pad)
+
+
+def pax_record(key: str, value: str | bytes) -> bytes:
+    """One ``"%d key=value\\n"`` record of a pax extended header."""
+    body = key.encode() + b"=" + (value.encode() if isinstance(value, str) else value) + b"\n"
+    n = len(body) + 2
+    while len(str(n).encode()) + 1 + len(body) != n:
+        n += 1
+    return str(n).encode() + b" " + body
+
+
+END = bytes(2 * BLOCK)
 
 
 # --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +39,11 @@ from .state import (
     reread,
     state_dir,
 )
+
+# Where GNU tar warns and goes on (a lone zero block, trailing garbage, an unknown type
+# extracted as a file, ...), a warning on this logger names the archive and the offset or
+# member; with logging unconfigured, Python prints it on stderr, as tar does.
+log = logging.getLogger(__name__)
 
 SUFFIXES = {
     ".tar": "none",
@@ -226,6 +232,8 @@ def stage_archive(
     flusher = JournalFlusher(journal, str(dst), JOURNAL_EVERY)
 
     def collect(final: bool) -> None:
+        for line in job.take_warnings():
+            log.warning("%s", line)
         reused.update(job.take_reused())
         batch = []
         for path, size, mode, mtime, digests, adopted in job.take_done():

@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Copy SRC (a file or a directory) to DST, resumably; a "
         "second run of an unchanged source returns at once.",
     )
-    s.add_argument("src")
+    s.add_argument(
+        "src", help="a file, a directory, an archive, s3://..., or - for a tar stream on "
+        "stdin (plain, gzip or zstd: curl URL | fastload stage - DST)"
+    )
     s.add_argument("dst")
     s.add_argument(
         "--include",

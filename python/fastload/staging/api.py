@@ -15,13 +15,20 @@ import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, BinaryIO, Literal, Union
 
 from .. import _core
 from .._util import node_lock, parse_checksum
 from ..errors import stage_error
 from ..sources.objstore import is_object_url
-from .archive import archive_compression, not_an_archive, stage_archive, suffix_kind
+from .archive import (
+    archive_compression,
+    is_stream,
+    not_an_archive,
+    stage_archive,
+    stage_stream,
+    suffix_kind,
+)
 from .job import (
     DEFAULT_STRIPE,
     Patterns,
@@ -64,7 +71,7 @@ def _patterns(p: Patterns) -> list[str]:
 
 
 def stage(
-    src: PathLike,
+    src: PathLike | BinaryIO | int,
     dst: PathLike,
     *,
     include: Patterns = None,
@@ -86,7 +93,10 @@ def stage(
 
     A directory's contents land in ``dst`` (like ``cp -r src/. dst``). A file lands at
     ``dst``, or inside it if ``dst`` is an existing directory. An archive's members land
-    in the directory ``dst``.
+    in the directory ``dst``. ``src`` may also be a tar stream, plain, gzip or zstd (told
+    by its first bytes): ``"-"`` (stdin, as ``fastload stage - DST``), a binary file
+    object (``sys.stdin.buffer``) or a pipe's file descriptor, read once, in order; a
+    stream is read again on every call, members already staged are not rewritten.
 
     Args:
         unpack: for a tar archive, ``"auto"``/``True`` extracts it in one streaming pass
@@ -145,6 +155,21 @@ def stage(
         )
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
+    if not isinstance(src, (str, os.PathLike)) or is_stream(src):
+        return stage_stream(
+            src,
+            dst,
+            include=_patterns(include),
+            exclude=_patterns(exclude),
+            engine=engine,
+            progress=progress,
+            workers=workers,
+            stripe=stripe,
+            unpack=unpack,
+            checksum=algo_hex,
+            sync=sync,
+            t0=t0,
+        )
     if isinstance(src, str) and is_object_url(src):
         return stage_remote(
             src,

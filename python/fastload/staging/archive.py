@@ -15,17 +15,19 @@ import contextlib
 import errno
 import hashlib
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
-from .._util import write_json_atomic
+from .._util import node_lock, write_json_atomic
 from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
 from .engine import resolve_engine
-from .job import JOURNAL_EVERY, PROGRESS_EVERY, prove
-from .readers import BLOCK, ArchiveSource, PyDecoder
+from .job import JOURNAL_EVERY, PROGRESS_EVERY, Progress, progress_callback, prove, say_waiting
+from .readers import BLOCK, ArchiveSource, PyDecoder, StreamArchive
+from .result import StageResult
 from .state import (
     MANIFEST_VERSION,
     Journal,
@@ -35,6 +37,9 @@ from .state import (
     check_space,
     known_records,
     make_durable,
+    mkdir_parent,
+    named_os_errors,
+    previous_stage,
     quick_same,
     reread,
     state_dir,
@@ -171,6 +176,7 @@ def stage_archive(
     old, whole = reread(dst, dst, old, fingerprint, proven)
     if (
         whole
+        and not source.stream  # nothing tells a stream's content before it is read
         and old is not None
         and old.get("complete")
         and old.get("fingerprint") == fingerprint
@@ -205,7 +211,7 @@ def stage_archive(
     new_pydecomp = python_decompressor(compression)
     pydecomp = PyDecoder(new_pydecomp, compression, src) if new_pydecomp else None
     hasher = hashlib.new(checksum[0]) if checksum else None
-    can_seek = compression == "none" and hasher is None
+    can_seek = compression == "none" and hasher is None and not source.stream
     files_in_flight = max(1, workers or 64)
     job = _core.ExtractJob(
         str(dst),
@@ -303,6 +309,7 @@ def stage_archive(
     finally:
         decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
         reader.close()
+    size = max(size, source.size)  # a stream's, known once read
     if source.changed():
         journal.remove()
         raise SourceChangedError(
@@ -369,3 +376,116 @@ def stage_archive(
         "copied_bytes": copied["bytes"],
     }
 
+
+
+# Compressed formats a stream may be in that are not read here, by magic bytes.
+_OTHER_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x04\x22\x4d\x18": "lz4"}
+
+
+def is_stream(src: object) -> bool:
+    """Whether stage()'s ``src`` is a stream: ``"-"`` (stdin), a file descriptor, or a
+    binary file object."""
+    return (
+        (isinstance(src, str) and src == "-")
+        or (isinstance(src, int) and not isinstance(src, bool))
+        or callable(getattr(src, "readinto", None))
+        or callable(getattr(src, "read", None))
+    )
+
+
+def stream_compression(head: bytes, name: str) -> str:
+    """'gzip', 'zstd' or 'none' for a stream starting with ``head``, by its magic bytes
+    alone (a stream has no file name); the tar parser judges what is not compressed."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    for magic, kind in _OTHER_MAGIC.items():
+        if head.startswith(magic):
+            raise stage_error(
+                errno.EINVAL,
+                f"'{name}' is {kind}-compressed: only gzip and zstd streams are read; "
+                f"decompress it first (... | {kind} -dc | fastload stage - DST)",
+                name,
+            )
+    return "none"
+
+
+def stage_stream(
+    src: object,
+    dst: str | os.PathLike[str],
+    *,
+    include: list[str],
+    exclude: list[str],
+    engine: str,
+    progress: Progress,
+    workers: int | None,
+    stripe: int,
+    unpack: object,
+    checksum: tuple[str, str] | None,
+    sync: bool,
+    t0: float,
+) -> StageResult:
+    """stage() of a tar stream (:class:`StreamArchive`): stdin, a pipe, a file object;
+    plain, gzip or zstd by its first bytes; read once, in order, never seeked."""
+    if unpack is False:
+        raise stage_error(
+            errno.EINVAL,
+            "a stream can only be extracted as a tar archive: unpack=False needs a file",
+        )
+    dst_abs = Path(os.path.abspath(os.fspath(dst)))
+    if dst_abs.exists() and not dst_abs.is_dir():
+        raise stage_error(
+            errno.ENOTDIR, f"destination '{dst}' exists and is not a directory", str(dst)
+        )
+    mkdir_parent(dst_abs.parent)
+    with named_os_errors():
+        source = StreamArchive(src)
+        if not source.head:
+            # GNU tar refuses it too: a download that failed (curl -f ... |) gives an
+            # empty stream, which must not pass for an empty archive.
+            raise stage_error(
+                errno.EINVAL,
+                f"'{source.name}' is empty: no tar archive came through it",
+                source.name,
+            )
+        compression = stream_compression(source.head, source.name)
+        options: dict[str, Any] = {
+            "include": include,
+            "exclude": exclude,
+            "file": True,
+            "stream": True,
+            "unpack": "nested" if unpack == "nested" else True,
+        }
+        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
+            old = previous_stage(dst_abs)
+            on_progress, bar = progress_callback(progress, f"extract {source.name}", 0, 0)
+            try:
+                r = stage_archive(
+                    source,
+                    dst_abs,
+                    compression=compression,
+                    nested=unpack == "nested",
+                    options=options,
+                    old=old,
+                    checksum=checksum,
+                    engine=engine,
+                    on_progress=on_progress,
+                    workers=workers,
+                    stripe=stripe,
+                    sync=sync,
+                    t0=t0,
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+    return StageResult(
+        dst_abs,
+        r["files"],
+        r["bytes"],
+        time.monotonic() - t0,
+        r["engine"],
+        r["skipped"],
+        r["copied_files"],
+        r["copied_bytes"],
+    )

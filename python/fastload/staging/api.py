@@ -87,6 +87,7 @@ def stage(
     sync: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     repair: bool = False,
+    fanout: bool | Any = False,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -131,6 +132,17 @@ def stage(
             boot: after a reboot (a power loss may have cut the writeback), the next
             ``stage()`` reads the files back and checks their digests before trusting
             them, and redoes only those that differ.
+        fanout: on a job that spans several nodes, stage once per node while the source
+            is read about once in total: the nodes' first processes (their leaders)
+            each read a share (balanced by bytes; big files and archives cut in pieces)
+            and exchange it over ``torch.distributed`` (a gloo group: TCP, no GPU or MPI
+            needed), so every node writes the whole dataset to its own ``dst``. Every
+            process of the job calls stage() alike; the job's process group is used if
+            initialised (or pass one as ``fanout=``), else one is made from torchrun's
+            or SLURM's variables. A node's other processes wait on its lock. A single
+            node or process stages as without it. A node that fails or stops answering
+            stops the others within ``FASTLOAD_FANOUT_TIMEOUT`` seconds (default 300)
+            with an error naming it; a rerun fetches only what each node lacks.
 
     Returns:
         A :class:`StageResult`; ``skipped`` is True when nothing had to be copied.
@@ -171,6 +183,11 @@ def stage(
             t0=t0,
         )
     if isinstance(src, str) and is_object_url(src):
+        if fanout is not False:
+            raise ValueError(
+                "fanout= stages paths (a network file system); for an object store "
+                "URL, stage without it"
+            )
         return stage_remote(
             src,
             dst,
@@ -234,25 +251,31 @@ def stage(
     if compression is not None:
         options["unpack"] = "nested" if unpack == "nested" else True
 
+    def locked(
+        listing: list[tuple[Any, ...]] | None = None, source: LocalArchive | None = None
+    ) -> StageResult:
+        return _stage_locked(
+            src_abs, dst_abs, is_file, options, engine, progress, workers, stripe,
+            check_source, t0, compression, algo_hex, sync, listing, source,
+        )  # fmt: skip
+
+    def plain() -> StageResult:
+        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
+            return locked()
+
     with named_os_errors():
-        return _stage_with_lock(
-            src_abs,
-            dst_abs,
-            is_file,
-            options,
-            engine,
-            progress,
-            workers,
-            stripe,
-            check_source,
-            t0,
-            compression,
-            algo_hex,
-            sync,
-        )
+        if fanout is not False:
+            from .fanout import Request, stage_fanout
+
+            req = Request(
+                src_abs, dst_abs, is_file, options, compression, algo_hex, engine, progress,
+                workers, stripe, t0, locked, plain,
+            )  # fmt: skip
+            return stage_fanout(req, None if fanout is True else fanout)
+        return plain()
 
 
-def _stage_with_lock(
+def _stage_locked(
     src_abs: Path,
     dst_abs: Path,
     is_file: bool,
@@ -266,49 +289,52 @@ def _stage_with_lock(
     compression: str | None,
     checksum: tuple[str, str] | None,
     sync: bool,
+    listing: list[tuple[Any, ...]] | None,
+    source: Any,
 ) -> StageResult:
-    with node_lock(dst_abs, on_wait=say_waiting if progress else None):
-        old = previous_stage(dst_abs)
-        same_request = (
-            old is not None
-            and old.get("complete")
-            and not old.get("damaged")
-            and old.get("source") == str(src_abs)
-            and old.get("options") == options
-            and os.path.lexists(dst_abs)
-            and trusted(old)
+    """The stage, under the node lock (held by the caller)."""
+    old = previous_stage(dst_abs)
+    same_request = (
+        old is not None
+        and old.get("complete")
+        and not old.get("damaged")
+        and old.get("source") == str(src_abs)
+        and old.get("options") == options
+        and os.path.lexists(dst_abs)
+        and trusted(old)
+    )
+    if same_request and not check_source:
+        assert old is not None
+        make_durable(dst_abs, old, sync)
+        return StageResult(
+            dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
         )
-        if same_request and not check_source:
-            assert old is not None
-            make_durable(dst_abs, old, sync)
-            return StageResult(
-                dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
-            )
-        if compression is not None:
-            return _stage_archive_locked(
-                src_abs,
-                dst_abs,
-                compression,
-                options,
-                old,
-                engine,
-                progress,
-                workers,
-                stripe,
-                checksum,
-                t0,
-                sync,
-            )
-        result = stage_tree(
-            src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0, sync
+    if compression is not None:
+        return _stage_archive_locked(
+            source if source is not None else LocalArchive(src_abs),
+            dst_abs,
+            compression,
+            options,
+            old,
+            engine,
+            progress,
+            workers,
+            stripe,
+            checksum,
+            t0,
+            sync,
         )
-        if checksum is not None:
-            check_file_checksum(result.path, src_abs, checksum)
-        return result
+    result = stage_tree(
+        src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0, sync,
+        listing,
+    )  # fmt: skip
+    if checksum is not None:
+        check_file_checksum(result.path, src_abs, checksum)
+    return result
 
 
 def _stage_archive_locked(
-    src_abs: Path,
+    source: Any,
     dst_abs: Path,
     compression: str,
     options: dict[str, Any],
@@ -321,11 +347,11 @@ def _stage_archive_locked(
     t0: float,
     sync: bool,
 ) -> StageResult:
-    size = os.stat(src_abs).st_size
-    on_progress, bar = progress_callback(progress, f"extract {src_abs.name}", size, 0)
+    size = source.size
+    on_progress, bar = progress_callback(progress, f"extract {Path(source.name).name}", size, 0)
     try:
         r = stage_archive(
-            LocalArchive(src_abs),
+            source,
             dst_abs,
             compression=compression,
             nested=options.get("unpack") == "nested",

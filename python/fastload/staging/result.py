@@ -24,6 +24,11 @@ class StageResult:
     copied_files: int = 0
     """Files this call copied (fewer than ``files`` after a resume)."""
     copied_bytes: int = 0
+    nodes: int = 1
+    """Nodes that staged this copy together (``fanout=True``), 1 otherwise."""
+    read_bytes: int | None = None
+    """Bytes this process read from the source for a fanned-out stage (its share, plus
+    the pieces of an archive it read for the others); ``None`` for a plain stage."""
 
 
 @dataclasses.dataclass(frozen=True)

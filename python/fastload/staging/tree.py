@@ -149,10 +149,10 @@ def plan_tree(
         and old.get("fingerprint") == fingerprint
         and os.path.lexists(dst_abs)
     ):
-        done = {e[0]: tuple(old["files"][e[0]]) for e in files if e[0] in old["files"]}
+        held = {e[0]: tuple(old["files"][e[0]]) for e in files if e[0] in old["files"]}
         return TreePlan(
             src_root, dst_root, entries, files, src_names, fingerprint, old,
-            complete=True, done=done, todo=[], journal=journal,
+            complete=True, done=held, todo=[], journal=journal,
         )  # fmt: skip
 
     # What is already in place: from the interrupted run's journal, or from the previous

@@ -155,3 +155,35 @@ def test_cli_prints_the_warning_and_succeeds(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "lone zero block" in p.stderr and str(archive) in p.stderr, p.stderr
     assert sorted(os.listdir(tmp_path / "out")) == ["a.txt"]
+
+
+# --------------------------------------------------------------------------------------
+# Hard links count as the regular files they are
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix", "ustar"])
+def test_hard_links_count_as_copied_files(stage: Stage, tmp_path: Path, fmt: str) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(5000))
+    os.link(src / "a.bin", src / "d" / "b.bin")
+    os.link(src / "a.bin", src / "z.bin")
+    (src / "plain.txt").write_bytes(b"plain\n")
+    archive = tars.gnu_create(src, tmp_path / "h.tar", fmt)
+    assert tars.has_hardlinks(archive)
+    out = tmp_path / "out"
+    ours, ref = extract_both(stage, archive, tmp_path)
+    tars.assert_same_extraction(ref, ours, explicit=tars.explicit_dirs(archive))
+    first = stage(archive, out)
+    assert (first.files, first.bytes) == (4, 3 * 5000 + 6)
+    assert (first.copied_files, first.copied_bytes) == (first.files, first.bytes)
+    # A missing link is made again (repair: what verify finds missing): one file copied.
+    (out / "z.bin").unlink()
+    again = stage(archive, out, repair=True)
+    assert (again.copied_files, again.copied_bytes) == (1, 5000), again
+    # The target rewritten: its links are new files too.
+    (out / "a.bin").write_bytes(b"changed")
+    third = stage(archive, out, repair=True)
+    assert (third.copied_files, third.copied_bytes) == (3, 3 * 5000), third
+    tars.assert_same_extraction(ref, out, explicit=tars.explicit_dirs(archive))

@@ -232,8 +232,10 @@ def stage_archive(
         direct_write_min=source.direct_write_min(dst),
     )
     already = len(done)
+    before = set(done)  # complete before this run (hard links included, as recorded)
     reused: set[str] = set()
     seen: set[str] = set()
+    written: set[str] = set()  # members this run wrote
     copied = {"files": 0, "bytes": 0}
     flusher = JournalFlusher(journal, str(dst), JOURNAL_EVERY)
 
@@ -248,6 +250,7 @@ def stage_archive(
             seen.add(path)
             batch.append((path, *rec))
             if not adopted:
+                written.add(path)
                 copied["files"] += 1
                 copied["bytes"] += size
         flusher.add(batch)
@@ -334,6 +337,11 @@ def stage_archive(
     for path, target, hard in links:
         if hard and target in done:
             done[path] = done[target]
+            # Counted as the regular file it is: copied, unless it was already in place
+            # and its target was not rewritten (the link is made again either way).
+            if path not in before or target in written:
+                copied["files"] += 1
+                copied["bytes"] += done[path][0]
     total_bytes = sum(r[0] for r in done.values())
     if on_progress is not None:
         on_progress(size, size, len(done), len(done))

@@ -15,7 +15,7 @@ step() { printf '\n==> %s\n' "$*"; }
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true
 
-step "system tools (best effort: rsync, pigz and fuse3 for the peer and netsim benchmarks)"
+step "system tools (best effort: rsync, pigz and fuse3 for the peer and netsim benchmarks, bsdtar)"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=""
   command -v rsync >/dev/null || missing="$missing rsync"
@@ -23,6 +23,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v fusermount3 >/dev/null || missing="$missing fuse3 libfuse3-dev pkg-config"
   # tests/slurm start their own slurmctld + slurmd on loopback (scripts/slurm-cluster.sh).
   command -v slurmd >/dev/null || missing="$missing slurmctld slurmd slurm-client"
+  # tests/staging/test_tar_writers.py: archives written by bsdtar (libarchive) in its formats.
+  command -v bsdtar >/dev/null || missing="$missing libarchive-tools"
   if [ -n "$missing" ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing) \
       >/dev/null 2>&1 || echo "could not install:$missing (their benchmarks will skip)"

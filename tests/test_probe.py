@@ -7,10 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +18,8 @@ import pytest
 import fastload
 from fastload.cli import main
 from fastload.probing import SCHEMA_VERSION
+from kit.netsim import mounts
 
-NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
 SECONDS = 4.0
 
 # The --json schema: every key and the type of its value (None allowed where a number
@@ -63,46 +60,11 @@ def make_tree(root: Path, files: int = 48, size: int = 256 << 10) -> Path:
     return root
 
 
-def netsim_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "netsim needs root"
-    if not Path("/dev/fuse").exists():
-        return "netsim needs /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "netsim needs fusermount3 (apt-get install fuse3)"
-    if not NETSIM.exists():
-        return f"netsim not found at {NETSIM}"
-    return None
-
-
 @pytest.fixture
 def netsim(tmp_path: Path) -> Iterator[Callable[[Path, int, int], Path]]:
     """``mount(src, meta_us, read_us) -> mnt``; unmounted at the end of the test."""
-    why = netsim_unavailable()
-    if why:
-        pytest.skip(why)
-    mounts: list[Path] = []
-
-    def mount(src: Path, meta_us: int, read_us: int) -> Path:
-        mnt = tmp_path / f"mnt-{meta_us}-{read_us}"
-        r = subprocess.run(
-            [str(NETSIM), "mount", str(src), str(mnt), str(meta_us), str(read_us)],
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-        if r.returncode != 0:
-            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
-        mounts.append(mnt)
-        deadline = time.monotonic() + 10
-        while not os.path.ismount(mnt):
-            assert time.monotonic() < deadline, "netsim mount did not appear"
-            time.sleep(0.05)
-        return mnt
-
-    yield mount
-    for mnt in mounts:
-        r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
-        if r.returncode != 0 and os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+    with mounts(tmp_path) as mount:
+        yield lambda src, meta_us, read_us: mount(src, meta_us, read_us).path
 
 
 def within(measured: float | None, configured_ms: float) -> bool:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
-from .._util import node_lock, write_json_atomic
+from .._util import node_lock, parse_size, write_json_atomic
 from ..errors import SourceChangedError, StageError, stage_error
 from .exchange import Exchange, FanoutError, fanout_error, timeout_from_env
 from .job import JOURNAL_EVERY, Progress, progress_callback, say_waiting
@@ -57,7 +57,9 @@ from .tree import TreePlan, list_tree, make_dirs, plan_tree, space_needed
 
 __all__ = ["FanoutError", "Request", "stage_fanout"]
 
-ROUND = 32 << 20  # bytes a leader sends per round (every leader receives N times that)
+# Bytes a leader sends per round (every leader receives N times that); node 0's
+# FASTLOAD_FANOUT_ROUND overrides it (tests use small rounds to have many).
+ROUND = 32 << 20
 PIECE = 16 << 20  # bytes of an archive per piece
 SUBREAD = 1 << 20  # a chunk is read in parallel positional reads of this size
 READERS = 32  # reads in flight on a leader
@@ -294,7 +296,11 @@ class _Units:
 
 
 def _deal(
-    files: list[tuple[Any, ...]], need: list[set[int]], have: list[set[int]], stripe: int
+    files: list[tuple[Any, ...]],
+    need: list[set[int]],
+    have: list[set[int]],
+    stripe: int,
+    round_bytes: int,
 ) -> _Units:
     """The units and who sends each: the same on every node (a pure function of the
     plan every node shares)."""
@@ -335,7 +341,7 @@ def _deal(
         batch: list[int] = []
         nbytes = 0
         for j in mine:
-            if batch and nbytes + u.size[j] > ROUND:
+            if batch and nbytes + u.size[j] > round_bytes:
                 u.rounds[k].append(batch)
                 batch, nbytes = [], 0
             batch.append(j)
@@ -548,11 +554,14 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
     listing: list[Any] = [None]
     if x.node == 0:
         try:
-            listing = [("ok", list_tree(req.src, req.is_file, req.options, req.workers))]
+            entries = list_tree(req.src, req.is_file, req.options, req.workers)
+            listing = [
+                ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
+            ]
         except (OSError, StageError) as e:
-            listing = [("error", str(e))]
+            listing = [("error", str(e), 0)]
     x.broadcast_object(listing)
-    status, entries = listing[0]
+    status, entries, round_bytes = listing[0]
     if status != "ok":
         raise fanout_error(
             f"node 0 ({x.hosts[0]}) could not list the source: {entries}", str(req.src)
@@ -573,7 +582,7 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
     have = [_unbits(b, nfiles) for _, b in gathered]
     if not any(need):
         return req.locked(listing=entries)
-    units = _deal(plan.files, need, have, req.stripe)
+    units = _deal(plan.files, need, have, req.stripe, round_bytes)
     mine = need[x.node]
     if mine:
         make_dirs(plan, req.dst, req.is_file)

@@ -1,0 +1,313 @@
+"""stage(fanout=True): several "nodes" on this machine (processes with the variables of
+a multi-node torchrun job, each its own destination, a gloo group on loopback), the
+source behind netsim with no page cache shared between them (``NETSIM_DIRECT=1``, like
+separate nodes) counting the bytes it serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import fastload
+from kit.netsim import Mount, mounts
+from kit.procs import child_env
+from kit.tars import gnu_extract, need_gnu_tar
+from kit.trees import assert_same_tree, build_small_files, write_patterned
+
+pytest.importorskip("torch.distributed")
+
+CHILD = Path(__file__).resolve().parents[1] / "kit" / "fanout_child.py"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
+    with mounts(tmp_path) as mount:
+        yield mount
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_nodes(
+    src: Path,
+    dsts: list[Path],
+    *,
+    per_node: int = 1,
+    init: bool = True,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[str]]:
+    """One process per rank of a ``len(dsts)``-node torchrun job, ``per_node`` ranks
+    per node; node k's processes stage into ``dsts[k]``."""
+    port = str(free_port())
+    nodes = len(dsts)
+    procs = []
+    for rank in range(nodes * per_node):
+        node, local = divmod(rank, per_node)
+        e = child_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(nodes * per_node),
+            GROUP_RANK=str(node),
+            GROUP_WORLD_SIZE=str(nodes),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(per_node),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **(env or {}),
+        )
+        cmd = [sys.executable, str(CHILD), str(src), str(dsts[node]), *args]
+        if init:
+            cmd.append("--init")
+        procs.append(
+            subprocess.Popen(
+                cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return procs
+
+
+def outcome(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    for line in reversed(out.splitlines()):
+        doc = json.loads(line)
+        if "result" in doc or "error" in doc:
+            return doc
+    raise AssertionError(f"no result from a node (exit {proc.returncode}):\n{out}\n{err}")
+
+
+def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    docs = [outcome(p) for p in procs]
+    for d in docs:
+        assert "result" in d, d
+    return [d["result"] for d in docs]
+
+
+def data_bytes(root: Path) -> int:
+    if root.is_file():
+        return root.stat().st_size
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def build_tree(root: Path, *, small: int = 400, big: int = 40 * MiB) -> Path:
+    build_small_files(root / "small", small, per_dir=100)
+    (root / "big").mkdir(parents=True)
+    write_patterned(root / "big" / "weights.bin", big, seed=5)
+    (root / "empty.txt").write_bytes(b"")
+    (root / "link").symlink_to("big/weights.bin")
+    os.chmod(root / "small", 0o750)
+    return root
+
+
+@pytest.mark.parametrize("fanout", [True, False])
+def test_three_nodes_read_the_store_once(
+    tmp_path: Path, netsim: Callable[..., Mount], fanout: bool
+) -> None:
+    src = build_tree(tmp_path / "src")
+    store = netsim(src, 100, 100, direct=True)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    if fanout:
+        got = results(start_nodes(store.path, dsts))
+    else:
+        env = child_env()
+        code = "import sys, fastload; fastload.stage(sys.argv[1], sys.argv[2])"
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(store.path), str(d)], env=env)
+            for d in dsts
+        ]
+        assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
+        got = []
+    served = store.unmount()["read_bytes"]
+    total = data_bytes(src)
+    for d in dsts:
+        assert_same_tree(src, d)
+    if fanout:
+        assert served <= 1.1 * total, (served, total)
+        assert [r["nodes"] for r in got] == [3, 3, 3]
+        # Each node read its share and wrote everything.
+        assert all(r["copied_bytes"] == total for r in got)
+        assert sum(r["read_bytes"] for r in got) == total
+        assert max(r["read_bytes"] for r in got) < 0.6 * total
+    else:
+        assert served >= 2.9 * total, (served, total)
+
+
+def test_fanned_out_copy_is_a_complete_stage(tmp_path: Path) -> None:
+    """A plain stage() and verify() afterwards accept each node's copy as their own; the
+    same fanned-out call again copies nothing."""
+    src = build_tree(tmp_path / "src", small=120, big=3 * MiB)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    results(start_nodes(src, dsts))
+    for d in dsts:
+        assert fastload.verify(d).ok
+        assert fastload.stage(src, d).skipped
+    again = results(start_nodes(src, dsts))
+    assert all(r["skipped"] and r["copied_files"] == 0 for r in again)
+
+
+def test_one_big_file(tmp_path: Path, netsim: Callable[..., Mount]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    write_patterned(src / "model.bin", 96 * MiB + 12345, seed=9)
+    store = netsim(src, 100, 100, direct=True)
+    dsts = [tmp_path / f"node{k}" / "model.bin" for k in range(3)]
+    got = results(start_nodes(store.path / "model.bin", dsts, args=("--stripe", str(4 * MiB))))
+    served = store.unmount()["read_bytes"]
+    size = (src / "model.bin").stat().st_size
+    assert served <= 1.1 * size
+    for d in dsts:
+        assert d.read_bytes() == (src / "model.bin").read_bytes()
+    # Cut in chunks: every node read about a third.
+    assert all(0.2 * size < r["read_bytes"] < 0.45 * size for r in got), got
+
+
+def make_tars(tmp_path: Path) -> dict[str, Path]:
+    """A tar (Python), a .tar.gz (GNU tar) and a tar of tars (GNU tar)."""
+    tree = build_tree(tmp_path / "tree", small=300, big=20 * MiB)
+    out = tmp_path / "archives"
+    out.mkdir()
+    with tarfile.open(out / "plain.tar", "w", format=tarfile.PAX_FORMAT) as t:
+        t.add(tree, arcname="tree")
+    gnu = need_gnu_tar()
+    subprocess.run([gnu, "-czf", str(out / "gnu.tar.gz"), "-C", str(tree), "."], check=True)
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    for k, part in enumerate(["small", "big"]):
+        subprocess.run(
+            [gnu, "-cf", str(inner / f"class{k}.tar"), "-C", str(tree / part), "."], check=True
+        )
+    subprocess.run([gnu, "-cf", str(out / "tot.tar"), "-C", str(inner), "."], check=True)
+    return {"plain": out / "plain.tar", "gz": out / "gnu.tar.gz", "nested": out / "tot.tar"}
+
+
+def test_archives(tmp_path: Path, netsim: Callable[..., Mount]) -> None:
+    tars = make_tars(tmp_path)
+    store = netsim(tars["plain"].parent, 100, 100, direct=True)
+    total = 0
+    for kind, archive in tars.items():
+        dsts = [tmp_path / kind / f"node{k}" for k in range(3)]
+        args = ("--nested",) if kind == "nested" else ()
+        got = results(start_nodes(store.path / archive.name, dsts, args=args))
+        total += archive.stat().st_size
+        assert sum(r["read_bytes"] for r in got) == archive.stat().st_size
+        ref = tmp_path / kind / "gnu"
+        if kind == "nested":
+            # A plain stage's extraction of the tar of tars (GNU tar has no such mode).
+            fastload.stage(archive, ref, unpack="nested")
+        else:
+            gnu_extract(archive, ref)
+        for d in dsts:
+            assert_same_tree(ref, d)
+    served = store.unmount()["read_bytes"]
+    assert served <= 1.1 * total, (served, total)
+
+
+def test_node_killed_then_rerun_reads_only_what_is_missing(
+    tmp_path: Path, netsim: Callable[..., Mount]
+) -> None:
+    src = tmp_path / "src"
+    build_small_files(src / "small", 600, per_dir=100)
+    (src / "big").mkdir()
+    for k in range(6):
+        write_patterned(src / "big" / f"part{k}.bin", 6 * MiB, seed=k)
+    total = data_bytes(src)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    env = {"FASTLOAD_FANOUT_TIMEOUT": "30", "FASTLOAD_FANOUT_ROUND": str(256 << 10)}
+    store = netsim(src, 300, 300, direct=True)
+    procs = start_nodes(store.path, dsts, env=env)
+    # Node 2 dies (kill -9) once it has written something.
+    assert procs[2].stdout is not None
+    for line in procs[2].stdout:
+        if json.loads(line).get("progress", 0) > 0:
+            break
+    procs[2].send_signal(signal.SIGKILL)
+    procs[2].communicate()
+    t0 = time.monotonic()
+    failed = [outcome(p, timeout=120) for p in procs[:2]]
+    waited = time.monotonic() - t0
+    for f in failed:
+        assert "error" in f, f
+        assert "node 2" in f["error"]["message"], f
+        assert f["error"]["type"] == "FanoutError"
+    assert waited < 60
+    first = store.unmount()["read_bytes"]
+    assert first < total  # it did stop half-way
+    # What some node already holds whole is not read from the store again.
+    held: set[str] = set()
+    for d in dsts:
+        for p in d.rglob("*"):
+            if p.is_file() and not p.name.endswith(".fl-tmp"):
+                held.add(str(p.relative_to(d)))
+    missing = total - sum((src / p).stat().st_size for p in held)
+    store = netsim(src, 300, 300, direct=True)
+    results(start_nodes(store.path, dsts))
+    second = store.unmount()["read_bytes"]
+    for d in dsts:
+        assert_same_tree(src, d)
+    assert second <= missing + MiB, (second, missing, total)
+
+
+def test_failure_on_one_node_is_named_on_the_others(tmp_path: Path) -> None:
+    """Node 1's disk is too small: it fails with its own error, the others with one that
+    names node 1 and says why."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    src = build_tree(tmp_path / "src", small=50, big=4 * MiB)
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        dsts = [tmp_path / "node0" / "d", small / "d", tmp_path / "node2" / "d"]
+        docs = [outcome(p) for p in start_nodes(src, dsts)]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    assert docs[1]["error"]["type"] == "NotEnoughSpaceError", docs[1]
+    for d in (docs[0], docs[2]):
+        assert d["error"]["type"] == "FanoutError", d
+        assert "node 1" in d["error"]["message"] and "space" in d["error"]["message"], d
+
+
+def test_two_processes_per_node(tmp_path: Path, netsim: Callable[..., Mount]) -> None:
+    """The second process of each node waits on its node's lock and finds the copy."""
+    src = build_tree(tmp_path / "src", small=200, big=8 * MiB)
+    store = netsim(src, 100, 100, direct=True)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(2)]
+    got = results(start_nodes(store.path, dsts, per_node=2))
+    served = store.unmount()["read_bytes"]
+    assert served <= 1.1 * data_bytes(src)
+    for d in dsts:
+        assert_same_tree(src, d)
+    assert [r["nodes"] for r in got[::2]] == [2, 2]
+
+
+def test_without_init_the_group_comes_from_torchrun_variables(tmp_path: Path) -> None:
+    src = build_tree(tmp_path / "src", small=60, big=2 * MiB)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    got = results(start_nodes(src, dsts, init=False))
+    assert [r["nodes"] for r in got] == [3, 3, 3]
+    for d in dsts:
+        assert_same_tree(src, d)
+
+
+def test_one_process_is_a_plain_stage(tmp_path: Path) -> None:
+    src = build_tree(tmp_path / "src", small=50, big=2 * MiB)
+    r = fastload.stage(src, tmp_path / "a", fanout=True)
+    assert r.nodes == 1 and r.read_bytes is None and not r.skipped
+    assert_same_tree(src, tmp_path / "a")
+    assert fastload.stage(src, tmp_path / "a").skipped  # the manifest a plain stage writes
+    plain = fastload.stage(src, tmp_path / "b")
+    assert (r.files, r.bytes) == (plain.files, plain.bytes)

@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         "page cache, like cp and tar; it is read back and checked after a reboot)",
     )
     s.add_argument(
+        "--fanout",
+        action="store_true",
+        help="on a job over several nodes (run by every task, e.g. srun --ntasks-per-node=1 "
+        "fastload stage --fanout ...): the nodes read the source once in total and exchange "
+        "it over torch.distributed (gloo), each writing the whole copy to its own DST",
+    )
+    s.add_argument(
         "--repair",
         action="store_true",
         help="first re-read what an earlier stage put in DST (like 'fastload verify'), "
@@ -350,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=_want_progress(args),
                 storage_options=_storage_options(args),
                 repair=args.repair,
+                fanout=args.fanout,
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
@@ -360,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{human(r.copied_bytes)} in {r.seconds:.2f} s ({human(rate)}/s, "
                     f"engine {r.engine})"
                 )
+                if r.read_bytes is not None:
+                    print(
+                        f"{r.path}: fan-out over {r.nodes} nodes: this node read "
+                        f"{human(r.read_bytes)} of the source"
+                    )
             return 0
         if args.command == "verify":
             res = verify(

@@ -51,6 +51,7 @@ def resolve(
     progress: Progress = None,
     download: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    fanout: bool | Any = False,
 ) -> Path:
     """Finds a dataset, stages it to node-local disk, and returns the local path.
 
@@ -81,6 +82,9 @@ def resolve(
         download: ``False`` skips URL sources (a compute node without network access).
         storage_options: for ``s3://`` (``gs://``, ``az://``) sources, as in
             :func:`fastload.stage`.
+        fanout: as in :func:`fastload.stage`, for a dataset found on a file system: the
+            job's nodes read it once in total and exchange it (every process of the job
+            calls resolve() alike).
 
     Data already in the environment's ``tmpdir`` is returned where it is (with no
     ``destination``): it is node-local already.
@@ -169,6 +173,7 @@ def resolve(
             include=include,
             progress=progress,
             returns=spec.returns,
+            fanout=fanout,
         )
 
     what = f"dataset {name!r}" + (f" (split {split!r})" if split else "")
@@ -257,6 +262,7 @@ def _stage_found(
     include: Patterns,
     progress: Progress,
     returns: str | None,
+    fanout: bool | Any,
 ) -> Path:
     is_file = found.is_file()
     as_file = is_file and (unpack is False or archive_compression(found) is None)
@@ -272,6 +278,7 @@ def _stage_found(
         unpack=unpack if is_file else "auto",
         checksum=checksum,
         progress=progress,
+        fanout=fanout,
     )
     if returns is not None:
         return base / returns if returns else base

@@ -92,25 +92,37 @@ class Request:
 # --- the group ---------------------------------------------------------------
 
 
-def _slurm_first_host(nodelist: str) -> str:
+def _scontrol(*args: str) -> str:
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.split()
-        if out:
-            return out[0]
+        return subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """The address of the job's first node: the rendezvous of a group made from
+    SLURM's variables (its name, or its NodeAddr where the name does not resolve)."""
+    names = _scontrol("show", "hostnames", nodelist).split()
+    if names:
+        host = names[0]
+    else:
+        # "n[1-3,7],m2" -> "n1": the first name of a compressed list, without scontrol.
+        head = nodelist.split(",")[0]
+        if "[" in head:
+            prefix, rest = head.split("[", 1)
+            head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+        host = head
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
         pass
-    # "n[1-3,7],m2" -> "n1": the first name of a compressed list, without scontrol.
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        return prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    return head
+    for word in _scontrol("show", "node", host).split():
+        if word.startswith("NodeAddr="):
+            return word[len("NodeAddr=") :]
+    return host
 
 
 def _init_from_env(dist: Any, timeout: float) -> bool:

@@ -8,6 +8,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -44,6 +45,30 @@ class Source:
     path: Path
     files: int
     bytes: int
+
+
+# --- simulated network storage ----------------------------------------------------------
+
+NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+
+
+def netsim_unavailable() -> str | None:
+    """Why netsim (a latency-adding FUSE mount) cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "netsim needs root"
+    if not Path("/dev/fuse").exists():
+        return "netsim needs /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "netsim needs fusermount3 (apt-get install fuse3)"
+    if not NETSIM.exists():
+        return f"netsim not found at {NETSIM}"
+    return None
+
+
+def unmount_netsim(mnt: Path) -> None:
+    r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
+    if r.returncode != 0 and os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
 
 
 # --- page cache ------------------------------------------------------------------------

@@ -8,7 +8,6 @@ CI runs as a smoke test with ``--benchmark-disable``).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,10 +16,9 @@ from typing import Any, Callable
 
 import pytest
 
-from _harness import SCALES, Rounds, Scale, Source
+from _harness import NETSIM, SCALES, Rounds, Scale, Source, netsim_unavailable, unmount_netsim
 from data import imagenet_like_tree, keyed, large_files, tree_stats
 
-NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
 NETSIM_LATENCY_US = ("1000", "1000")  # per metadata request, per read request
 
 
@@ -120,24 +118,6 @@ def fresh(
 # --- simulated network storage ---------------------------------------------------------
 
 
-def _netsim_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "netsim needs root"
-    if not Path("/dev/fuse").exists():
-        return "netsim needs /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "netsim needs fusermount3 (apt-get install fuse3)"
-    if not NETSIM.exists():
-        return f"netsim not found at {NETSIM}"
-    return None
-
-
-def _unmount(mnt: Path) -> None:
-    r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
-    if r.returncode != 0 and os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
-
-
 @pytest.fixture(scope="session")
 def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], Path]]:
     """``mount(src) -> mnt``: ``src`` seen through the latency-adding FUSE file system
@@ -146,7 +126,7 @@ def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     mounts: dict[Path, Path] = {}
 
     def mount(src: Path) -> Path:
-        why = _netsim_unavailable()
+        why = netsim_unavailable()
         if why:
             pytest.skip(why)
         if src in mounts:
@@ -171,4 +151,4 @@ def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
     yield mount
     for mnt in mounts.values():
-        _unmount(mnt)
+        unmount_netsim(mnt)

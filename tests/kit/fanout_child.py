@@ -24,6 +24,8 @@ def main() -> int:
     p.add_argument("--init", action="store_true")
     p.add_argument("--nested", action="store_true")
     p.add_argument("--stripe", type=int, default=None)
+    p.add_argument("--include", default=None)
+    p.add_argument("--exclude", default=None)
     args = p.parse_args()
     dst = args.dst.replace("{node}", os.environ.get("SLURM_NODEID", "x"))
     if args.init:
@@ -37,6 +39,9 @@ def main() -> int:
     kwargs: dict[str, Any] = {"fanout": True, "progress": progress}
     if args.nested:
         kwargs["unpack"] = "nested"
+    for name in ("include", "exclude"):
+        if getattr(args, name):
+            kwargs[name] = getattr(args, name)
     if args.stripe:
         kwargs["stripe_size"] = args.stripe
     try:

@@ -311,3 +311,54 @@ def test_one_process_is_a_plain_stage(tmp_path: Path) -> None:
     assert fastload.stage(src, tmp_path / "a").skipped  # the manifest a plain stage writes
     plain = fastload.stage(src, tmp_path / "b")
     assert (r.files, r.bytes) == (plain.files, plain.bytes)
+
+
+def test_a_node_that_hangs_is_named_within_the_timeout(tmp_path: Path) -> None:
+    src = build_tree(tmp_path / "src", small=400, big=24 * MiB)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    env = {"FASTLOAD_FANOUT_TIMEOUT": "5", "FASTLOAD_FANOUT_ROUND": str(64 << 10)}
+    procs = start_nodes(src, dsts, env=env)
+    assert procs[1].stdout is not None
+    for line in procs[1].stdout:
+        if json.loads(line).get("progress", 0) > 0:
+            break
+    procs[1].send_signal(signal.SIGSTOP)  # alive, silent
+    try:
+        t0 = time.monotonic()
+        failed = [outcome(p, timeout=120) for p in (procs[0], procs[2])]
+        waited = time.monotonic() - t0
+    finally:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].communicate()
+    for f in failed:
+        assert f["error"]["type"] == "FanoutError", f
+        assert "node 1" in f["error"]["message"], f
+    assert waited < 60
+
+
+def test_a_node_with_a_complete_copy_serves_the_others(
+    tmp_path: Path, netsim: Callable[..., Mount]
+) -> None:
+    """Node 0 already holds the data: the others get it from node 0's disk, and the store
+    serves nothing."""
+    src = build_tree(tmp_path / "src", small=200, big=8 * MiB)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    fastload.stage(src, dsts[0])
+    store = netsim(src, 100, 100, direct=True)
+    got = results(start_nodes(store.path, dsts))
+    served = store.unmount()["read_bytes"]
+    for d in dsts:
+        assert_same_tree(src, d)
+    assert served == 0
+    assert got[0]["copied_files"] == 0 and got[1]["copied_bytes"] == data_bytes(src)
+
+
+def test_include_exclude(tmp_path: Path) -> None:
+    src = build_tree(tmp_path / "src", small=100, big=2 * MiB)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(2)]
+    args = ("--include", "small/dir000/*", "--exclude", "*5.dat")
+    results(start_nodes(src, dsts, args=args))
+    want = fastload.stage(src, tmp_path / "plain", include="small/dir000/*", exclude="*5.dat")
+    for d in dsts:
+        assert_same_tree(tmp_path / "plain", d)
+    assert want.files == sum(1 for p in dsts[0].rglob("*") if p.is_file())

@@ -2,13 +2,15 @@
 rounds where each contributes one buffer and receives everyone's (an all_gather over a
 gloo group of torch.distributed: TCP, no MPI, no GPU needed).
 
-A round is two collectives: a header (status and length of each node's buffer), then the
-buffers padded to the longest. A node that fails on its own (a full disk, a corrupt
-archive) sends its error as its buffer with an ``ABORT`` status, so the others stop at the
-same round with that node's message. A node that dies, or hangs, cannot say so: the
-others' collective fails (the connection closes) or times out, and then a heartbeat that
-every leader keeps in a small key-value store (torch's TCPStore, served by node 0) names
-it: its count stopped moving, or it reports that it finished or failed.
+Every leader keeps a heartbeat and a status in a small key-value store (torch's
+TCPStore, served by node 0). While a leader waits (in a round, or at a :meth:`sync`
+point before one, while others list, plan or set up), it watches them: a node that
+reports a failure (a full disk, a corrupt archive) stops the others at once with that
+node's message; a node whose heartbeat stops for the timeout (its process died or
+hangs) is named; a round's connection that breaks is explained the same way. Work of
+unequal length (listing, planning) happens before a :meth:`sync`, never inside a
+collective, so the gloo group's own timeout is the round timeout: a process never waits
+longer than that on a peer that is gone, not even at exit.
 
 torch is imported here, lazily, only when a stage is fanned out across nodes.
 """
@@ -28,10 +30,14 @@ from typing import Any
 
 from ..errors import StageError
 
-OK, DONE, ABORT = 0, 1, 2
+OK, DONE = 0, 1
 
 HEARTBEAT_EVERY = 0.5  # seconds between a leader's heartbeats
-DEFAULT_TIMEOUT = 300.0  # seconds a round may wait for the slowest node
+WATCH_EVERY = 0.25  # seconds between looks at the others while waiting
+LINGER = 10.0  # seconds node 0 waits, after a failure, for the others to hear of it
+# Seconds a node may go without a heartbeat, or a round wait for the slowest node,
+# before the others stop (FASTLOAD_FANOUT_TIMEOUT).
+DEFAULT_TIMEOUT = 300.0
 
 
 class FanoutError(StageError):
@@ -73,12 +79,16 @@ class Exchange:
         self.hosts = list(hosts)
         self.what = what
         self.timeout = timeout
+        # A node whose heartbeat stands still this long counts as gone (before a round
+        # times out, so that it is the one named).
+        self.silence = max(3.0, timeout / 2)
         self.round = 0
         self._failed = False
         self._store: Any = None
         self._beat: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats: dict[int, tuple[int, float]] = {}  # node -> last count, when it moved
         self._start_heartbeat()
 
     # --- the heartbeat --------------------------------------------------------
@@ -115,32 +125,80 @@ class Exchange:
         with contextlib.suppress(Exception):
             self._store.set(f"st/{self.node}", status)
 
-    def _diagnose(self, cause: BaseException | None) -> FanoutError:
-        """Which node stopped answering: the heartbeat counts of the others, read twice
-        a few beats apart, and what each reported."""
-        detail = f" ({str(cause).splitlines()[0][:300]})" if cause is not None else ""
+    def _peers(self) -> tuple[dict[int, int], dict[int, str]]:
+        """The others' heartbeat counts and statuses (raises where node 0 is gone)."""
+        beats = {i: int(self._store.add(f"hb/{i}", 0)) for i in range(self.nodes)}
+        said = {}
+        for i in range(self.nodes):
+            if i != self.node and self._store.check([f"st/{i}"]):
+                said[i] = self._store.get(f"st/{i}").decode("utf-8", "replace")
+        return beats, said
+
+    def _watch(self, waiting_for: set[int], started: float) -> None:
+        """Raises if a node failed, or one of ``waiting_for``, or its heartbeat stood
+        still for the timeout."""
+        if self._store is None:
+            return  # the store is not up yet (its address is being sent)
         try:
-            first = {i: self._store.add(f"hb/{i}", 0) for i in range(self.nodes)}
-            time.sleep(4 * HEARTBEAT_EVERY)
-            second = {i: self._store.add(f"hb/{i}", 0) for i in range(self.nodes)}
-            said = {}
-            for i in range(self.nodes):
-                if self._store.check([f"st/{i}"]):
-                    said[i] = self._store.get(f"st/{i}").decode("utf-8", "replace")
-        except Exception:
-            if self.node != 0:
-                return self._error(
-                    [0], "stopped answering (its process died, or its host is unreachable; "
-                    "it also served the exchange's heartbeat)", detail,
-                )  # fmt: skip
-            return self._error([], "lost its peers", detail)
+            beats, said = self._peers()
+        except Exception as e:
+            raise self._store_lost(e) from None
+        now = time.monotonic()
+        if (err := self._reported(said)) is not None:
+            raise err
+        for i, n in beats.items():
+            if self._beats.get(i, (None, 0.0))[0] != n:
+                self._beats[i] = (n, now)
+        stale = [
+            i for i in sorted(waiting_for)
+            if now - max(self._beats.get(i, (0, started))[1], started) > self.silence
+        ]  # fmt: skip
+        if stale:
+            self._failed = True
+            raise self._error(stale, "stopped answering (its process died or hangs)", "")
+
+    def _reported(self, said: dict[int, str]) -> FanoutError | None:
+        """The error a node reported: its own failure first, else one it saw."""
         for i, text in said.items():
-            if i != self.node and text.startswith("failed:"):
-                return fanout_error(
-                    f"fan-out staging of '{self.what}' failed on node {i} "
-                    f"({self.hosts[i]}): {text[len('failed:') :].strip()}",
-                    self.what,
-                )
+            if text.startswith("failed:"):
+                return self._failed_on(i, text)
+        for text in said.values():
+            if text.startswith("relay:"):
+                self._failed = True
+                return fanout_error(text[len("relay:") :].strip(), self.what)
+        return None
+
+    def _failed_on(self, i: int, text: str) -> FanoutError:
+        self._failed = True
+        return fanout_error(
+            f"fan-out staging of '{self.what}' failed on node {i} ({self.hosts[i]}): "
+            f"{text[len('failed:') :].strip()}",
+            self.what,
+        )
+
+    def _store_lost(self, cause: BaseException) -> FanoutError:
+        self._failed = True
+        detail = f" ({str(cause).splitlines()[0][:200]})"
+        if self.node != 0:
+            return self._error(
+                [0], "stopped answering (its process died, or its host is unreachable; "
+                "it also served the exchange's heartbeat)", detail,
+            )  # fmt: skip
+        return self._error([], "lost its peers", detail)
+
+    def _diagnose(self, cause: BaseException) -> FanoutError:
+        """A round's connection broke: which node stopped answering (its heartbeat, read
+        twice a few beats apart, and what it reported)."""
+        self._failed = True
+        detail = f" ({str(cause).splitlines()[0][:300]})"
+        try:
+            first, _ = self._peers()
+            time.sleep(4 * HEARTBEAT_EVERY)
+            second, said = self._peers()
+        except Exception as e:
+            return self._store_lost(e)
+        if (err := self._reported(said)) is not None:
+            return err
         dead = [
             i
             for i in range(self.nodes)
@@ -148,11 +206,6 @@ class Exchange:
         ]
         if dead:
             return self._error(dead, "stopped answering (its process died or hangs)", detail)
-        behind = self._laggards()
-        if behind:
-            return self._error(
-                behind, f"did not reach round {self.round} within {self.timeout:g} s", detail
-            )
         return self._error([], "lost its peers", detail)
 
     def _laggards(self) -> list[int]:
@@ -179,15 +232,50 @@ class Exchange:
     # --- collectives ----------------------------------------------------------
 
     def _wait(self, work: Any) -> None:
+        """Waits for a collective, watching the others meanwhile."""
+        started = time.monotonic()
+        nap, next_watch = 0.0002, started + WATCH_EVERY
+        while not work.is_completed():
+            time.sleep(nap)
+            nap = min(nap * 2, 0.02)
+            now = time.monotonic()
+            if now >= next_watch:
+                next_watch = now + WATCH_EVERY
+                self._watch(set(range(self.nodes)) - {self.node}, started)
+                if now - started > self.timeout:
+                    behind = self._laggards()
+                    self._failed = True
+                    raise self._error(
+                        behind, f"did not reach round {self.round} within {self.timeout:g} s", ""
+                    )
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            work.wait()
         except Exception as e:
-            self._failed = True
             raise self._diagnose(e) from None
 
+    def sync(self, name: str) -> None:
+        """Waits until every node has reached this point, however long their work before
+        it takes, as long as they are alive (see :meth:`_watch`)."""
+        if self.nodes == 1:
+            return
+        started = time.monotonic()
+        try:
+            self._store.set(f"sync/{name}/{self.node}", "1")
+        except Exception as e:
+            raise self._store_lost(e) from None
+        missing = set(range(self.nodes)) - {self.node}
+        while True:
+            try:
+                missing = {i for i in missing if not self._store.check([f"sync/{name}/{i}"])}
+            except Exception as e:
+                raise self._store_lost(e) from None
+            if not missing:
+                return
+            self._watch(missing, started)
+            time.sleep(WATCH_EVERY)
+
     def broadcast_object(self, objs: list[Any]) -> None:
-        """``objs`` from node 0 to every node, in place (long waits allowed: node 0 may
-        be listing a large tree meanwhile)."""
+        """``objs`` from node 0 to every node, in place."""
         if self.nodes == 1:
             return
         torch = self._torch
@@ -207,14 +295,7 @@ class Exchange:
             objs[:] = pickle.loads(buf.numpy().tobytes())
 
     def _collective_broadcast(self, t: Any) -> None:
-        try:
-            work = self._dist.broadcast(t, group_src=0, group=self._group, async_op=True)
-            # Listing a large tree on node 0 can take long: waits here are not bounded by
-            # the round timeout, only by the group's own.
-            work.wait()
-        except Exception as e:
-            self._failed = True
-            raise self._diagnose(e) from None
+        self._wait(self._dist.broadcast(t, group_src=0, group=self._group, async_op=True))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -229,7 +310,7 @@ class Exchange:
         headers = [torch.empty(2, dtype=torch.int64) for _ in range(self.nodes)]
         self.round += 1
         with contextlib.suppress(Exception):
-            self._store.set(f"rd/{self.node}", str(self.round))
+            self._store.add(f"rd/{self.node}", 1)
         self._wait(self._dist.all_gather(headers, header, group=self._group, async_op=True))
         lens = [int(h[1]) for h in headers]
         longest = max(lens)
@@ -240,26 +321,34 @@ class Exchange:
                 payload = bytearray(payload)  # torch wants a writable buffer
             mine[:n] = torch.frombuffer(payload, dtype=torch.uint8)
         self._wait(self._dist.all_gather(out, mine, group=self._group, async_op=True))
-        views = [memoryview(o.numpy())[:k] for o, k in zip(out, lens, strict=True)]
-        for i, h in enumerate(headers):
-            if int(h[0]) == ABORT and i != self.node:
-                self._failed = True
-                raise fanout_error(
-                    f"fan-out staging of '{self.what}' failed on node {i} ({self.hosts[i]}): "
-                    f"{bytes(views[i]).decode('utf-8', 'replace')}",
-                    self.what,
-                )
-        return views
+        return [memoryview(o.numpy())[:k] for o, k in zip(out, lens, strict=True)]
 
     def abort(self, error: BaseException) -> None:
-        """Tells the others that this node failed (best effort: they may be gone)."""
-        text = str(error) or type(error).__name__
-        self._say(f"failed: {text}")
-        if self._failed:
-            return
+        """Tells the others that this node failed (or what it saw fail): they stop
+        within a moment, wherever they wait, with that message. Node 0, which serves the
+        store, stays until the others have read it (a few seconds at most)."""
         self._failed = True
-        with contextlib.suppress(Exception):
-            self.round_trip(text.encode("utf-8", "replace")[:4096], ABORT)
+        text = str(error) or type(error).__name__
+        self._say(f"relay: {text}" if isinstance(error, FanoutError) else f"failed: {text}")
+        if self.node != 0:
+            return
+        deadline = time.monotonic() + LINGER
+        while time.monotonic() < deadline:
+            try:
+                beats, said = self._peers()
+            except Exception:
+                return
+            now = time.monotonic()
+            for i, n in beats.items():
+                if self._beats.get(i, (None, 0.0))[0] != n:
+                    self._beats[i] = (n, now)
+            waiting = [
+                i for i in range(1, self.nodes)
+                if i not in said and now - self._beats.get(i, (0, now))[1] < 3.0
+            ]  # fmt: skip
+            if not waiting:
+                return
+            time.sleep(WATCH_EVERY)
 
     def close(self, ok: bool) -> None:
         if ok:
@@ -271,3 +360,6 @@ class Exchange:
             # Node 0 serves the store: it leaves last, when everyone said it is done.
             with contextlib.suppress(Exception):
                 self.round_trip(b"", DONE)
+        with contextlib.suppress(Exception):
+            if ok and not self._failed:
+                self._dist.destroy_process_group(self._group)

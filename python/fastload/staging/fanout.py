@@ -210,8 +210,10 @@ def _stage_in_group(dist: Any, group: Any, req: Request, timeout: float) -> Stag
     me_leader = leaders[everyone[rank][0]] == rank
     # Global ranks of the leaders (new_group wants ranks of the default group).
     ranks = [dist.get_global_rank(group, r) if group is not None else r for r in order]
+    # The group's own timeout is the round timeout: work of unequal length happens
+    # between rounds (Exchange.sync), so no process waits longer on a peer that is gone.
     leader_group = dist.new_group(
-        ranks, backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1800.0))
+        ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout)
     )
     if len(order) == 1:
         # One node: its processes share the node lock as in a plain stage.
@@ -572,6 +574,7 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
             ]
         except (OSError, StageError) as e:
             listing = [("error", str(e), 0)]
+    x.sync("listed")
     x.broadcast_object(listing)
     status, entries, round_bytes = listing[0]
     if status != "ok":
@@ -589,6 +592,7 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
     have_me = {index[p] for p in plan.done if p in index}
     if need_me:
         check_space(req.dst.parent, space_needed(plan, req.dst.parent), req.dst)
+    x.sync("planned")
     gathered = x.all_gather_object((_bits(need_me, nfiles), _bits(have_me, nfiles)))
     need = [_unbits(a, nfiles) for a, _ in gathered]
     have = [_unbits(b, nfiles) for _, b in gathered]
@@ -737,12 +741,21 @@ class _ExchangeReader:
         self._rounds = -(-size // (PIECE * x.nodes))
         self._round = 0
         self._skip_to = 0
+        self._synced = False
+
+    def _start(self) -> None:
+        # The extraction's set-up (reading back an earlier copy, say) takes as long as
+        # it takes on each node: the rounds start once every node is ready.
+        if not self._synced:
+            self._synced = True
+            self._x.sync("extracting")
 
     def seek(self, offset: int) -> None:
         self._skip_to = offset  # the bytes before it still travel; they are not fed
 
     def __iter__(self) -> Iterator[tuple[int, int, int, memoryview]]:
         block = self._job.block_size
+        self._start()
         while self._round < self._rounds:
             r = self._round
             views = self._x.round_trip(self._pieces.next())
@@ -772,6 +785,7 @@ class _ExchangeReader:
     def pump(self) -> None:
         """Takes part in the remaining rounds without extracting (this node's copy is
         complete, or its extraction ended early)."""
+        self._start()
         while self._round < self._rounds:
             self._x.round_trip(self._pieces.next())
             self._round += 1
@@ -817,6 +831,7 @@ def _fan_archive(x: Exchange, req: Request) -> StageResult:
         and old.get("fingerprint") == fingerprint
         and req.dst.is_dir()
     )
+    x.sync("checked")
     sizes = x.all_gather_object((complete, base.size, base.identity))
     if len({(s, i) for _, s, i in sizes}) != 1:
         raise fanout_error(
@@ -834,8 +849,12 @@ def _fan_archive(x: Exchange, req: Request) -> StageResult:
         else:
             source = _ExchangeArchive(base, x, pieces)
             result = req.locked(source=source)
-            if source.reader_made is not None:
-                source.reader_made.pump()  # rounds left after the end of the tar stream
+            # Rounds left after the end of the tar stream (or all of them, where the
+            # extraction found nothing to do).
+            reader = source.reader_made or _ExchangeReader(
+                x, pieces, base.size, base.name, None, None
+            )
+            reader.pump()
     finally:
         pieces.close()
     return dataclasses.replace(

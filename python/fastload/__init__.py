@@ -35,7 +35,7 @@ fastload.__main__
 fastload.cli | fastload.torchvision
 fastload.data | fastload.packing | fastload.probing
 fastload.env
-fastload.staging
+fastload.staging | fastload.cache
 fastload.sources | fastload.index
 fastload._util
 fastload.errors

@@ -8,9 +8,12 @@ from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
+from ..cache import is_remote
 from ..index import ShardIndex
+from ..sources.objstore import StorageOptions
 from ._fetch import Source, check_access, check_fields, fetch, index_of
-from .collate import fetch_packed
+from ._remote import FETCH, RemoteReader, open_remote
+from .collate import collate, fetch_packed
 
 __all__ = ["ShardIndexDataset"]
 
@@ -40,6 +43,19 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
     apply to packed batches (decode them after the DataLoader, or in a ``collate_fn``
     wrapping ``fastload.collate``).
 
+    **Object storage.** ``source`` may name shards in a bucket: ``"s3://bucket/train-
+    {000000..000999}.tar"`` (braces, globs, a prefix ending in ``/``, a list of URLs;
+    ``gs://`` and ``az://`` too; ``storage_options`` as for :func:`fastload.stage`).
+    Shards are read through a node-local cache (``cache_dir``, default the environment's
+    ``tmpdir``/``cache``) holding at most ``cache_limit`` bytes (an int or ``"50GB"``;
+    ``None``: no limit): each shard is downloaded whole, once per node whichever process
+    asks first, and evicted least recently used first, never while a process reads it
+    (see :mod:`fastload.cache`). The index comes from ``index.fidx`` beside the shards
+    (what ``pack`` writes) when it describes them, else it is built once from the
+    shards' headers and kept in the cache. ``fetch="range"`` reads each sample with one
+    ranged GET instead of downloading its shard (sparse access); values are then
+    ``bytes``. Samples and their positions are those of the same shards read locally.
+
     Pickling carries the index's path, not its mapping: every ``DataLoader`` worker
     (fork or spawn) reopens the index on first use. Payloads pickle as ``bytes``.
     """
@@ -53,14 +69,27 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         copy: bool = False,
         access: str = "mmap",
         packed: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: StorageOptions | None = None,
+        fetch: str = "shard",
     ) -> None:
         check_access(access)
+        if fetch not in FETCH:
+            raise ValueError(f"fetch must be 'shard' or 'range', not {fetch!r}")
         if packed and (transform is not None or copy):
             raise ValueError(
                 "packed=True returns PackedBatches: transform and copy apply to dicts only "
                 "(transform the packed batch in a collate_fn instead)"
             )
-        index = index_of(source)
+        self._remote: RemoteReader | None = None
+        if is_remote(source):
+            assert isinstance(source, (str, list, tuple))
+            self._remote = open_remote(source, cache_dir, cache_limit, storage_options)
+            index = self._remote.get()
+        else:
+            index = index_of(source)
+        self.fetch = fetch
         fields = check_fields(index, fields)
         self._index: ShardIndex | None = index
         self._pid = os.getpid()
@@ -75,6 +104,8 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
     @property
     def index(self) -> ShardIndex:
         """The index, (re)opened in this process on first use."""
+        if self._remote is not None:
+            return self._remote.get()
         if self._index is None or self._pid != os.getpid():
             # After fork() the parent's native state (its I/O engine's threads) is not
             # ours; the index is reopened, which is cheap (one mmap, one checksum).
@@ -85,14 +116,26 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
     def __len__(self) -> int:
         return self._len
 
+    def _read(self, indices: Sequence[int]) -> list[Any]:
+        if self._remote is None:
+            return fetch(self.index, indices, self.fields, self.copy, self.access)
+        if self.fetch == "range":
+            return self._remote.read_ranges(indices, self.fields)
+        fields, copy, access = self.fields, self.copy, self.access
+        return self._remote.read(
+            indices, lambda ix, ids: fetch(ix, ids, fields, copy, access)
+        )
+
     def __getitem__(self, i: int) -> Any:
-        sample = fetch(self.index, [i], self.fields, self.copy, self.access)[0]
+        sample = self._read([i])[0]
         return sample if self.transform is None else self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         if self.packed:
-            return fetch_packed(self.index, indices, self.fields, self.access)
-        batch = fetch(self.index, indices, self.fields, self.copy, self.access)
+            if self._remote is None:
+                return fetch_packed(self.index, indices, self.fields, self.access)
+            return collate(self._read(indices), fields=self.fields)
+        batch = self._read(indices)
         if self.transform is not None:
             t = self.transform
             batch = [t(s) for s in batch]
@@ -109,6 +152,8 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.setdefault("packed", False)
+        self.__dict__.setdefault("_remote", None)
+        self.__dict__.setdefault("fetch", "shard")
         self.__dict__.update(state)
 
     def __repr__(self) -> str:

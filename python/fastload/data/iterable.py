@@ -19,10 +19,14 @@ from typing import Any, Callable, Union
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..cache import is_remote
 from ..env.world import World, world
 from ..index import ShardIndex
+from ..sources.objstore import StorageOptions
 from . import partition
 from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
+from ._prefetch import Prefetcher
+from ._remote import RemoteReader, open_remote
 from .collate import collate as _collate
 from .collate import fetch_packed, finish
 from .partition import Intervals
@@ -179,6 +183,14 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
       as above. Loading every rank's state also works with the same world size.
 
     A state is plain ints and lists. The next epoch is again a fresh one.
+
+    **Object storage.** ``source`` may name shards in a bucket (``"s3://bucket/train-
+    {000000..000999}.tar"``, globs, a prefix ending in ``/``, a list of URLs), read
+    through the node-local cache (``cache_dir``, ``cache_limit``, ``storage_options``: as
+    for :class:`~fastload.ShardIndexDataset`). Each reader knows its shards in the order
+    it will read them, and downloads the next ones ahead in a background thread while
+    the cache has room (``prefetch`` shards at most; 0: none). Samples, order, split and
+    resume are those of the same shards read locally.
     """
 
     def __init__(
@@ -197,8 +209,14 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         copy: bool = False,
         access: str = "mmap",
         num_workers: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: StorageOptions | None = None,
+        prefetch: int = 2,
     ) -> None:
         check_access(access)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative integer, not {prefetch!r}")
         if num_workers is not None and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
@@ -221,7 +239,14 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
             raise ValueError(f"batch_size must be an integer, not {batch_size!r}")
         if collate_fn is not None and batch_size is None:
             raise ValueError("collate_fn needs batch_size (the DataLoader collates single samples)")
-        index = index_of(source)
+        self._remote: RemoteReader | None = None
+        if is_remote(source):
+            assert isinstance(source, (str, list, tuple))
+            self._remote = open_remote(source, cache_dir, cache_limit, storage_options)
+            index = self._remote.get()
+        else:
+            index = index_of(source)
+        self.prefetch = prefetch
         self.fields: list[str] | None = check_fields(index, fields)
         self._index = LocalIndex(index)
         self._counts = np.array([s.samples for s in index.shards], dtype=np.int64)
@@ -247,7 +272,7 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
     @property
     def index(self) -> ShardIndex:
         """The index, (re)opened in this process on first use."""
-        return self._index.get()
+        return self._index.get() if self._remote is None else self._remote.get()
 
     @property
     def epoch(self) -> int:
@@ -364,7 +389,6 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         if self._run is run:
             self._resume = None
             self._epoch = run.epoch + 1
-        index = self._index.get()
         order = EpochOrder(
             self._counts, seed=self.seed, epoch=run.epoch, shuffle=self.shuffle,
             block=self.shuffle_block,
@@ -372,6 +396,11 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         fields, copy, access, transform = self.fields, self.copy, self.access, self.transform
         unit = self._unit
         chunks = _rechunk(order.take(run.positions), unit if unit > 1 else _CHUNK)
+        remote = self._remote
+        if remote is not None:
+            yield from self._generate_remote(run, remote, order)
+            return
+        index = self._index.get()
 
         def read(ids: np.ndarray) -> list[Any]:
             return fetch(index, ids.tolist(), fields, copy, access)
@@ -401,6 +430,55 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                 yield batch if collate is None else collate(batch)
         else:
             yield from self._sized_batches(run, chunks, read)
+
+    def _generate_remote(self, run: _Run, remote: RemoteReader, order: EpochOrder
+                         ) -> Iterator[Any]:
+        """The epoch over remote shards: as for local ones, each read with its shard
+        pinned, the next shards of this reader downloaded ahead meanwhile."""
+        fields, copy, access, transform = self.fields, self.copy, self.access, self.transform
+        unit = self._unit
+        ids_all = [ids for ids in order.take(run.positions)]
+        flat = np.concatenate(ids_all) if ids_all else np.empty(0, dtype=np.int64)
+        seq = remote.shard_of(flat)
+        # This reader's shards in the order it reads them (first appearance).
+        shard_order = list(dict.fromkeys(seq.tolist())) if len(seq) else []
+        ahead = Prefetcher(remote.shards, shard_order, self.prefetch)
+        chunks = _rechunk(iter(ids_all), unit if unit > 1 else _CHUNK)
+
+        def read(ids: np.ndarray) -> list[Any]:
+            ahead.reading(int(remote.shard_of(ids[-1:])[0]))
+            return remote.read(ids.tolist(), lambda ix, part: fetch(ix, part, fields, copy,
+                                                                    access))
+
+        try:
+            if self.batch_size is None:
+                for ids in chunks:
+                    for s in read(ids):
+                        run.done += 1
+                        yield s if transform is None else transform(s)
+            elif self.batch_by is None:
+                collate = self.collate_fn
+                packed = _packed_fetch(collate, fields, access) if transform is None else None
+                for ids in chunks:
+                    if packed is not None:
+                        ahead.reading(int(remote.shard_of(ids[-1:])[0]))
+                        out = remote.read_one_shard(ids.tolist(), packed)
+                        if out is None:  # the batch spans shards: pack what was read
+                            assert collate is not None
+                            out = collate(read(ids))
+                        run.done += len(out)
+                        yield out
+                        continue
+                    batch = read(ids)
+                    if transform is not None:
+                        batch = [transform(s) for s in batch]
+                    run.done += len(batch)
+                    yield batch if collate is None else collate(batch)
+            else:
+                yield from self._sized_batches(run, chunks, read)
+        finally:
+            ahead.stop()
+            remote.release()
 
     def _sized_batches(
         self, run: _Run, chunks: Iterator[np.ndarray], read: Callable[[np.ndarray], list[Any]]
@@ -537,6 +615,8 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.setdefault("_remote", None)
+        self.__dict__.setdefault("prefetch", 2)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:

@@ -1,0 +1,343 @@
+"""RemoteShards: tar shards in an object store (``s3://``, ``gs://``, ``az://``) read
+through the node-local :class:`~fastload.cache.store.ShardCache`.
+
+The shards a source names (braces, globs, a prefix ending in ``/``, a list of URLs) are
+listed once (size and ETag of each). Their index is, in this order: an index object
+beside the shards (``index.fidx``, what ``pack`` writes) that describes exactly these
+shards and is newer than all of them; an index built earlier for the same ETags (kept
+in the cache's ``views/``); else one built now from the shards' tar headers (each shard
+passes through the cache once: a sparse copy of its headers is what gets indexed).
+
+The index lives in a *view*: ``views/<hash of URLs and ETags>/`` holds the index file
+and, at the paths the index records, symbolic links to the cache entries of those
+versions. The native reader opens shards through the links, so the datasets read
+remote shards with the same native fetch as local ones; a shard is read only while
+pinned (:meth:`RemoteShards.pinned`), which downloads it first when it is not cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import glob
+import hashlib
+import os
+import shutil
+import tarfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .. import _core
+from .._util import node_lock
+from ..errors import IndexFormatError, SourceChangedError, stage_error
+from ..index import ShardIndex, expand_braces
+from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
+from . import _fetchd
+from .store import CacheEntry, Pin, ShardCache, store_fetcher
+
+__all__ = ["INDEX_OBJECT", "RemoteShards", "is_remote"]
+
+#: The index object ``pack`` writes beside the shards.
+INDEX_OBJECT = "index.fidx"
+_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4")
+#: Shards indexed at once when there is no index object.
+_INDEX_IN_FLIGHT = 4
+
+
+def is_remote(source: object) -> bool:
+    """Whether a dataset source names object-store shards."""
+    if isinstance(source, str):
+        return is_object_url(source)
+    if isinstance(source, (list, tuple)) and source:
+        return all(isinstance(s, str) and is_object_url(s) for s in source)
+    return False
+
+
+def _dir_of(url: str) -> str:
+    return url.rsplit("/", 1)[0] + "/"
+
+
+class RemoteShards:
+    """The shards of ``source`` (a URL pattern or a list of URLs) read through ``cache``."""
+
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        cache: ShardCache,
+        storage_options: StorageOptions | None = None,
+    ) -> None:
+        self.cache = cache
+        self.storage_options = dict(storage_options or {})
+        self._stores: dict[str, ObjectStore] = {}
+        self._pid = os.getpid()
+        listed = self._expand(source)
+        self.urls = [u for u, _ in listed]
+        self.entries = [CacheEntry(u, i.etag, i.size) for u, i in listed]
+        biggest = max(self.entries, key=lambda e: e.size)
+        cache.check_fits(biggest.size, biggest.url)
+        self._index_info = self._listing_index(listed)
+
+    # --- pickling: the stores are per process --------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_stores"] = {}
+        return state
+
+    def store(self, url: str) -> ObjectStore:
+        """The client for the bucket of ``url`` (made again after fork: a client's
+        runtime does not survive it)."""
+        if self._pid != os.getpid():
+            self._stores, self._pid = {}, os.getpid()
+        scheme, bucket, _ = split_url(url)
+        root = f"{scheme}://{bucket}/"
+        if root not in self._stores:
+            self._stores[root] = ObjectStore(root, self.storage_options)
+        return self._stores[root]
+
+    @staticmethod
+    def _key(url: str) -> str:
+        return split_url(url)[2]
+
+    # --- listing -------------------------------------------------------------------------
+
+    def _list_dir(self, dir_url: str, cache: dict[str, dict[str, ObjectInfo]]
+                  ) -> dict[str, ObjectInfo]:
+        """Every object under ``dir_url`` by its full URL (one listing per folder)."""
+        if dir_url not in cache:
+            store = ObjectStore(dir_url, self.storage_options)
+            cache[dir_url] = {dir_url + o.key: o for o in store.list()}
+        return cache[dir_url]
+
+    def _expand(self, source: str | Sequence[str]) -> list[tuple[str, ObjectInfo]]:
+        names = expand_braces(source) if isinstance(source, str) else [str(s) for s in source]
+        if not names:
+            raise ValueError("no shards given")
+        listings: dict[str, dict[str, ObjectInfo]] = {}
+        out: list[tuple[str, ObjectInfo]] = []
+        for name in names:
+            if name.endswith("/"):  # a prefix: its tar objects (not those of sub-prefixes)
+                found = sorted(
+                    (u, i) for u, i in self._list_dir(name, listings).items()
+                    if "/" not in u[len(name):] and u.endswith(_SHARD_SUFFIXES)
+                )
+                if not found:
+                    raise FileNotFoundError(f"no tar shards (*.tar) under '{name}'")
+                out += found
+            elif glob.has_magic(split_url(name)[2]):
+                star = min(name.find(c) for c in "*?[" if c in name)
+                listed = self._list_dir(_dir_of(name[:star]), listings)
+                found = sorted((u, i) for u, i in listed.items() if fnmatch.fnmatchcase(u, name))
+                if not found:
+                    raise FileNotFoundError(f"no shards match '{name}'")
+                out += found
+            else:
+                info = self._list_dir(_dir_of(name), listings).get(name)
+                if info is None:
+                    raise stage_error(errno.ENOENT, f"'{name}': no such object", name)
+                out.append((name, info))
+        self._listings = listings
+        return out
+
+    def _listing_index(self, listed: list[tuple[str, ObjectInfo]]) -> ObjectInfo | None:
+        """The index object beside the shards, if they share a folder and it is newer
+        than every shard (an index written before a shard is stale)."""
+        dirs = {_dir_of(u) for u, _ in listed}
+        if len(dirs) != 1:
+            return None
+        d = dirs.pop()
+        info = self._listings.get(d, {}).get(d + INDEX_OBJECT)
+        if info is None or info.mtime_ns < max(i.mtime_ns for _, i in listed):
+            return None
+        return info
+
+    # --- the index -----------------------------------------------------------------------
+
+    def _view_key(self) -> str:
+        h = hashlib.sha256()
+        for e in self.entries:
+            h.update(f"{e.url}\0{e.etag}\0{e.size}\n".encode())
+        return h.hexdigest()[:24]
+
+    def _stored(self) -> list[str]:
+        """The shard paths the index records, relative to the view: the keys relative
+        to the shards' common folder."""
+        common = os.path.commonpath([self._key(u) for u in self.urls]) if len(self.urls) > 1 \
+            else os.path.dirname(self._key(self.urls[0]))
+        base = f"{common}/" if common else ""
+        return [self._key(u)[len(base):] if self._key(u).startswith(base) else self._key(u)
+                for u in self.urls]
+
+    def index(self) -> ShardIndex:
+        """The index of these shards (from the index object, kept, or built now: once
+        per node, the other processes wait and open it)."""
+        view = self.cache.root / "views" / self._view_key()
+        path = view / "index.fidx"
+        with contextlib.suppress(FileNotFoundError, IndexFormatError):
+            return ShardIndex.open(path, check=False)
+        view.mkdir(parents=True, exist_ok=True)
+        with node_lock(path):
+            with contextlib.suppress(FileNotFoundError, IndexFormatError):
+                return ShardIndex.open(path, check=False)
+            stored = self._stored()
+            if not (self._index_info is not None and self._fetch_index_object(path)):
+                self._build(path, stored)
+            self._link(view, stored)
+            return ShardIndex.open(path, check=False)
+
+    def _fetch_index_object(self, dest: Path) -> bool:
+        """Downloads the index object to ``dest`` when it describes exactly these shards
+        (paths and sizes); False otherwise."""
+        url = _dir_of(self.urls[0]) + INDEX_OBJECT
+        info = self._index_info
+        assert info is not None
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        try:
+            data = self.store(url).get(self._key(url), info.etag)
+            tmp.write_bytes(data)
+            native = _core.Index(os.fspath(tmp), check_shards=False)
+            got = [native.shard(i) for i in range(native.shard_count)]
+            del native
+        except (IndexFormatError, FileNotFoundError, SourceChangedError):
+            tmp.unlink(missing_ok=True)
+            return False
+        names = [os.path.basename(self._key(u)) for u in self.urls]
+        if [g[0] for g in got] != names or [g[2] for g in got] != [e.size for e in self.entries]:
+            tmp.unlink(missing_ok=True)
+            return False
+        os.replace(tmp, dest)
+        return True
+
+    def _build(self, dest: Path, stored: list[str]) -> None:
+        """Builds the index from each shard's tar headers: every shard passes through the
+        cache (pinned while its headers are copied into a sparse file of its size, at
+        their offsets), then the native builder scans those files."""
+        work = dest.with_name(f".build-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        skeletons = [work / f"{i:06d}-{os.path.basename(rel)}" for i, rel in enumerate(stored)]
+
+        def one(i: int) -> None:
+            with self.pinned_one(i) as pin:
+                _skeleton(pin.path, skeletons[i], self.entries[i].size)
+
+        try:
+            with ThreadPoolExecutor(_INDEX_IN_FLIGHT, thread_name_prefix="fastload-index") as pool:
+                list(pool.map(one, range(len(self.entries))))
+            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+            _core.build_index([os.fspath(p) for p in skeletons], stored, os.fspath(tmp),
+                              "error", 0)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _link(self, view: Path, stored: list[str]) -> None:
+        """Links each recorded shard path in the view to its cache entry."""
+        for rel, entry in zip(stored, self.entries, strict=True):
+            link = view / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            target = os.path.relpath(self.cache.path(entry), link.parent)
+            tmp = link.with_name(f".{link.name}.{os.getpid()}.lnk")
+            tmp.unlink(missing_ok=True)
+            os.symlink(target, tmp)
+            os.replace(tmp, link)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def fetcher(self) -> Any:
+        return store_fetcher(_Stores(self), str)
+
+    def _via(self) -> Any:
+        """In a process forked after obstore was used: downloads by the helper."""
+        if not _fetchd.forked():
+            return None
+        cache, options = self.cache, self.storage_options
+
+        def download(entry: CacheEntry, wait: bool) -> bool:
+            return bool(_fetchd.helper().call(
+                "download", os.fspath(cache.root), cache.limit,
+                (entry.url, entry.etag, entry.size), wait, options,
+            ))
+
+        return download
+
+    def pinned_one(self, shard: int, *, wait: bool = True) -> Pin:
+        """Pins shard ``shard`` (downloading it first if needed). An object that changed
+        on the server since it was listed raises SourceChangedError, and its cached
+        versions are dropped."""
+        entry = self.entries[shard]
+        try:
+            pin = self.cache.acquire(entry, self.fetcher(), wait=wait, via=self._via())
+        except SourceChangedError as e:
+            self.cache.drop(entry.url)
+            raise stage_error(
+                errno.EIO,
+                f"'{entry.url}' changed on the server since its shards were listed "
+                f"(ETag {entry.etag}); its cached copies were dropped: make the dataset "
+                f"again to read the new version ({e})",
+                entry.url, SourceChangedError,
+            ) from None
+        if pin is None:  # only if the download vanished at once (evicted by nobody: a bug)
+            raise stage_error(errno.EIO, f"'{entry.url}' could not be kept in the cache "
+                              f"'{self.cache.root}'", entry.url)
+        return pin
+
+    def prefetch(self, shard: int) -> bool:
+        """Downloads shard ``shard`` if the cache has room now; True once it is cached."""
+        entry = self.entries[shard]
+        if self.cache._valid(entry):
+            return True
+        try:
+            return self.cache.prefetch(entry, self.fetcher(), self._via())
+        except SourceChangedError:
+            self.cache.drop(entry.url)
+            return False  # the reader gets the error when it reaches the shard
+
+    def read_range(self, shard: int, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of shard ``shard`` in one ranged GET (no cache)."""
+        entry = self.entries[shard]
+        try:
+            if _fetchd.forked():
+                return memoryview(_fetchd.helper().call(
+                    "range", entry.url, start, end, entry.etag, self.storage_options))
+            return self.store(entry.url).get_range(self._key(entry.url), start, end, entry.etag)
+        except SourceChangedError:
+            self.cache.drop(entry.url)
+            raise
+
+
+class _Stores:
+    """The ``get``/``get_range`` of whichever bucket a key's URL is in (keys here are
+    whole URLs, so one fetcher serves shards of several buckets)."""
+
+    def __init__(self, shards: RemoteShards) -> None:
+        self._shards = shards
+
+    def get(self, key: str, etag: str | None) -> memoryview:
+        return self._shards.store(key).get(RemoteShards._key(key), etag)
+
+    def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
+        return self._shards.store(key).get_range(RemoteShards._key(key), start, end, etag)
+
+
+def _skeleton(src: Path, dst: Path, size: int) -> None:
+    """A sparse copy of tar ``src``: its header blocks at their offsets, holes for the
+    members' data, the same size. The index builder reads headers only, so indexing it
+    gives the index of ``src``."""
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - closed just below
+        except tarfile.ReadError:  # not a tar: the builder says what is wrong with it
+            f.seek(0)
+            shutil.copyfileobj(f, out)
+            return
+        with tf:
+            for ti in tf:
+                f.seek(ti.offset)
+                out.seek(ti.offset)
+                out.write(f.read(ti.offset_data - ti.offset))
+        out.truncate(size)
+

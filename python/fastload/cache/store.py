@@ -1,0 +1,408 @@
+"""ShardCache: a node-local cache of whole objects (tar shards) with a size limit,
+shared by every process of the node through the file system and ``flock`` only.
+
+Layout under ``root``::
+
+    shards/<entry>          complete objects (the only files read)
+    shards/<entry>.part     a download in progress: created at full size (sparse) under
+                            the cache lock, so it counts against the limit at once, and
+                            flock-ed by its downloader for as long as it lives
+    state/<entry>.pin       readers hold a shared flock while they read <entry>
+    state/<entry>.dl        the downloader of <entry> holds an exclusive flock
+    state/lock              the cache lock: taken (briefly) to reserve room and evict
+
+``<entry>`` is ``<hash of the URL>-<hash of the ETag>-<base name>``: another version of
+an object is another entry, and an entry is only ever whole (renamed into place after
+its size was checked), so a cached file is never partly one version and partly another.
+
+Contracts:
+
+- The bytes in ``shards/`` (entries plus reservations) never exceed ``limit``. Room is
+  reserved before a download starts; when there is none, the least recently used
+  entries that no process has pinned are removed; if that is not enough the caller
+  waits (or, for prefetching, gives up).
+- A pin is a shared ``flock`` on the entry's pin file: eviction takes it exclusively and
+  without waiting, so a pinned entry is never removed. The kernel drops flocks when their
+  holder dies (``kill -9`` included): nothing stale stays behind, there is no shared
+  memory.
+- A crashed downloader leaves a ``.part`` nobody locks; the next scan removes it. A
+  ``.part`` is never read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._util import human
+from ..errors import SourceChangedError, stage_error
+
+__all__ = ["CacheEntry", "Pin", "ShardCache"]
+
+#: How often a reader waiting for room or for another process's download looks again.
+_POLL = 0.05
+#: A reader gives up waiting for room after this long (every byte pinned by others).
+WAIT_FOR_ROOM = 600.0
+#: Objects above this size are fetched in parallel ranged GETs of this size.
+PART = 16 << 20
+PARTS_IN_FLIGHT = 4
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """An object as cached: its URL, the ETag it must have, its size."""
+
+    url: str
+    etag: str | None
+    size: int
+
+    @property
+    def name(self) -> str:
+        u = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        e = hashlib.sha256((self.etag or "").encode()).hexdigest()[:8]
+        base = _SAFE.sub("_", self.url.rstrip("/").rsplit("/", 1)[-1])[-80:]
+        return f"{u}-{e}-{base}"
+
+    @property
+    def url_prefix(self) -> str:
+        return self.name.split("-", 1)[0] + "-"
+
+
+#: ``fetch(entry, write)``: reads the object (which must still have ``entry.etag``) and
+#: calls ``write(offset, bytes)`` for its parts; raises SourceChangedError otherwise.
+Fetcher = Callable[[CacheEntry, Callable[[int, Any], None]], None]
+
+
+class Pin:
+    """An entry pinned for reading: ``path`` stays in place until ``release()``."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self.path = path
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the shared flock
+            self._fd = -1
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _try_lock(fd: int, how: int) -> bool:
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class ShardCache:
+    """The cache in ``root`` (created if missing), holding at most ``limit`` bytes of
+    objects (``None``: no limit). Safe to use from many processes and threads at once."""
+
+    def __init__(self, root: str | os.PathLike[str], limit: int | None = None) -> None:
+        self.root = Path(os.path.abspath(root))
+        self.limit = limit
+        self.shards = self.root / "shards"
+        self.state = self.root / "state"
+        try:
+            self.shards.mkdir(parents=True, exist_ok=True)
+            self.state.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise stage_error(
+                e.errno or errno.EIO, f"cannot use cache folder '{self.root}': {e.strerror}",
+                str(self.root),
+            ) from None
+        #: Downloads this process made (entry names), for tests and reports.
+        self.downloads: list[str] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardCache, (os.fspath(self.root), self.limit))
+
+    # --- locks ---------------------------------------------------------------------------
+
+    def _open(self, path: Path) -> int:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = self._open(self.state / "lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _log(self, op: str, name: str, size: int) -> None:
+        """Appends ``pid op name size`` to ``state/events.log`` (one ``O_APPEND`` write
+        per event: lines of concurrent processes never interleave), for tests and
+        reports: what each process downloaded and evicted, in order."""
+        line = f"{os.getpid()} {op} {name} {size}\n".encode()
+        with contextlib.suppress(OSError):
+            fd = os.open(self.state / "events.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                         | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+
+    def events(self) -> list[tuple[int, str, str, int]]:
+        """The event log: (pid, "download" or "evict", entry name, size), in order."""
+        try:
+            text = (self.state / "events.log").read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            pid, op, name, size = line.split(" ")
+            out.append((int(pid), op, name, int(size)))
+        return out
+
+    # --- what is there -------------------------------------------------------------------
+
+    def check_fits(self, size: int, url: str) -> None:
+        """A limit smaller than one object is an error (it could never be cached)."""
+        if self.limit is not None and size > self.limit:
+            raise ValueError(
+                f"cache_limit {human(self.limit)} ({self.limit} bytes) is smaller than "
+                f"'{url}' ({human(size)}, {size} bytes): raise cache_limit to at least the "
+                "largest shard (a few shards' worth lets the next shards download ahead)"
+            )
+
+    def usage(self) -> int:
+        """Bytes in the cache now: entries and live reservations (stale ones removed)."""
+        with self._locked():
+            return self._scan()[0]
+
+    def _scan(self) -> tuple[int, list[tuple[int, str, int]]]:
+        """(bytes used, complete entries as (mtime_ns, name, size)); removes the
+        ``.part`` files of dead downloaders. Call with the cache lock held."""
+        used = 0
+        entries = []
+        with os.scandir(self.shards) as it:
+            for d in it:
+                try:
+                    st = d.stat()
+                except FileNotFoundError:
+                    continue
+                if d.name.endswith(".part"):
+                    try:
+                        fd = os.open(d.path, os.O_RDONLY | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        continue
+                    try:
+                        if _try_lock(fd, fcntl.LOCK_EX):  # nobody writes it: a dead one
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(d.path)
+                            continue
+                    finally:
+                        os.close(fd)
+                    used += st.st_size
+                else:
+                    used += st.st_size
+                    entries.append((st.st_mtime_ns, d.name, st.st_size))
+        return used, entries
+
+    def _evict_one(self, name: str) -> bool:
+        """Removes entry ``name`` unless a process has it pinned. Cache lock held."""
+        fd = self._open(self.state / f"{name}.pin")
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False
+            try:
+                size = os.stat(self.shards / name).st_size
+                os.unlink(self.shards / name)
+            except FileNotFoundError:
+                return True
+            self._log("evict", name, size)
+            return True
+        finally:
+            os.close(fd)
+
+    def _reserve(self, entry: CacheEntry) -> int | None:
+        """Makes room for ``entry`` (evicting unpinned entries, least recently used
+        first) and creates its ``.part`` at full size, flock-ed; returns its descriptor,
+        or None when the pinned entries leave no room. Cache lock held."""
+        used, entries = self._scan()
+        if self.limit is not None and used + entry.size > self.limit:
+            for _, name, size in sorted(entries):
+                if self._evict_one(name):
+                    used -= size
+                    if used + entry.size <= self.limit:
+                        break
+            if used + entry.size > self.limit:
+                return None
+        part = self.shards / f"{entry.name}.part"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)  # a dead downloader's (we hold the entry's download lock)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, entry.size)
+        return fd
+
+    # --- pinning and fetching ------------------------------------------------------------
+
+    def path(self, entry: CacheEntry) -> Path:
+        return self.shards / entry.name
+
+    def _valid(self, entry: CacheEntry) -> bool:
+        try:
+            return os.stat(self.path(entry)).st_size == entry.size
+        except FileNotFoundError:
+            return False
+
+    def acquire(
+        self,
+        entry: CacheEntry,
+        fetch: Fetcher,
+        *,
+        wait: bool = True,
+        via: Callable[[CacheEntry, bool], bool] | None = None,
+    ) -> Pin | None:
+        """Pins ``entry``, downloading it first if it is not cached (one process per node
+        downloads; the others wait for it). ``wait=False`` (prefetching): returns None
+        instead of waiting for room or for another process's download. ``via(entry,
+        wait)``: another process downloads (see :mod:`fastload.cache._fetchd`)."""
+        self.check_fits(entry.size, entry.url)
+        pin_fd = self._open(self.state / f"{entry.name}.pin")
+        try:
+            fcntl.flock(pin_fd, fcntl.LOCK_SH)
+            if self._valid(entry):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path(entry))  # least recently used = oldest mtime
+                return Pin(pin_fd, self.path(entry))
+            ok = self._download(entry, fetch, wait) if via is None else via(entry, wait)
+            if not ok or not self._valid(entry):
+                os.close(pin_fd)
+                return None
+            return Pin(pin_fd, self.path(entry))
+        except BaseException:
+            os.close(pin_fd)
+            raise
+
+    def prefetch(self, entry: CacheEntry, fetch: Fetcher,
+                 via: Callable[[CacheEntry, bool], bool] | None = None) -> bool:
+        """Downloads ``entry`` if there is room without waiting; True once it is cached."""
+        pin = self.acquire(entry, fetch, wait=False, via=via)
+        if pin is None:
+            return False
+        pin.release()
+        return True
+
+    def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool) -> bool:
+        """Downloads ``entry`` into place, with its pin held by the caller."""
+        dl_fd = self._open(self.state / f"{entry.name}.dl")
+        try:
+            if wait:
+                fcntl.flock(dl_fd, fcntl.LOCK_EX)  # another process's download: wait
+            elif not _try_lock(dl_fd, fcntl.LOCK_EX):
+                return False
+            if self._valid(entry):  # it was downloaded while we waited
+                return True
+            deadline = time.monotonic() + WAIT_FOR_ROOM
+            while True:
+                with self._locked():
+                    part_fd = self._reserve(entry)
+                if part_fd is not None:
+                    break
+                if not wait:
+                    return False
+                if time.monotonic() > deadline:
+                    raise stage_error(
+                        errno.ENOSPC,
+                        f"cache '{self.root}' (limit {human(self.limit or 0)}) stayed full of "
+                        f"shards other readers hold for {WAIT_FOR_ROOM:.0f} s: cannot fetch "
+                        f"'{entry.url}'; raise cache_limit",
+                        entry.url,
+                    )
+                time.sleep(_POLL)
+            part = self.shards / f"{entry.name}.part"
+            try:
+                self._fill(entry, part_fd, fetch)
+                os.rename(part, self.path(entry))
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+                raise
+            finally:
+                os.close(part_fd)
+            self.downloads.append(entry.name)
+            self._log("download", entry.name, entry.size)
+            return True
+        finally:
+            os.close(dl_fd)
+
+    def _fill(self, entry: CacheEntry, fd: int, fetch: Fetcher) -> None:
+        written = [0]
+        lock = threading.Lock()
+
+        def write(offset: int, data: Any) -> None:
+            view = memoryview(data)
+            if offset + len(view) > entry.size:
+                raise stage_error(errno.EIO, f"'{entry.url}' is longer than listed "
+                                  f"({entry.size} bytes)", entry.url, SourceChangedError)
+            n = 0
+            while n < len(view):
+                n += os.pwrite(fd, view[n:], offset + n)
+            with lock:
+                written[0] += len(view)
+
+        fetch(entry, write)
+        if written[0] != entry.size:
+            raise stage_error(
+                errno.EIO,
+                f"'{entry.url}': {written[0]} bytes arrived, {entry.size} were listed",
+                entry.url, SourceChangedError,
+            )
+
+    def drop(self, url: str) -> int:
+        """Removes every unpinned entry of ``url`` (any version); returns how many."""
+        prefix = CacheEntry(url, None, 0).url_prefix
+        n = 0
+        with self._locked():
+            for name in os.listdir(self.shards):
+                if name.startswith(prefix) and not name.endswith(".part") \
+                        and self._evict_one(name):
+                    n += 1
+        return n
+
+
+def store_fetcher(store: Any, key_of: Callable[[str], str]) -> Fetcher:
+    """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: one GET, or
+    ranged GETs of :data:`PART` bytes, :data:`PARTS_IN_FLIGHT` at a time, every one
+    with ``If-Match`` on the listed ETag."""
+
+    def fetch(entry: CacheEntry, write: Callable[[int, Any], None]) -> None:
+        key = key_of(entry.url)
+        if entry.size <= PART:
+            write(0, store.get(key, entry.etag))
+            return
+
+        def part(start: int) -> None:
+            write(start, store.get_range(key, start, min(entry.size, start + PART), entry.etag))
+
+        with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="fastload-cache") as pool:
+            for f in [pool.submit(part, s) for s in range(0, entry.size, PART)]:
+                f.result()
+
+    return fetch

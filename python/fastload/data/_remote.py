@@ -1,0 +1,181 @@
+"""The datasets over object-store shards: where the cache is, and reading a batch with
+each shard it touches pinned in the node-local cache (downloaded on a miss), or with one
+ranged GET per sample (``fetch="range"``).
+
+Pins follow one rule: a reader holds at most one pin, and never while it waits for
+another (it lets go of the shard it holds first), so readers sharing a small cache
+cannot wait on each other for ever. The shard last read stays pinned until the reader
+moves on (most batches of a stream fall in one shard). A shard let go of may be evicted;
+the native index's mappings of it are dropped by reopening the index (cheap) before the
+next read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._util import parse_size
+from ..cache import Pin, RemoteShards, ShardCache
+from ..env import current
+from ..index import ShardIndex
+from ..sources.objstore import StorageOptions
+
+__all__ = ["FETCH", "RemoteReader", "default_cache_dir", "open_remote"]
+
+FETCH = ("shard", "range")
+
+
+def default_cache_dir() -> Path:
+    """The environment's node-local ``tmpdir``, folder ``cache``."""
+    return Path(current().tmpdir) / "cache"
+
+
+def open_remote(
+    source: str | Sequence[str],
+    cache_dir: str | os.PathLike[str] | None,
+    cache_limit: int | str | None,
+    storage_options: StorageOptions | None,
+) -> RemoteReader:
+    limit = None if cache_limit is None else parse_size(cache_limit)
+    cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), limit)
+    shards = RemoteShards(source, cache, storage_options)
+    return RemoteReader(shards, shards.index())
+
+
+class RemoteReader:
+    """An index over remote shards and the pins its reads need, in one process (made
+    again after fork or unpickling: pins and native state stay in their process)."""
+
+    def __init__(self, shards: RemoteShards, index: ShardIndex) -> None:
+        self.shards = shards
+        self.path = index.path
+        self._first = np.array([s.first_sample for s in index.shards], dtype=np.int64)
+        self._index: ShardIndex | None = index
+        self._pid = os.getpid()
+        self._held: tuple[int, Pin] | None = None
+        self._stale = False
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_index=None, _held=None, _pid=-1, _stale=False, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def get(self) -> ShardIndex:
+        """The index in this process, reopened when a shard it may have mapped was let
+        go of (so no mapping keeps an evicted shard's bytes)."""
+        if self._pid != os.getpid():
+            self._index, self._held, self._stale = None, None, False
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+        if self._index is None or self._stale:
+            self._index = None  # drop the old mappings before mapping anew
+            self._index = ShardIndex.open(self.path, check=False)
+            self._stale = False
+        return self._index
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.searchsorted(self._first, ids, side="right") - 1
+        return out
+
+    def release(self) -> None:
+        """Lets go of the shard held (the index is reopened before the next read)."""
+        if self._held is not None:
+            self._held[1].release()
+            self._held = None
+            self._stale = True
+
+    def _pin(self, shard: int) -> None:
+        if self._held is not None and self._held[0] == shard:
+            return
+        self.release()
+        self._held = (shard, self.shards.pinned_one(shard))
+
+    def read(self, ids: Sequence[int], fetch: Callable[[ShardIndex, list[int]], Any]
+             ) -> list[Any]:
+        """``fetch(index, ids)`` per shard the ids fall in, each with its shard pinned;
+        the results (lists) put back in the order of ``ids``."""
+        if not len(ids):
+            return []
+        arr = np.asarray(ids, dtype=np.int64)
+        with self._lock:
+            if self._pid != os.getpid():
+                self.get()
+            shards = self.shard_of(np.where(arr < 0, arr + len(self.get()), arr))
+            if (shards == shards[0]).all():
+                self._pin(int(shards[0]))
+                out: list[Any] = fetch(self.get(), arr.tolist())
+                return out
+            result: list[Any] = [None] * len(arr)
+            held = -1 if self._held is None else self._held[0]
+            # The shard held first (no wait), then the others in the order met.
+            order = list(dict.fromkeys(shards.tolist()))
+            if held in order:
+                order.remove(held)
+                order.insert(0, held)
+            for s in order:
+                where = np.flatnonzero(shards == s)
+                self._pin(int(s))
+                got = fetch(self.get(), arr[where].tolist())
+                for k, v in zip(where.tolist(), got, strict=True):
+                    result[k] = v
+            return result
+
+    def read_one_shard(self, ids: Sequence[int], fetch: Callable[[ShardIndex, list[int]], Any]
+                       ) -> Any:
+        """``fetch(index, ids)`` with the one shard the ids fall in pinned; None when
+        they span several shards."""
+        arr = np.asarray(ids, dtype=np.int64)
+        with self._lock:
+            shards = self.shard_of(arr)
+            if not len(arr) or not (shards == shards[0]).all():
+                return None
+            self._pin(int(shards[0]))
+            return fetch(self.get(), arr.tolist())
+
+    def read_ranges(self, ids: Sequence[int], fields: Sequence[str] | None) -> list[Any]:
+        """The samples at ``ids`` as dicts of bytes, each read with one ranged GET of
+        its members' span (no cache), several in flight."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        index = self.get()
+        native = index._native
+        want = None if fields is None else list(fields)
+
+        def one(i: int) -> dict[str, Any]:
+            key, shard, members = native.sample(i)
+            if want is not None:
+                have = {f for f, _, _ in members}
+                for f in want:
+                    if f not in have:
+                        raise KeyError(f"sample '{key}' has no field '{f}'")
+                members = [m for m in members if m[0] in want]
+            d: dict[str, Any] = {"__key__": key}
+            if not members:
+                return d
+            lo = min(o for _, o, _ in members)
+            hi = max(o + s for _, o, s in members)
+            data = self.shards.read_range(shard, lo, hi)
+            for f, o, s in members:
+                d[f] = bytes(data[o - lo:o - lo + s])
+            return d
+
+        n = len(index)
+        idx = [i + n if i < 0 else i for i in ids]
+        for i, j in zip(ids, idx, strict=True):
+            if not 0 <= j < n:
+                raise IndexError(f"sample index {i} out of range for {n} samples")
+        if len(idx) == 1:
+            return [one(idx[0])]
+        with ThreadPoolExecutor(min(16, len(idx)), thread_name_prefix="fastload-range") as pool:
+            return list(pool.map(one, idx))

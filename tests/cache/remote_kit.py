@@ -1,0 +1,52 @@
+"""What the cache tests share: shards written locally and uploaded to a bucket, samples
+as comparable values, the bytes in a cache folder."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kit.shards import Sample, make_samples, write_tarfile
+from sources.s3server import S3Server, upload
+
+
+def write_shards(root: Path, sizes: Sequence[int], fmt: str = "pax") -> list[Path]:
+    """Shards ``train-000000.tar``... of ``sizes[i]`` samples each."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s, n in enumerate(sizes):
+        part: list[Sample] = make_samples(n, seed=10 + s, prefix=f"s{s}/")
+        paths.append(write_tarfile(root / f"train-{s:06d}.tar", part, fmt))
+    return paths
+
+
+def put_shards(s3: S3Server, bucket: str, paths: Sequence[Path], prefix: str = "data/") -> str:
+    """Uploads the shards under ``prefix``; returns their brace pattern's URL."""
+    upload(s3, bucket, {f"{prefix}{p.name}": p.read_bytes() for p in paths})
+    return f"s3://{bucket}/{prefix}train-{{000000..{len(paths) - 1:06d}}}.tar"
+
+
+def plain(sample: Any) -> Any:
+    """A sample (dict of payloads, bytes or a list of such dicts) as comparable values:
+    the key and a digest of each field."""
+    if isinstance(sample, list):
+        return [plain(s) for s in sample]
+    return {k: v if k == "__key__" else hashlib.sha256(bytes(v)).hexdigest()[:16]
+            for k, v in sample.items()}
+
+
+def cache_bytes(cache_dir: Path) -> int:
+    """The bytes of objects in a cache (entries and downloads in progress)."""
+    total = 0
+    try:
+        names = os.listdir(cache_dir / "shards")
+    except FileNotFoundError:
+        return 0
+    for n in names:
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(cache_dir / "shards" / n).st_size
+    return total

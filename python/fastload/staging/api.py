@@ -183,11 +183,6 @@ def stage(
             t0=t0,
         )
     if isinstance(src, str) and is_object_url(src):
-        if fanout is not False:
-            raise ValueError(
-                "fanout= stages paths (a network file system); for an object store "
-                "URL, stage without it"
-            )
         return stage_remote(
             src,
             dst,
@@ -203,6 +198,7 @@ def stage(
             check_source=check_source,
             storage_options=storage_options,
             t0=t0,
+            fanout=fanout,
         )
     src_path = Path(os.fspath(src))
     dst_path = Path(os.fspath(dst))

@@ -74,7 +74,7 @@ class Request:
     source)`` runs the ordinary stage under the node lock the caller already holds (with
     the tree listing, or the archive source, to use instead of its own)."""
 
-    src: Path
+    src: Path | str
     dst: Path
     is_file: bool
     options: dict[str, Any]
@@ -87,6 +87,8 @@ class Request:
     t0: float
     locked: Callable[..., StageResult]
     plain: Callable[[], StageResult]
+    archive: Callable[[], Any] | None = None
+    """The archive as a source (an object in a store); default: the file ``src``."""
 
 
 # --- the group ---------------------------------------------------------------
@@ -565,10 +567,11 @@ def _unbits(data: bytes, n: int) -> set[int]:
 
 
 def _fan_tree(x: Exchange, req: Request) -> StageResult:
+    src = Path(req.src)
     listing: list[Any] = [None]
     if x.node == 0:
         try:
-            entries = list_tree(req.src, req.is_file, req.options, req.workers)
+            entries = list_tree(src, req.is_file, req.options, req.workers)
             listing = [
                 ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
             ]
@@ -583,7 +586,7 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
         )
     old = previous_stage(req.dst)
     plan = plan_tree(
-        req.src, req.dst, req.is_file, req.options, old, req.engine, req.workers, req.stripe,
+        src, req.dst, req.is_file, req.options, old, req.engine, req.workers, req.stripe,
         entries,
     )  # fmt: skip
     nfiles = len(plan.files)
@@ -607,10 +610,10 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
 
     def src_name(f: int) -> Path:
         e = plan.files[f]
-        return req.src if req.is_file else plan.src_root / e[0]
+        return src if req.is_file else plan.src_root / e[0]
 
     total = sum(plan.files[f][2] for f in mine)
-    on_progress, bar = progress_callback(req.progress, f"fan-out {req.src.name}", total, 0)
+    on_progress, bar = progress_callback(req.progress, f"fan-out {src.name}", total, 0)
     sender = _TreeSender(plan, units, x.node, src_name)
     writer = _TreeWriter(plan, units, mine, flusher) if flusher is not None else None
     rounds = max(len(r) for r in units.rounds)
@@ -658,17 +661,35 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
 
 
 class _PieceReader:
-    """Reads this node's pieces of the archive (``k``, ``k + N``, ...), two ahead."""
+    """Reads this node's pieces of the archive (``k``, ``k + N``, ...), two ahead, each
+    in parallel reads of ``subread`` bytes: positional reads of a file, or ranged GETs
+    of an object (``RemoteArchive.read_into``)."""
 
-    def __init__(self, path: Path, size: int, node: int, nodes: int) -> None:
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._path, self._size, self._node, self._nodes = path, size, node, nodes
+    def __init__(self, base: Any, node: int, nodes: int) -> None:
+        self._fd = -1
+        if isinstance(base, LocalArchive):
+            self._fd = os.open(base.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._read_at: Callable[[memoryview, int], int] = self._pread
+            self._subread = SUBREAD
+        else:
+            self._read_at = base.read_into
+            self._subread = 4 * SUBREAD
+        self._name, self._size, self._node, self._nodes = base.name, base.size, node, nodes
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="fastload-fanout-piece")
         self._sub = ThreadPoolExecutor(READERS, thread_name_prefix="fastload-fanout-sub")
         self._ahead: deque[Future[bytearray]] = deque()
         self._next = node
         self.store_bytes = 0
         self._fill()
+
+    def _pread(self, view: memoryview, off: int) -> int:
+        got = 0
+        while got < view.nbytes:
+            k = os.preadv(self._fd, [view[got:]], off + got)
+            if k == 0:
+                break
+            got += k
+        return got
 
     def _fill(self) -> None:
         while len(self._ahead) < 2 and self._next * PIECE < self._size:
@@ -679,15 +700,17 @@ class _PieceReader:
         off = piece * PIECE
         n = min(PIECE, self._size - off)
         buf = bytearray(8 + n)
-        view = memoryview(buf)
-        got = _read_range(self._fd, view[8:], off, self._sub)
+        view = memoryview(buf)[8:]
+        parts = [(s, min(s + self._subread, n)) for s in range(0, n, self._subread)]
+        futures = [self._sub.submit(self._read_at, view[s:e], off + s) for s, e in parts]
+        got = sum(f.result() for f in futures)
         if got != n:
             raise SourceChangedError(
                 errno.EIO,
-                f"source file changed: '{self._path}' is shorter than when staging began; "
+                f"source file changed: '{self._name}' is shorter than when staging began; "
                 "stage again to pick up the new content",
             )
-        _Q.pack_into(buf, 0, _digest(view[8:]))
+        _Q.pack_into(buf, 0, _digest(view))
         self.store_bytes += n
         return buf
 
@@ -703,7 +726,8 @@ class _PieceReader:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._sub.shutdown(wait=True, cancel_futures=True)
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
 
 
 def _pieces_of_round(
@@ -798,7 +822,7 @@ class _ExchangeArchive:
     """The archive as stage_archive() sees it: the local one's name, size and identity
     (so the manifest is the one a plain stage writes), its bytes from the exchange."""
 
-    def __init__(self, base: LocalArchive, x: Exchange, pieces: _PieceReader) -> None:
+    def __init__(self, base: Any, x: Exchange, pieces: _PieceReader) -> None:
         self._base, self._x, self._pieces = base, x, pieces
         self.name, self.size, self.identity = base.name, base.size, base.identity
         self.cached = 0.0
@@ -810,16 +834,16 @@ class _ExchangeArchive:
         return self.reader_made
 
     def direct_write_min(self, dst: Path) -> int:
-        return self._base.direct_write_min(dst)
+        return int(self._base.direct_write_min(dst))
 
     def changed(self) -> bool:
-        return self._base.changed()
+        return bool(self._base.changed())
 
 
 def _fan_archive(x: Exchange, req: Request) -> StageResult:
     from .archive import archive_fingerprint
 
-    base = LocalArchive(req.src)
+    base = req.archive() if req.archive is not None else LocalArchive(Path(req.src))
     old = previous_stage(req.dst)
     fingerprint = archive_fingerprint(
         base.identity, {**req.options, "chunk": req.stripe, "checksum": req.checksum}
@@ -841,7 +865,7 @@ def _fan_archive(x: Exchange, req: Request) -> StageResult:
         )
     if all(c for c, _, _ in sizes):
         return req.locked(source=base)
-    pieces = _PieceReader(req.src, base.size, x.node, x.nodes)
+    pieces = _PieceReader(base, x.node, x.nodes)
     try:
         if complete:
             _ExchangeReader(x, pieces, base.size, base.name, None, None).pump()

@@ -656,6 +656,10 @@ class RemoteArchive:
     def reader(self, job: _core.ExtractJob, hasher: Any, can_seek: bool) -> RemotePrefetcher:
         return RemotePrefetcher(self._store, self._info, job, hasher=hasher)
 
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """One ranged GET (``If-Match`` the listed ETag) into ``view``."""
+        return self._store.read_into(self._info.key, offset, view, self._info.etag)
+
     def direct_write_min(self, dst: Path) -> int:
         # The archive does not come from the destination's disk: direct writes compete
         # with no reads there.

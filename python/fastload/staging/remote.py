@@ -409,9 +409,10 @@ def stage_remote(
     check_source: bool,
     storage_options: Mapping[str, Any] | None,
     t0: float,
+    fanout: Any = False,
 ) -> StageResult:
     """stage() of an object store URL: a prefix (a tree), an object, or an archive object
-    extracted as it streams in."""
+    extracted as it streams in; fanned out over the job's nodes with ``fanout``."""
     from .archive import detect_compression, not_an_archive, stage_archive, suffix_kind
     from .job import progress_callback, say_waiting
     from .readers import RemoteArchive
@@ -466,7 +467,8 @@ def stage_remote(
     if compression is not None:
         options["unpack"] = "nested" if unpack == "nested" else True
 
-    with named_os_errors(), node_lock(dst_abs, on_wait=say_waiting if progress else None):
+    def locked(listing: Any = None, source: Any = None) -> StageResult:
+        """The stage, under the node lock (held by the caller)."""
         old = previous_stage(dst_abs)
         if (
             not check_source
@@ -490,7 +492,7 @@ def stage_remote(
             if compression is not None:
                 assert info is not None
                 r = stage_archive(
-                    RemoteArchive(store, info),
+                    source if source is not None else RemoteArchive(store, info),
                     dst_abs,
                     compression=compression,
                     nested=options.get("unpack") == "nested",
@@ -519,3 +521,25 @@ def stage_remote(
         if checksum is not None:
             check_file_checksum(result.path, store.url, checksum)
         return result
+
+    def plain() -> StageResult:
+        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
+            return locked()
+
+    with named_os_errors():
+        if fanout is not False:
+            from .fanout import Request, stage_fanout
+
+            if compression is None:
+                raise ValueError(
+                    "fanout= stages an archive object, or paths; for a prefix or a plain "
+                    "object of a store, stage without it"
+                )
+            assert info is not None
+            found = info
+            req = Request(
+                store.url, dst_abs, False, options, compression, checksum, engine, progress,
+                workers, stripe, t0, locked, plain, lambda: RemoteArchive(store, found),
+            )  # fmt: skip
+            return stage_fanout(req, None if fanout is True else fanout)
+        return plain()

@@ -1,0 +1,78 @@
+"""Several "nodes" on this machine for fan-out staging: one process per rank of a
+multi-node torchrun job (its variables in the environment), each running
+kit/fanout_child.py, a gloo group on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kit.procs import child_env
+
+CHILD = Path(__file__).resolve().with_name("fanout_child.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_nodes(
+    src: Path | str,
+    dsts: list[Path],
+    *,
+    per_node: int = 1,
+    init: bool = True,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[str]]:
+    """One process per rank of a ``len(dsts)``-node torchrun job, ``per_node`` ranks
+    per node; node k's processes stage into ``dsts[k]``."""
+    port = str(free_port())
+    nodes = len(dsts)
+    procs = []
+    for rank in range(nodes * per_node):
+        node, local = divmod(rank, per_node)
+        e = child_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(nodes * per_node),
+            GROUP_RANK=str(node),
+            GROUP_WORLD_SIZE=str(nodes),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(per_node),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **(env or {}),
+        )
+        cmd = [sys.executable, str(CHILD), str(src), str(dsts[node]), *args]
+        if init:
+            cmd.append("--init")
+        procs.append(
+            subprocess.Popen(
+                cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return procs
+
+
+def outcome(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    for line in reversed(out.splitlines()):
+        doc = json.loads(line)
+        if "result" in doc or "error" in doc:
+            return doc
+    raise AssertionError(f"no result from a node (exit {proc.returncode}):\n{out}\n{err}")
+
+
+def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    docs = [outcome(p) for p in procs]
+    for d in docs:
+        assert "result" in d, d
+    return [d["result"] for d in docs]
+
+

@@ -193,6 +193,12 @@ def test_a_stream_cannot_be_copied_as_a_file(tmp_path: Path) -> None:
         fastload.stage(io.BytesIO(b"x" * 1024), tmp_path / "out", unpack=False)
 
 
+def test_a_text_stream_is_refused_with_the_binary_one_named(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"sys\.stdin\.buffer"):
+        fastload.stage(io.StringIO("not bytes"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_gnu_tar_reads_the_same_stream(archive: tuple[Path, Path], tmp_path: Path) -> None:
     """The reference for the pipes above: GNU tar, the same archive on its stdin."""
     a, ref = archive

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import stat
 import sys
@@ -515,6 +516,11 @@ class StreamArchive:
             src = sys.stdin.buffer
         if isinstance(src, int):
             self._fd, self.name = src, f"<fd {src}>"
+        elif isinstance(src, io.TextIOBase):
+            raise TypeError(
+                "a tar stream is read as bytes: pass a binary file object "
+                "(sys.stdin.buffer, open(path, 'rb')), not a text one"
+            )
         else:
             self._file = src
             name = getattr(src, "name", None)

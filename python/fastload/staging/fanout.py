@@ -89,6 +89,8 @@ class Request:
     plain: Callable[[], StageResult]
     archive: Callable[[], Any] | None = None
     """The archive as a source (an object in a store); default: the file ``src``."""
+    objects: tuple[Any, list[Any], bool, Callable[..., TreePlan]] | None = None
+    """A prefix of a store: (the store, its objects, a single object?, plan_objects)."""
 
 
 # --- the group ---------------------------------------------------------------
@@ -297,6 +299,97 @@ def _digest(view: memoryview) -> int:
 # --- trees -------------------------------------------------------------------
 
 
+def _read_file(
+    path: Path, e: tuple[Any, ...], off: int, view: memoryview, pool: ThreadPoolExecutor
+) -> None:
+    """``view`` from ``path`` at ``off``, the file still of the listed size and time."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as err:
+        raise stage_error(
+            err.errno or errno.EIO, f"cannot open '{path}': {err.strerror}", str(path)
+        ) from None
+    try:
+        got = _read_range(fd, view, off, pool)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if got != view.nbytes or (st.st_size, st.st_mtime_ns) != (e[2], e[5]):
+        raise SourceChangedError(
+            errno.EIO,
+            f"source file changed: '{path}' was modified while it was being staged; "
+            "stage again to pick up the new content",
+        )
+
+
+class _TreeSource:
+    """A tree's source: a directory (or one file) on a file system."""
+
+    def __init__(self, req: Request) -> None:
+        self.req, self.src = req, Path(req.src)
+        self.label = self.src.name
+
+    def listing(self) -> Any:
+        return list_tree(self.src, self.req.is_file, self.req.options, self.req.workers)
+
+    def plan(self, listing: Any) -> TreePlan:
+        r = self.req
+        return plan_tree(
+            self.src, r.dst, r.is_file, r.options, previous_stage(r.dst), r.engine, r.workers,
+            r.stripe, listing,
+        )  # fmt: skip
+
+    def read(
+        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
+    ) -> None:
+        e = plan.files[f]
+        path = self.src if self.req.is_file else plan.src_root / e[0]
+        _read_file(path, e, off, view, pool)
+
+
+class _ObjectsSource(_TreeSource):
+    """A prefix (or one object) of an object store: ranged GETs, If-Match the listed
+    ETag, several in flight for a big unit."""
+
+    def __init__(self, req: Request) -> None:
+        super().__init__(req)
+        assert req.objects is not None
+        self.store, self.objects, self.single, self.plan_objects = req.objects
+        self.label = str(req.src).rstrip("/").rsplit("/", 1)[-1]
+
+    def listing(self) -> Any:
+        return self.objects
+
+    def plan(self, listing: Any) -> TreePlan:
+        r = self.req
+        self.objects = listing  # node 0's: the units are numbered in it
+        plan: TreePlan = self.plan_objects(
+            self.store, listing, r.dst, single=self.single, options=r.options,
+            old=previous_stage(r.dst), engine=r.engine, workers=r.workers, stripe=r.stripe,
+        )  # fmt: skip
+        return plan
+
+    def read(
+        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
+    ) -> None:
+        o = self.objects[f]
+        step = 4 * SUBREAD
+        n = view.nbytes
+        parts = [(s, min(s + step, n)) for s in range(0, n, step)]
+        read = self.store.read_into
+        if len(parts) == 1:
+            got = read(o.key, off, view, o.etag)
+        else:
+            futures = [pool.submit(read, o.key, off + s, view[s:e], o.etag) for s, e in parts]
+            got = sum(fut.result() for fut in futures)
+        if got != n:
+            raise SourceChangedError(
+                errno.EIO,
+                f"source changed: '{self.store.url.rstrip('/')}/{o.key}' is shorter than "
+                "listed; stage again to pick up the new content",
+            )
+
+
 @dataclasses.dataclass
 class _Units:
     """What the nodes lack, cut into units: ``file[u]`` (index into the plan's files),
@@ -371,9 +464,9 @@ class _TreeSender:
     """Reads this node's units, a round ahead of the exchange: payload = the units'
     digests (8 bytes each), then their bytes."""
 
-    def __init__(self, plan: TreePlan, units: _Units, node: int, src_name: Callable[[int], Path]):
+    def __init__(self, plan: TreePlan, units: _Units, node: int, source: _TreeSource):
         self._plan, self._u, self._node = plan, units, node
-        self._src_name = src_name
+        self._source = source
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="fastload-fanout-read")
         self._sub = ThreadPoolExecutor(READERS, thread_name_prefix="fastload-fanout-sub")
         self._ahead: deque[Future[bytearray]] = deque()
@@ -389,25 +482,11 @@ class _TreeSender:
 
     def _read_unit(self, j: int, view: memoryview) -> int:
         u, plan = self._u, self._plan
-        e = plan.files[u.file[j]]
-        path = plan.dst_root / e[0] if u.local[j] else self._src_name(u.file[j])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as err:
-            raise stage_error(
-                err.errno or errno.EIO, f"cannot open '{path}': {err.strerror}", str(path)
-            ) from None
-        try:
-            got = _read_range(fd, view, u.off[j], self._sub)
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if got != u.size[j] or (st.st_size, st.st_mtime_ns) != (e[2], e[5]):
-            raise SourceChangedError(
-                errno.EIO,
-                f"source file changed: '{path}' was modified while it was being staged; "
-                "stage again to pick up the new content",
-            )
+        f = u.file[j]
+        if u.local[j]:
+            _read_file(plan.dst_root / plan.files[f][0], plan.files[f], u.off[j], view, self._sub)
+        else:
+            self._source.read(plan, f, u.off[j], view, self._sub)
         return _digest(view)
 
     def _build(self, batch: list[int]) -> bytearray:
@@ -567,11 +646,11 @@ def _unbits(data: bytes, n: int) -> set[int]:
 
 
 def _fan_tree(x: Exchange, req: Request) -> StageResult:
-    src = Path(req.src)
+    source = _ObjectsSource(req) if req.objects is not None else _TreeSource(req)
     listing: list[Any] = [None]
     if x.node == 0:
         try:
-            entries = list_tree(src, req.is_file, req.options, req.workers)
+            entries = source.listing()
             listing = [
                 ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
             ]
@@ -584,11 +663,7 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
         raise fanout_error(
             f"node 0 ({x.hosts[0]}) could not list the source: {entries}", str(req.src)
         )
-    old = previous_stage(req.dst)
-    plan = plan_tree(
-        src, req.dst, req.is_file, req.options, old, req.engine, req.workers, req.stripe,
-        entries,
-    )  # fmt: skip
+    plan = source.plan(entries)
     nfiles = len(plan.files)
     need_me = [] if plan.complete else plan.todo
     index = {e[0]: i for i, e in enumerate(plan.files)}
@@ -608,13 +683,9 @@ def _fan_tree(x: Exchange, req: Request) -> StageResult:
         plan.journal.open(dict(plan.done))
     flusher = JournalFlusher(plan.journal, str(plan.dst_root), JOURNAL_EVERY) if mine else None
 
-    def src_name(f: int) -> Path:
-        e = plan.files[f]
-        return src if req.is_file else plan.src_root / e[0]
-
     total = sum(plan.files[f][2] for f in mine)
-    on_progress, bar = progress_callback(req.progress, f"fan-out {src.name}", total, 0)
-    sender = _TreeSender(plan, units, x.node, src_name)
+    on_progress, bar = progress_callback(req.progress, f"fan-out {source.label}", total, 0)
+    sender = _TreeSender(plan, units, x.node, source)
     writer = _TreeWriter(plan, units, mine, flusher) if flusher is not None else None
     rounds = max(len(r) for r in units.rounds)
     try:

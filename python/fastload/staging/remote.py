@@ -38,7 +38,7 @@ from .. import _core
 from .._util import node_lock, write_json_atomic
 from ..errors import stage_error
 from ..sources.objstore import ObjectInfo, ObjectStore
-from .job import JOURNAL_EVERY, PROGRESS_EVERY, ProgressCallback, prove
+from .job import DIR, FILE, JOURNAL_EVERY, PROGRESS_EVERY, ProgressCallback, prove
 from .result import StageResult
 from .state import (
     MANIFEST_VERSION,
@@ -58,6 +58,7 @@ from .state import (
     state_dir,
     trusted,
 )
+from .tree import TreePlan
 
 # Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
 DEFAULT_OBJECTS_IN_FLIGHT = 64
@@ -210,6 +211,70 @@ class _Fetcher:
         self.parts.shutdown(wait=True, cancel_futures=True)
 
 
+def plan_objects(
+    store: ObjectStore,
+    objects: list[ObjectInfo],
+    dst_abs: Path,
+    *,
+    single: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    engine: str,
+    workers: int | None,
+    stripe: int,
+) -> TreePlan:
+    """What staging ``objects`` into ``dst_abs`` has to do (under the node lock), in the
+    tree pipeline's terms: ``files`` are the objects (keys relative to the prefix, or the
+    destination's name for a single object), ``entries`` also their directories."""
+    root = dst_abs.parent if single else dst_abs
+    names = [dst_abs.name if single else o.key for o in objects]
+    fp = fingerprint(store.url, objects, {**options, "chunk": stripe})
+    files = [(n, FILE, o.size, (o.size + 511) // 512, _MODE, o.mtime_ns, "")
+             for n, o in zip(names, objects, strict=True)]  # fmt: skip
+    dirs = sorted({"/".join(n.split("/")[:k]) for n in names for k in range(1, n.count("/") + 1)})
+    entries = [(d, DIR, 0, 0, 0o755, 0, "") for d in dirs] + files
+
+    def proven(records: Records) -> Records:
+        return prove(root, records, engine, workers, stripe)
+
+    old, whole = reread(root, dst_abs, old, fp, proven)
+    journal = Journal(dst_abs, stripe)
+    if (
+        whole
+        and old is not None
+        and old.get("complete")
+        and old.get("fingerprint") == fp
+        and os.path.lexists(dst_abs)
+    ):
+        held = {n: tuple(old["files"][n]) for n in names if n in old["files"]}
+        return TreePlan(
+            Path(), root, entries, files, [o.key for o in objects], fp, old,
+            complete=True, done=held, todo=[], journal=journal,
+        )  # fmt: skip
+
+    known = known_records(journal, old, stripe, proven)
+    old_ids: dict[str, str] = (old or {}).get("objects", {}) if old is not None else {}
+    done: dict[str, tuple[int, int, int, str]] = {}
+    todo: list[int] = []
+    for i, (path, o) in enumerate(zip(names, objects, strict=True)):
+        rec = known.get(path)
+        same_id = path not in old_ids or old_ids[path] == o.identity
+        if (
+            rec is not None
+            and same_id
+            and rec[0] == o.size
+            and rec[1] == o.mtime_ns
+            and quick_same(root / path, o.size, o.mtime_ns)
+        ):
+            done[path] = rec
+        else:
+            todo.append(i)
+    return TreePlan(
+        Path(), root, entries, files, [o.key for o in objects], fp, old,
+        complete=False, done=done, todo=todo, journal=journal,
+    )  # fmt: skip
+
+
 def stage_objects(
     store: ObjectStore,
     objects: list[ObjectInfo],
@@ -232,42 +297,20 @@ def stage_objects(
     name_of: Callable[[ObjectInfo], str] = (
         (lambda o: dst_abs.name) if single else (lambda o: o.key)
     )
-    fp = fingerprint(store.url, objects, {**options, "chunk": stripe})
     total_bytes = sum(o.size for o in objects)
-
-    def proven(records: Records) -> Records:
-        return prove(root, records, engine, workers, stripe)
-
-    old, whole = reread(root, dst_abs, old, fp, proven)
-    if (
-        whole
-        and old is not None
-        and old.get("complete")
-        and old.get("fingerprint") == fp
-        and os.path.lexists(dst_abs)
-    ):
+    plan = plan_objects(
+        store, objects, dst_abs, single=single, options=options, old=old, engine=engine,
+        workers=workers, stripe=stripe,
+    )  # fmt: skip
+    fp, old = plan.fingerprint, plan.old
+    if plan.complete:
+        assert old is not None
         make_durable(dst_abs, old, sync)
         return StageResult(dst_abs, len(objects), total_bytes, time.monotonic() - t0, "none", True)
-
-    journal = Journal(dst_abs, stripe, durable=sync)
-    known = known_records(journal, old, stripe, proven)
-    old_ids: dict[str, str] = (old or {}).get("objects", {}) if old is not None else {}
-    done: dict[str, tuple[int, int, int, str]] = {}
-    todo: list[ObjectInfo] = []
-    for o in objects:
-        path = name_of(o)
-        rec = known.get(path)
-        same_id = path not in old_ids or old_ids[path] == o.identity
-        if (
-            rec is not None
-            and same_id
-            and rec[0] == o.size
-            and rec[1] == o.mtime_ns
-            and quick_same(root / path, o.size, o.mtime_ns)
-        ):
-            done[path] = rec
-        else:
-            todo.append(o)
+    journal = plan.journal
+    journal.durable = sync
+    done = plan.done
+    todo = [objects[i] for i in plan.todo]
 
     if old is not None and old.get("complete") and not single:
         wanted = {o.key for o in objects}
@@ -511,7 +554,8 @@ def stage_remote(
                     r["skipped"], r["copied_files"], r["copied_bytes"],
                 )
             result = stage_objects(
-                store, objects, dst_abs, single=single, options=options, old=old,
+                store, listing if listing is not None else objects, dst_abs, single=single,
+                options=options, old=old,
                 engine=engine, on_progress=on_progress, workers=workers, stripe=stripe,
                 sync=sync, t0=t0,
             )
@@ -530,16 +574,19 @@ def stage_remote(
         if fanout is not False:
             from .fanout import Request, stage_fanout
 
-            if compression is None:
-                raise ValueError(
-                    "fanout= stages an archive object, or paths; for a prefix or a plain "
-                    "object of a store, stage without it"
-                )
-            assert info is not None
-            found = info
-            req = Request(
-                store.url, dst_abs, False, options, compression, checksum, engine, progress,
-                workers, stripe, t0, locked, plain, lambda: RemoteArchive(store, found),
-            )  # fmt: skip
+            if compression is not None:
+                assert info is not None
+                found = info
+                req = Request(
+                    store.url, dst_abs, False, options, compression, checksum, engine,
+                    progress, workers, stripe, t0, locked, plain,
+                    archive=lambda: RemoteArchive(store, found),
+                )  # fmt: skip
+            else:
+                req = Request(
+                    store.url, dst_abs, single, options, None, checksum, engine, progress,
+                    workers, stripe, t0, locked, plain,
+                    objects=(store, objects, single, plan_objects),
+                )  # fmt: skip
             return stage_fanout(req, None if fanout is True else fanout)
         return plain()

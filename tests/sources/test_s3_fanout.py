@@ -1,0 +1,69 @@
+"""Fan-out staging of an archive object: three "nodes" (kit/nodes.py) extract
+s3://bucket/data.tar, each reading a third of it in ranged GETs, and the store serves
+the archive about once (counted by the proxy in front of the real S3 server)."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from s3server import upload_file
+
+import fastload
+from kit.nodes import results, start_nodes
+from kit.trees import assert_same_tree, build_small_files, write_patterned
+
+pytest.importorskip("torch.distributed")
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_archive_object_three_nodes(
+    s3: Any, bucket: str, proxy: Any, tmp_path: Path, gz: bool
+) -> None:
+    tree = tmp_path / "tree"
+    build_small_files(tree / "small", 300, per_dir=100)
+    (tree / "big").mkdir()
+    write_patterned(tree / "big" / "w.bin", 40 << 20, seed=4)
+    name = "data.tar.gz" if gz else "data.tar"
+    archive = tmp_path / name
+    with tarfile.open(archive, "w:gz" if gz else "w") as t:
+        t.add(tree, arcname=".")
+    upload_file(s3, bucket, name, archive)
+    ref = tmp_path / "ref"
+    fastload.stage(archive, ref)
+    proxy.reset_counts()
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    got = results(start_nodes(f"s3://{bucket}/{name}", dsts))
+    size = archive.stat().st_size
+    assert proxy.bytes_out <= 1.1 * size + (1 << 20), (proxy.bytes_out, size)
+    assert sum(r["read_bytes"] for r in got) == size
+    assert all(r["nodes"] == 3 for r in got)
+    for d in dsts:
+        assert_same_tree(ref, d)
+    # The manifest is the one a plain stage writes: the same call again is a no-op.
+    proxy.reset_counts()
+    assert fastload.stage(f"s3://{bucket}/{name}", dsts[0]).skipped
+    assert proxy.gets() == 0
+
+
+def test_prefix_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    build_small_files(tree / "small", 200, per_dir=50)
+    (tree / "big").mkdir()
+    write_patterned(tree / "big" / "w.bin", 24 << 20, seed=4)
+    for p in sorted(tree.rglob("*")):
+        if p.is_file():
+            upload_file(s3, bucket, f"ds/{p.relative_to(tree)}", p)
+    total = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+    proxy.reset_counts()
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    got = results(start_nodes(f"s3://{bucket}/ds/", dsts))
+    assert proxy.bytes_out <= 1.1 * total + (1 << 20), (proxy.bytes_out, total)
+    assert sum(r["read_bytes"] for r in got) == total
+    for d in dsts:
+        assert_same_tree(tree, d, mtimes=False)
+    proxy.reset_counts()
+    assert fastload.stage(f"s3://{bucket}/ds/", dsts[1]).skipped
+    assert proxy.gets() == 0

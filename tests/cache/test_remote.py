@@ -290,7 +290,7 @@ def test_kill_9_mid_download_then_clean_epoch(tmp_path: Path, s3: Any, bucket: s
     fastload.ShardIndexDataset(url, cache_dir=cache_dir, fetch="range")  # the index, built
     for n in os.listdir(cache_dir / "shards"):
         os.unlink(cache_dir / "shards" / n)  # nothing cached: the reader downloads
-    proxy.latency = 1.0  # every request takes a second: a download is caught in flight
+    proxy.latency = 0.5  # every request is slow: a download is caught in flight
     child = subprocess.Popen(
         [sys.executable, str(HERE), "reader", json.dumps({"url": url, "cache": str(cache_dir)})],
         env=with_tests_on_path(dict(os.environ)), stdout=subprocess.PIPE,

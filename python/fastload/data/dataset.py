@@ -13,7 +13,8 @@ from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
 from ._fetch import Source, check_access, check_fields, fetch, index_of
 from ._remote import FETCH, RemoteReader, open_remote
-from .collate import collate, fetch_packed
+from .collate import collate as pack_samples
+from .collate import fetch_packed
 
 __all__ = ["ShardIndexDataset"]
 
@@ -134,7 +135,7 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         if self.packed:
             if self._remote is None:
                 return fetch_packed(self.index, indices, self.fields, self.access)
-            return collate(self._read(indices), fields=self.fields)
+            return pack_samples(self._read(indices), fields=self.fields)
         batch = self._read(indices)
         if self.transform is not None:
             t = self.transform

@@ -222,7 +222,7 @@ class RemoteShards:
 
         def one(i: int) -> None:
             with self.pinned_one(i) as pin:
-                _skeleton(pin.path, skeletons[i], self.entries[i].size)
+                header_skeleton(pin.path, skeletons[i], self.entries[i].size)
 
         try:
             with ThreadPoolExecutor(_INDEX_IN_FLIGHT, thread_name_prefix="fastload-index") as pool:
@@ -323,7 +323,7 @@ class _Stores:
         return self._shards.store(key).get_range(RemoteShards._key(key), start, end, etag)
 
 
-def _skeleton(src: Path, dst: Path, size: int) -> None:
+def header_skeleton(src: Path, dst: Path, size: int) -> None:
     """A sparse copy of tar ``src``: its header blocks at their offsets, holes for the
     members' data, the same size. The index builder reads headers only, so indexing it
     gives the index of ``src``."""

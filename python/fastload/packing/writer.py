@@ -19,7 +19,9 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import string
+import tempfile
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ import numpy as np
 from .. import _core
 from .._util import Size, parse_size
 from ..index import ShardIndex
+from . import upload as _upload
 from .plan import END_BYTES
 
 __all__ = [
@@ -226,6 +229,12 @@ class ShardWriter:
     renamed into place when full; ``close()`` writes the index (``index``, relative to
     ``out_dir``; None for none) and returns it. On an exception inside ``with``, the
     partial shard is removed and no index is written.
+
+    ``out_dir`` may be an object-store prefix (``"s3://bucket/prefix/"``, with
+    ``storage_options`` as for :func:`fastload.stage`): each shard is uploaded as soon as
+    it is complete (several in flight) and removed locally, and ``close()`` uploads the
+    index last, once every shard is there (and returns None); on an exception no index
+    is uploaded.
     """
 
     def __init__(
@@ -239,10 +248,20 @@ class ShardWriter:
         index: str | None = DEFAULT_INDEX,
         sync: bool = True,
         _name: Callable[[int], str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_pattern(pattern)
         if max_count is not None and max_count < 1:
             raise ValueError(f"max_count must be at least 1, not {max_count}")
+        self._uploader: Any = None
+        self.url: str | None = None
+        self._skeletons: list[Path] = []
+        if isinstance(out_dir, str) and _upload.is_object_url(out_dir):
+            # Shards go to a temporary folder, each uploaded once complete; only its
+            # headers stay (for the index, uploaded last by close()).
+            self._uploader = _upload.Uploader(out_dir, storage_options)
+            self.url = self._uploader.url
+            out_dir = tempfile.mkdtemp(prefix="fastload-shards-")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.pattern = pattern
@@ -294,10 +313,14 @@ class ShardWriter:
         if f is None:
             return
         size = f.bytes + END_BYTES
-        f.commit(self._sync)
+        f.commit(self._sync and self._uploader is None)
         self._shards.append(Path(f.path))
         self._shard_samples.append(self._count)
         self._bytes += size
+        if self._uploader is not None:
+            shard = Path(f.path)
+            self._skeletons.append(_upload.skeleton_of(shard, self.out_dir))
+            self._uploader.submit(shard, shard.name)
 
     # --- ending ---
 
@@ -307,10 +330,29 @@ class ShardWriter:
         if self._closed:
             return self._index
         self._closed = True
+        if self._uploader is not None:
+            self._close_upload()
+            return None
         self._finish_shard()
         if self._index_name and self._shards:
             self._index = ShardIndex.build(self._shards, self.out_dir / self._index_name)
         return self._index
+
+    def _close_upload(self) -> None:
+        """Finishes the last shard, waits for every upload, then uploads the index."""
+        up = self._uploader
+        try:
+            self._finish_shard()
+            up.wait()
+            if self._index_name and self._shards:
+                dest = self.out_dir / self._index_name
+                _upload.index_from_skeletons(self._skeletons, [p.name for p in self._shards],
+                                             dest)
+                up.submit(dest, self._index_name)
+                up.wait()
+        finally:
+            up.close()
+            shutil.rmtree(self.out_dir, ignore_errors=True)
 
     def abort(self) -> None:
         """Removes the shard being written (complete shards stay); no index is written."""
@@ -318,6 +360,9 @@ class ShardWriter:
         f, self._file = self._file, None
         if f is not None:
             f.abort()
+        if self._uploader is not None:  # complete shards stay uploaded; no index
+            self._uploader.close()
+            shutil.rmtree(self.out_dir, ignore_errors=True)
 
     def __enter__(self) -> ShardWriter:
         return self

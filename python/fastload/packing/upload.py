@@ -1,0 +1,98 @@
+"""Packing into an object store (``s3://bucket/prefix/``): shards are written locally
+(a temporary folder) and uploaded (several in flight, multipart for big ones: obstore's
+``put`` of a file), the index last, once every shard is there, so a reader listing the
+prefix never finds an index describing shards that are not all uploaded. ShardWriter
+uploads each shard as soon as it is complete and keeps only its headers (a sparse
+skeleton) for the index; ``pack(path)`` packs natively into the temporary folder, then
+uploads. Local copies are removed once uploaded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import _core
+from ..cache.remote import header_skeleton
+from ..sources.objstore import ObjectStore, StorageOptions, is_object_url, split_url
+
+__all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "is_object_url", "pack_to_bucket"]
+
+UPLOADS_IN_FLIGHT = 4
+
+
+class Uploader:
+    """Uploads files under ``url`` (a prefix), ``UPLOADS_IN_FLIGHT`` at a time."""
+
+    def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
+        if not url.endswith("/"):
+            url += "/"
+        split_url(url)  # checks it
+        self.url = url
+        self.store = ObjectStore(url, storage_options)
+        self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fastload-up")
+        self._pending: list[Future[None]] = []
+
+    def submit(self, path: Path, name: str, remove: bool = True) -> None:
+        """Uploads ``path`` as ``name`` under the prefix (then removes it)."""
+
+        def run() -> None:
+            self.store.put(name, path)
+            if remove:
+                path.unlink(missing_ok=True)
+
+        self._pending.append(self._pool.submit(run))
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        for f in [f for f in self._pending if f.done()]:
+            self._pending.remove(f)
+            f.result()
+
+    def wait(self) -> None:
+        """Waits for every upload; raises the first failure."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def index_from_skeletons(skeletons: list[Path], names: list[str], dest: Path) -> None:
+    """The index of shards from their header skeletons (see
+    :func:`fastload.cache.remote.header_skeleton`), recording ``names``."""
+    _core.build_index([os.fspath(p) for p in skeletons], names, os.fspath(dest), "error", 0)
+
+
+def pack_to_bucket(run: Callable[..., Any], out_url: str, index: str | None,
+                   **kwargs: Any) -> Any:
+    """``run(out_dir=LOCAL, index=index, **kwargs)`` into a temporary folder, then its
+    shards (and other files) uploaded under ``out_url`` and the index last. Returns
+    ``run``'s result."""
+    up = Uploader(out_url)
+    local = Path(tempfile.mkdtemp(prefix="fastload-pack-"))
+    try:
+        result = run(out_dir=local, index=index, **kwargs)
+        names = sorted(p.name for p in local.iterdir() if p.is_file())
+        last = [n for n in names if index and n == index]
+        for n in names:
+            if n not in last:
+                up.submit(local / n, n)
+        up.wait()
+        for n in last:
+            up.submit(local / n, n)
+        up.wait()
+        return result
+    finally:
+        up.close()
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def skeleton_of(shard: Path, work: Path) -> Path:
+    out = work / f".{shard.name}.headers"
+    header_skeleton(shard, out, shard.stat().st_size)
+    return out

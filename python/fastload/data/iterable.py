@@ -190,7 +190,11 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
     for :class:`~fastload.ShardIndexDataset`). Each reader knows its shards in the order
     it will read them, and downloads the next ones ahead in a background thread while
     the cache has room (``prefetch`` shards at most; 0: none). Samples, order, split and
-    resume are those of the same shards read locally.
+    resume are those of the same shards read locally. Pick ``shuffle_block`` so that a
+    block's shards fit the cache: a block mixes ``shuffle_block / samples per shard``
+    consecutive shards of the epoch's shard order, and a reader needs all of them in turn
+    (the default block, 65,536 samples, spans 64 shards of 1,000; with a cache of fewer,
+    shards are fetched again as the block's batches come back to them).
     """
 
     def __init__(

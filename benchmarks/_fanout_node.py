@@ -75,7 +75,9 @@ def stage(req: dict[str, Any]) -> dict[str, Any]:
 def exchange_only(req: dict[str, Any]) -> dict[str, Any]:
     total, size = int(req["bytes"]), int(req["round"])
     hosts = [socket.gethostname()] * dist.get_world_size()
-    x = exchange.Exchange(dist, None, hosts, "exchange benchmark", 300.0)
+    # A group of its own, as stage() makes for its leaders: Exchange.close() destroys it.
+    group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    x = exchange.Exchange(dist, group, hosts, "exchange benchmark", 300.0)
     payload = bytearray(os.urandom(size))
     try:
         x.round_trip(b"")  # every node has built its side before the clock starts

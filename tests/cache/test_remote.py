@@ -164,6 +164,30 @@ def test_default_cache_dir_is_the_environments(shards: tuple[list[Path], str], t
     assert cache_bytes(tmp_path / "node" / "cache") > 0
 
 
+def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str],
+                                            tmp_path: Path) -> None:
+    _, url = shards
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, shuffle=False, batch_size=2,
+                                       prefetch=2)
+    assert ds._remote is not None
+    entries = ds._remote.shards.entries
+    for n in os.listdir(cache_dir / "shards"):  # the index build left some: none now
+        os.unlink(cache_dir / "shards" / n)
+    it = iter(ds)
+    next(it)  # reading shard 0: the thread fetches 1 and 2, and no further
+    deadline = time.monotonic() + 60
+    while not all((cache_dir / "shards" / e.name).exists() for e in entries[:3]):
+        assert time.monotonic() < deadline, os.listdir(cache_dir / "shards")
+        time.sleep(0.02)
+    time.sleep(0.3)  # (a thread that went on would have started shard 3 by now)
+    assert sorted(os.listdir(cache_dir / "shards")) == sorted(e.name for e in entries[:3])
+    rest = list(it)
+    assert sum(len(b) for b in rest) == sum(SIZES) - 2
+    downloads = [n for _, op, n, _ in ShardCache(cache_dir).events() if op == "download"]
+    assert sorted(downloads[-len(SIZES):]) == sorted(e.name for e in entries)  # each once
+
+
 # --- the index object pack writes ------------------------------------------------------
 
 

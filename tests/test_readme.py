@@ -21,6 +21,7 @@ NEEDS_ELSEWHERE = {
     "ILSVRC2012_img_train.tar": "stages ImageNet's train tar",
     "s3://datasets/coco/": "an S3 bucket (tests/sources/test_s3.py covers s3:// staging)",
     'resolve("imagenet"': "the dataset registry on a cluster, and a download",
+    "/network/scratch/me/shards": "a job's nodes (tests/staging/test_fanout.py runs three)",
 }
 
 

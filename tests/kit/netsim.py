@@ -60,13 +60,16 @@ class Mount:
             r = subprocess.run([str(NETSIM), "umount", str(self.path)], capture_output=True)
             if r.returncode != 0 and os.path.ismount(self.path):
                 subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
-        deadline = time.monotonic() + 10
-        while not self._stats.exists() and time.monotonic() < deadline:
+        # netsim writes the file as it exits: wait for its last line ("meta").
+        deadline = time.monotonic() + 30
+        while True:
+            text = self._stats.read_text() if self._stats.exists() else ""
+            if "meta" in text or time.monotonic() > deadline:
+                break
             time.sleep(0.05)
-        if not self._stats.exists():
-            return {}
+        assert "meta" in text, f"netsim wrote no counts for {self.path}"
         out = {}
-        for line in self._stats.read_text().splitlines():
+        for line in text.splitlines():
             key, value = line.split()
             out[key] = int(value)
         return out

@@ -172,6 +172,27 @@ def node_key() -> str:
     return f"host:{socket.gethostname()}"
 
 
+def destination_id(dst: Path) -> str:
+    """An id of the directory ``dst`` lands in, the same for every process that sees
+    that directory: a random word kept beside it (created once, atomically, also on
+    NFS). Processes with the same id share one copy (the same node, or a destination on
+    a shared file system); different ids are different disks."""
+    path = dst.parent / f".{dst.name}.fastload.id"
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(uuid.uuid4().hex, encoding="ascii")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text(encoding="ascii").strip()
+
+
 def stage_fanout(req: Request, group: Any = None) -> StageResult:
     """Stages ``req`` across the nodes of the job (see the module's description)."""
     try:
@@ -204,14 +225,17 @@ def _stage_in_group(dist: Any, group: Any, req: Request, timeout: float) -> Stag
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, (node_key(), socket.gethostname(), uuid.uuid4().hex), group)
+    # One leader per destination, not per node name: three "nodes" whose destination
+    # is one directory of a shared file system are one copy (and one node lock).
+    me = (node_key(), destination_id(req.dst), socket.gethostname(), uuid.uuid4().hex)
+    dist.all_gather_object(everyone, me, group)
     leaders: dict[str, int] = {}
-    for r, (key, _, _) in enumerate(everyone):
-        leaders.setdefault(key, r)
+    for r, (_, dest, _, _) in enumerate(everyone):
+        leaders.setdefault(dest, r)
     order = sorted(leaders.values())
-    token = everyone[0][2]
-    hosts = [everyone[r][1] for r in order]
-    me_leader = leaders[everyone[rank][0]] == rank
+    token = everyone[0][3]
+    hosts = [everyone[r][2] for r in order]
+    me_leader = leaders[everyone[rank][1]] == rank
     # Global ranks of the leaders (new_group wants ranks of the default group).
     ranks = [dist.get_global_rank(group, r) if group is not None else r for r in order]
     # The group's own timeout is the round timeout: work of unequal length happens

@@ -22,6 +22,7 @@ NEEDS_ELSEWHERE = {
     "s3://datasets/coco/": "an S3 bucket (tests/sources/test_s3.py covers s3:// staging)",
     'resolve("imagenet"': "the dataset registry on a cluster, and a download",
     "/network/scratch/me/shards": "a job's nodes (tests/staging/test_fanout.py runs three)",
+    "s3://bucket/train-": "shards in a bucket (tests/cache/ reads them from loopback S3)",
 }
 
 

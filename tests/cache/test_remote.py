@@ -70,6 +70,8 @@ def test_map_style_same_samples(shards: tuple[list[Path], str], tmp_path: Path) 
     everything = list(range(len(local)))
     assert plain(remote.__getitems__(everything)) == plain(local.__getitems__(everything))
     assert plain(remote[-1]) == plain(local[-1])
+    with pytest.raises(IndexError, match="out of range"):
+        remote[len(local)]
     key = local[17]["__key__"]
     assert plain(remote.get(key)) == plain(local.get(key))
     # fields, copy, packed batches

@@ -109,9 +109,12 @@ class RemoteReader:
             return []
         arr = np.asarray(ids, dtype=np.int64)
         with self._lock:
-            if self._pid != os.getpid():
-                self.get()
-            shards = self.shard_of(np.where(arr < 0, arr + len(self.get()), arr))
+            n = len(self.get())
+            bad = np.flatnonzero((arr < -n) | (arr >= n))
+            if len(bad):  # as the native fetch says it, before any shard is fetched
+                i = int(arr[bad[0]])
+                raise IndexError(f"sample index {i} out of range for {n} samples")
+            shards = self.shard_of(np.where(arr < 0, arr + n, arr))
             if (shards == shards[0]).all():
                 self._pin(int(shards[0]))
                 out: list[Any] = fetch(self.get(), arr.tolist())

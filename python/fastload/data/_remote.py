@@ -6,8 +6,9 @@ Pins follow one rule: a reader holds at most one pin, and never while it waits f
 another (it lets go of the shard it holds first), so readers sharing a small cache
 cannot wait on each other for ever. The shard last read stays pinned until the reader
 moves on (most batches of a stream fall in one shard). A shard let go of may be evicted;
-the native index's mappings of it are dropped by reopening the index (cheap) before the
-next read.
+the native index's mappings of it are dropped by reopening the index (one mmap and a
+checksum) at the start of the next batch (with no ``cache_limit`` nothing is evicted, and
+the index stays open).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class RemoteReader:
         if self._held is not None:
             self._held[1].release()
             self._held = None
-            self._stale = True
+            # Without a limit nothing is evicted: the mappings may stay.
+            self._stale = self._stale or self.shards.cache.limit is not None
 
     def _pin(self, shard: int) -> None:
         if self._held is not None and self._held[0] == shard:
@@ -109,7 +111,10 @@ class RemoteReader:
             return []
         arr = np.asarray(ids, dtype=np.int64)
         with self._lock:
-            n = len(self.get())
+            # Reopened (if a shard was let go of) once per call, not per shard: the
+            # shards let go of during this call stay mapped until the next one.
+            index = self.get()
+            n = len(index)
             bad = np.flatnonzero((arr < -n) | (arr >= n))
             if len(bad):  # as the native fetch says it, before any shard is fetched
                 i = int(arr[bad[0]])
@@ -117,7 +122,7 @@ class RemoteReader:
             shards = self.shard_of(np.where(arr < 0, arr + n, arr))
             if (shards == shards[0]).all():
                 self._pin(int(shards[0]))
-                out: list[Any] = fetch(self.get(), arr.tolist())
+                out: list[Any] = fetch(index, arr.tolist())
                 return out
             result: list[Any] = [None] * len(arr)
             held = -1 if self._held is None else self._held[0]
@@ -129,7 +134,7 @@ class RemoteReader:
             for s in order:
                 where = np.flatnonzero(shards == s)
                 self._pin(int(s))
-                got = fetch(self.get(), arr[where].tolist())
+                got = fetch(index, arr[where].tolist())
                 for k, v in zip(where.tolist(), got, strict=True):
                     result[k] = v
             return result

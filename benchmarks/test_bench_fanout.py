@@ -92,7 +92,8 @@ class FanoutScale:
 
 
 FANOUT_SCALES = {
-    # A few MiB: the module in well under 30 s, most of it the nodes' torch import.
+    # A few MiB: the module in ~35 s on the shared 2-core VM (load 6-12), 9-15 s of it the
+    # nodes' torch import and ~0.8 s fixed cost per fanned-out call.
     "small": FanoutScale(120, 4, 8, 16 << 20, 120, 4, 8, 64 << 20, 8 << 20),
     # The issue's shapes: a 4,000-file tree, a 2 GiB file, a 1 GiB tar (the same tar as
     # test_bench_s3.py's); the exchange in fastload's own round size (32 MiB).

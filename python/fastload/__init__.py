@@ -27,7 +27,8 @@ from .probing import ProbeResult, probe
 from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
-    from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset, collate
+    from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset
+    from .data.collate import collate
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
 _LAYERS = """

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import StageError
+from ...errors import StageError
 
 OK, DONE = 0, 1
 

@@ -1,0 +1,109 @@
+"""What the parts of fan-out share: its sizes, the request, parallel reads, digests,
+and the read-ahead every leader's sender is built on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ... import _core
+from ..job import Progress
+from ..result import StageResult
+from ..tree import TreePlan
+
+# Bytes a leader sends per round (every leader receives N times that); node 0's
+# FASTLOAD_FANOUT_ROUND overrides it (tests use small rounds to have many).
+ROUND = 32 << 20
+PIECE = 16 << 20  # bytes of an archive per piece
+SUBREAD = 1 << 20  # a chunk is read in parallel positional reads of this size
+READERS = 32  # reads in flight on a leader
+WRITERS = 8  # writes in flight on a leader
+
+U64 = struct.Struct("<Q")
+
+
+@dataclasses.dataclass
+class Request:
+    """A stage() call, its arguments checked, as the fan-out needs it. ``locked(listing,
+    source)`` runs the ordinary stage under the node lock the caller already holds (with
+    the tree listing, or the archive source, to use instead of its own)."""
+
+    src: Path | str
+    dst: Path
+    is_file: bool
+    options: dict[str, Any]
+    compression: str | None
+    checksum: tuple[str, str] | None
+    engine: str
+    progress: Progress
+    workers: int | None
+    stripe: int
+    t0: float
+    locked: Callable[..., StageResult]
+    plain: Callable[[], StageResult]
+    archive: Callable[[], Any] | None = None
+    """The archive as a source (an object in a store); default: the file ``src``."""
+    objects: tuple[Any, list[Any], bool, Callable[..., TreePlan]] | None = None
+    """A prefix of a store: (the store, its objects, a single object?, plan_objects)."""
+
+
+def read_range(fd: int, view: memoryview, off: int, pool: ThreadPoolExecutor) -> int:
+    """Fills ``view`` from ``fd`` at ``off`` with parallel reads of ``SUBREAD`` bytes
+    (a network file system serves one request at a time per read). Returns the bytes
+    read (short at the end of the file)."""
+
+    def one(start: int, end: int) -> int:
+        got = start
+        while got < end:
+            k = os.preadv(fd, [view[got:end]], off + got)
+            if k == 0:
+                break
+            got += k
+        return got - start
+
+    n = view.nbytes
+    if n <= SUBREAD:
+        return one(0, n)
+    parts = [(s, min(s + SUBREAD, n)) for s in range(0, n, SUBREAD)]
+    futures = [pool.submit(one, s, e) for s, e in parts[1:]]
+    total = one(*parts[0])
+    for fut in futures:
+        total += fut.result()
+    return total
+
+
+def digest(view: memoryview) -> int:
+    return _core.fl64(view)
+
+
+class Sender:
+    """What a leader sends, built two rounds ahead of the exchange (on ``_pool``; reads
+    in parallel on ``_sub``): ``_fill`` queues the next buffers, ``next`` takes one."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="fastload-fanout-read")
+        self._sub = ThreadPoolExecutor(READERS, thread_name_prefix="fastload-fanout-sub")
+        self._ahead: deque[Future[bytearray]] = deque()
+        self.store_bytes = 0
+
+    def _fill(self) -> None:
+        raise NotImplementedError
+
+    def next(self) -> bytearray:
+        if not self._ahead:
+            return bytearray()
+        buf = self._ahead.popleft().result()
+        self._fill()
+        return buf
+
+    def close(self) -> None:
+        for fut in self._ahead:
+            fut.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sub.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,215 @@
+"""Who takes part in a fanned-out stage: the process group (the job's, or one made from
+torchrun's or SLURM's variables), one leader per destination, the node lock, and a
+failure recorded for the node's other processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..._util import node_lock, write_json_atomic
+from ..job import say_waiting
+from ..result import StageResult
+from ..state import state_dir
+from .archive import fan_archive
+from .common import Request
+from .exchange import Exchange, fanout_error, timeout_from_env
+from .tree import fan_tree
+
+
+def _scontrol(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """The address of the job's first node: the rendezvous of a group made from
+    SLURM's variables (its name, or its NodeAddr where the name does not resolve)."""
+    names = _scontrol("show", "hostnames", nodelist).split()
+    if names:
+        host = names[0]
+    else:
+        # "n[1-3,7],m2" -> "n1": the first name of a compressed list, without scontrol.
+        head = nodelist.split(",")[0]
+        if "[" in head:
+            prefix, rest = head.split("[", 1)
+            head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+        host = head
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        pass
+    for word in _scontrol("show", "node", host).split():
+        if word.startswith("NodeAddr="):
+            return word[len("NodeAddr=") :]
+    return host
+
+
+def _init_from_env(dist: Any, timeout: float) -> bool:
+    """Initialises the default group from torchrun's or SLURM's variables; False where
+    they describe a single process (or none)."""
+    import datetime
+
+    env = os.environ
+    pg_timeout = datetime.timedelta(seconds=max(timeout, 1800.0))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        if int(env["WORLD_SIZE"]) < 2:
+            return False
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise ValueError(
+                "fanout=True under torchrun's variables needs MASTER_ADDR and MASTER_PORT"
+            )
+        dist.init_process_group("gloo", init_method="env://", timeout=pg_timeout)
+        return True
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        host = env.get("MASTER_ADDR") or _slurm_first_host(env.get("SLURM_JOB_NODELIST", ""))
+        port = env.get("FASTLOAD_FANOUT_PORT") or str(
+            29500 + 1 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        )
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            timeout=pg_timeout,
+        )
+        return True
+    return False
+
+
+def node_key() -> str:
+    """Which node this process is on: SLURM's node number, else torchrun's group rank,
+    else the host name (several "nodes" can so share one machine in tests)."""
+    env = os.environ
+    if "SLURM_NODEID" in env:
+        return f"slurm:{env['SLURM_NODEID']}"
+    if "GROUP_RANK" in env:
+        return f"torchrun:{env['GROUP_RANK']}"
+    return f"host:{socket.gethostname()}"
+
+
+def destination_id(dst: Path) -> str:
+    """An id of the directory ``dst`` lands in, the same for every process that sees
+    that directory: a random word kept beside it (created once, atomically, also on
+    NFS). Processes with the same id share one copy (the same node, or a destination on
+    a shared file system); different ids are different disks."""
+    path = dst.parent / f".{dst.name}.fastload.id"
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(uuid.uuid4().hex, encoding="ascii")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text(encoding="ascii").strip()
+
+
+def stage_fanout(req: Request, group: Any = None) -> StageResult:
+    """Stages ``req`` across the nodes of the job (see the module's description)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise ImportError(
+            "stage(..., fanout=True) exchanges data over torch.distributed: "
+            "pip install torch (or drop fanout=True)"
+        ) from None
+    timeout = timeout_from_env()
+    created = False
+    if not dist.is_available():
+        return req.plain()
+    if not dist.is_initialized():
+        created = _init_from_env(dist, timeout)
+        if not created:
+            return req.plain()
+    try:
+        if dist.get_world_size(group) < 2:
+            return req.plain()
+        return _stage_in_group(dist, group, req, timeout)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _stage_in_group(dist: Any, group: Any, req: Request, timeout: float) -> StageResult:
+    import datetime
+
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    everyone: list[Any] = [None] * size
+    # One leader per destination, not per node name: three "nodes" whose destination
+    # is one directory of a shared file system are one copy (and one node lock).
+    me = (node_key(), destination_id(req.dst), socket.gethostname(), uuid.uuid4().hex)
+    dist.all_gather_object(everyone, me, group)
+    leaders: dict[str, int] = {}
+    for r, (_, dest, _, _) in enumerate(everyone):
+        leaders.setdefault(dest, r)
+    order = sorted(leaders.values())
+    token = everyone[0][3]
+    hosts = [everyone[r][2] for r in order]
+    me_leader = leaders[everyone[rank][1]] == rank
+    # Global ranks of the leaders (new_group wants ranks of the default group).
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in order]
+    # The group's own timeout is the round timeout: work of unequal length happens
+    # between rounds (Exchange.sync), so no process waits longer on a peer that is gone.
+    leader_group = dist.new_group(
+        ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout)
+    )
+    if len(order) == 1:
+        # One node: its processes share the node lock as in a plain stage.
+        return req.plain()
+    on_wait = say_waiting if req.progress else None
+    if not me_leader:
+        dist.barrier(group)  # the leaders hold their node locks from here on
+        with node_lock(req.dst, on_wait=on_wait):
+            failed = _read_failure(req.dst, token)
+        if failed is not None:
+            raise fanout_error(failed, str(req.src))
+        return req.plain()
+    with node_lock(req.dst, on_wait=on_wait):
+        dist.barrier(group)
+        x = Exchange(dist, leader_group, hosts, str(req.src), timeout)
+        ok = False
+        try:
+            fan = fan_archive if req.compression is not None else fan_tree
+            result = fan(x, req)
+            ok = True
+            return result
+        except BaseException as e:
+            x.abort(e)
+            _write_failure(req.dst, token, str(e))
+            raise
+        finally:
+            x.close(ok)
+
+
+def _write_failure(dst: Path, token: str, text: str) -> None:
+    with contextlib.suppress(OSError):
+        state_dir(dst).mkdir(exist_ok=True)
+        write_json_atomic(state_dir(dst) / "fanout-failed.json", {"token": token, "error": text})
+
+
+def _read_failure(dst: Path, token: str) -> str | None:
+    try:
+        with open(state_dir(dst) / "fanout-failed.json", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and data.get("token") == token:
+        return str(data.get("error"))
+    return None

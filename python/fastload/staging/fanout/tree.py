@@ -1,0 +1,449 @@
+"""Fan-out of a tree (a directory, one file, or a prefix of objects): the units the
+nodes lack, dealt by bytes; each leader's sender reads its units (from the source, or
+from its own disk when it holds them) and its writer writes what it lacks, journalled,
+for the tree pipeline to finish."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import stat
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ... import _core
+from ..._util import parse_size
+from ...errors import SourceChangedError, StageError, stage_error
+from ..job import JOURNAL_EVERY, progress_callback
+from ..result import StageResult
+from ..state import JournalFlusher, check_space, previous_stage
+from ..tree import TreePlan, list_tree, make_dirs, plan_tree, space_needed
+from .common import (
+    ROUND,
+    SUBREAD,
+    U64,
+    WRITERS,
+    Request,
+    Sender,
+    digest,
+    read_range,
+)
+from .exchange import Exchange, fanout_error
+
+
+def _read_file(
+    path: Path, e: tuple[Any, ...], off: int, view: memoryview, pool: ThreadPoolExecutor
+) -> None:
+    """``view`` from ``path`` at ``off``, the file still of the listed size and time."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as err:
+        raise stage_error(
+            err.errno or errno.EIO, f"cannot open '{path}': {err.strerror}", str(path)
+        ) from None
+    try:
+        got = read_range(fd, view, off, pool)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if got != view.nbytes or (st.st_size, st.st_mtime_ns) != (e[2], e[5]):
+        raise SourceChangedError(
+            errno.EIO,
+            f"source file changed: '{path}' was modified while it was being staged; "
+            "stage again to pick up the new content",
+        )
+
+
+class _TreeSource:
+    """A tree's source: a directory (or one file) on a file system."""
+
+    def __init__(self, req: Request) -> None:
+        self.req, self.src = req, Path(req.src)
+        self.label = self.src.name
+
+    def listing(self) -> Any:
+        return list_tree(self.src, self.req.is_file, self.req.options, self.req.workers)
+
+    def plan(self, listing: Any) -> TreePlan:
+        r = self.req
+        return plan_tree(
+            self.src, r.dst, r.is_file, r.options, previous_stage(r.dst), r.engine, r.workers,
+            r.stripe, listing,
+        )  # fmt: skip
+
+    def read(
+        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
+    ) -> None:
+        e = plan.files[f]
+        path = self.src if self.req.is_file else plan.src_root / e[0]
+        _read_file(path, e, off, view, pool)
+
+
+class _ObjectsSource(_TreeSource):
+    """A prefix (or one object) of an object store: ranged GETs, If-Match the listed
+    ETag, several in flight for a big unit."""
+
+    def __init__(self, req: Request) -> None:
+        super().__init__(req)
+        assert req.objects is not None
+        self.store, self.objects, self.single, self.plan_objects = req.objects
+        self.label = str(req.src).rstrip("/").rsplit("/", 1)[-1]
+
+    def listing(self) -> Any:
+        return self.objects
+
+    def plan(self, listing: Any) -> TreePlan:
+        r = self.req
+        self.objects = listing  # node 0's: the units are numbered in it
+        plan: TreePlan = self.plan_objects(
+            self.store, listing, r.dst, single=self.single, options=r.options,
+            old=previous_stage(r.dst), engine=r.engine, workers=r.workers, stripe=r.stripe,
+        )  # fmt: skip
+        return plan
+
+    def read(
+        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
+    ) -> None:
+        o = self.objects[f]
+        step = 4 * SUBREAD
+        n = view.nbytes
+        parts = [(s, min(s + step, n)) for s in range(0, n, step)]
+        read = self.store.read_into
+        if len(parts) == 1:
+            got = read(o.key, off, view, o.etag)
+        else:
+            futures = [pool.submit(read, o.key, off + s, view[s:e], o.etag) for s, e in parts]
+            got = sum(fut.result() for fut in futures)
+        if got != n:
+            raise SourceChangedError(
+                errno.EIO,
+                f"source changed: '{self.store.url.rstrip('/')}/{o.key}' is shorter than "
+                "listed; stage again to pick up the new content",
+            )
+
+
+@dataclasses.dataclass
+class _Units:
+    """What the nodes lack, cut into units: ``file[u]`` (index into the plan's files),
+    ``off[u]``, ``size[u]``; ``sender[u]``: the node that reads it, ``local[u]``: from its
+    own destination (else from the store); ``rounds[k]``: node k's units, round by round."""
+
+    file: list[int]
+    off: list[int]
+    size: list[int]
+    sender: list[int]
+    local: list[bool]
+    rounds: list[list[list[int]]]
+
+
+def _deal(
+    files: list[tuple[Any, ...]],
+    need: list[set[int]],
+    have: list[set[int]],
+    stripe: int,
+    round_bytes: int,
+) -> _Units:
+    """The units and who sends each: the same on every node (a pure function of the
+    plan every node shares)."""
+    nodes = len(need)
+    wanted = sorted(set().union(*need))
+    u = _Units([], [], [], [], [], [[] for _ in range(nodes)])
+    load = [0] * nodes
+    store_units: list[int] = []
+    for i in wanted:
+        size = files[i][2]
+        holders = [k for k in range(nodes) if i in have[k]]
+        for off in range(0, size, stripe):
+            idx = len(u.file)
+            u.file.append(i)
+            u.off.append(off)
+            u.size.append(min(stripe, size - off))
+            if holders:
+                k = min(holders, key=lambda h: (load[h], h))
+                load[k] += u.size[idx]
+                u.sender.append(k)
+                u.local.append(True)
+            else:
+                u.sender.append(-1)
+                u.local.append(False)
+                store_units.append(idx)
+    # The store's units in contiguous runs, one per node, balanced by bytes (including
+    # what each node already sends from its disk).
+    total = sum(u.size[j] for j in store_units) + sum(load)
+    target = total / nodes
+    k = 0
+    for j in store_units:
+        while k < nodes - 1 and load[k] + u.size[j] / 2 > target:
+            k += 1
+        u.sender[j] = k
+        load[k] += u.size[j]
+    for k in range(nodes):
+        mine = [j for j in range(len(u.file)) if u.sender[j] == k]
+        batch: list[int] = []
+        nbytes = 0
+        for j in mine:
+            if batch and nbytes + u.size[j] > round_bytes:
+                u.rounds[k].append(batch)
+                batch, nbytes = [], 0
+            batch.append(j)
+            nbytes += u.size[j]
+        if batch:
+            u.rounds[k].append(batch)
+    return u
+
+
+class _TreeSender(Sender):
+    """Reads this node's units, a round ahead of the exchange: payload = the units'
+    digests (8 bytes each), then their bytes."""
+
+    def __init__(self, plan: TreePlan, units: _Units, node: int, source: _TreeSource):
+        super().__init__()
+        self._plan, self._u, self._node = plan, units, node
+        self._source = source
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        rounds = self._u.rounds[self._node]
+        while len(self._ahead) < 2 and self._next < len(rounds):
+            self._ahead.append(self._pool.submit(self._build, rounds[self._next]))
+            self._next += 1
+
+    def _read_unit(self, j: int, view: memoryview) -> int:
+        u, plan = self._u, self._plan
+        f = u.file[j]
+        if u.local[j]:
+            _read_file(plan.dst_root / plan.files[f][0], plan.files[f], u.off[j], view, self._sub)
+        else:
+            self._source.read(plan, f, u.off[j], view, self._sub)
+        return digest(view)
+
+    def _build(self, batch: list[int]) -> bytearray:
+        u = self._u
+        head = 8 * len(batch)
+        buf = bytearray(head + sum(u.size[j] for j in batch))
+        view = memoryview(buf)
+        pos = head
+        futures = []
+        for j in batch:
+            futures.append(self._pool_small(j, view[pos : pos + u.size[j]]))
+            pos += u.size[j]
+        for i, (j, fut) in enumerate(zip(batch, futures, strict=True)):
+            U64.pack_into(buf, 8 * i, fut.result())
+            if not u.local[j]:
+                self.store_bytes += u.size[j]
+        return buf
+
+    def _pool_small(self, j: int, view: memoryview) -> Future[int]:
+        # Small units go to the sub-read pool as whole reads (many files in flight); a
+        # big unit reads itself in parallel sub-reads from that pool.
+        if self._u.size[j] <= SUBREAD:
+            return self._sub.submit(self._read_unit, j, view)
+        done: Future[int] = Future()
+        try:
+            done.set_result(self._read_unit(j, view))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+
+class _TreeWriter:
+    """Writes the units this node lacks under temporary names; a file whole is chmod'ed,
+    given its source time, renamed into place and journalled."""
+
+    def __init__(self, plan: TreePlan, units: _Units, mine: set[int], flusher: JournalFlusher):
+        self._plan, self._u, self._flusher = plan, units, flusher
+        self._left: dict[int, int] = {}
+        self._digests: dict[int, dict[int, int]] = {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        for j in range(len(units.file)):
+            f = units.file[j]
+            if f in mine:
+                self._left[f] = self._left.get(f, 0) + 1
+        self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="fastload-fanout-write")
+        self._pending: list[Future[None]] = []
+        self.files = 0
+        self.bytes = 0
+
+    def _tmp(self, f: int) -> Path:
+        return self._plan.dst_root / _core.temp_name(self._plan.files[f][0])
+
+    def _write(self, j: int, data: memoryview, sent: int) -> None:
+        u, plan = self._u, self._plan
+        f = u.file[j]
+        e = plan.files[f]
+        if digest(data) != sent:
+            raise stage_error(
+                errno.EIO,
+                f"fan-out: '{e[0]}' arrived damaged (chunk at {u.off[j]} fails its digest)",
+                str(plan.dst_root / e[0]),
+            )
+        with self._lock:
+            fd = self._fds.get(f)
+            if fd is None:
+                fd = os.open(
+                    self._tmp(f), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+                )
+                self._fds[f] = fd
+        view = data
+        off = u.off[j]
+        while view.nbytes:
+            k = os.pwrite(fd, view, off)
+            view, off = view[k:], off + k
+        with self._lock:
+            self._digests.setdefault(f, {})[u.off[j]] = sent
+            self._left[f] -= 1
+            whole = self._left[f] == 0
+            if whole:
+                del self._fds[f]
+        if whole:
+            self._finish(f, fd)
+
+    def _finish(self, f: int, fd: int | None) -> None:
+        e = self._plan.files[f]
+        tmp = self._tmp(f)
+        if fd is None:  # an empty file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            chunks = [_core.fl64(b"")]
+        else:
+            got = self._digests.pop(f)
+            chunks = [got[k] for k in sorted(got)]
+        try:
+            os.fchmod(fd, stat.S_IMODE(e[4]))
+        finally:
+            os.close(fd)
+        os.utime(tmp, ns=(e[5], e[5]))
+        os.replace(tmp, self._plan.dst_root / e[0])
+        digests = b"".join(U64.pack(c) for c in chunks).hex()
+        rec = (e[2], e[5], e[4], digests)
+        self._plan.done[e[0]] = rec
+        self._flusher.add([(e[0], *rec)])
+        with self._lock:
+            self.files += 1
+            self.bytes += e[2]
+
+    def empty(self, f: int) -> None:
+        self._finish(f, None)
+
+    def take(self, node: int, batch: list[int], payload: memoryview, mine: set[int]) -> None:
+        u = self._u
+        pos = 8 * len(batch)
+        for i, j in enumerate(batch):
+            data = payload[pos : pos + u.size[j]]
+            pos += u.size[j]
+            if u.file[j] in mine:
+                sent = U64.unpack_from(payload, 8 * i)[0]
+                self._pending.append(self._pool.submit(self._write, j, data, sent))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _bits(indices: set[int] | list[int], n: int) -> bytes:
+    out = bytearray((n + 7) // 8)
+    for i in indices:
+        out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def _unbits(data: bytes, n: int) -> set[int]:
+    return {i for i in range(n) if data[i >> 3] >> (i & 7) & 1}
+
+
+def fan_tree(x: Exchange, req: Request) -> StageResult:
+    source = _ObjectsSource(req) if req.objects is not None else _TreeSource(req)
+    listing: list[Any] = [None]
+    if x.node == 0:
+        try:
+            entries = source.listing()
+            listing = [
+                ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
+            ]
+        except (OSError, StageError) as e:
+            listing = [("error", str(e), 0)]
+    x.sync("listed")
+    x.broadcast_object(listing)
+    status, entries, round_bytes = listing[0]
+    if status != "ok":
+        raise fanout_error(
+            f"node 0 ({x.hosts[0]}) could not list the source: {entries}", str(req.src)
+        )
+    plan = source.plan(entries)
+    nfiles = len(plan.files)
+    need_me = [] if plan.complete else plan.todo
+    index = {e[0]: i for i, e in enumerate(plan.files)}
+    have_me = {index[p] for p in plan.done if p in index}
+    if need_me:
+        check_space(req.dst.parent, space_needed(plan, req.dst.parent), req.dst)
+    x.sync("planned")
+    gathered = x.all_gather_object((_bits(need_me, nfiles), _bits(have_me, nfiles)))
+    need = [_unbits(a, nfiles) for a, _ in gathered]
+    have = [_unbits(b, nfiles) for _, b in gathered]
+    if not any(need):
+        return req.locked(listing=entries)
+    units = _deal(plan.files, need, have, req.stripe, round_bytes)
+    mine = need[x.node]
+    if mine:
+        make_dirs(plan, req.dst, req.is_file)
+        plan.journal.open(dict(plan.done))
+    flusher = JournalFlusher(plan.journal, str(plan.dst_root), JOURNAL_EVERY) if mine else None
+
+    total = sum(plan.files[f][2] for f in mine)
+    on_progress, bar = progress_callback(req.progress, f"fan-out {source.label}", total, 0)
+    sender = _TreeSender(plan, units, x.node, source)
+    writer = _TreeWriter(plan, units, mine, flusher) if flusher is not None else None
+    rounds = max(len(r) for r in units.rounds)
+    try:
+        if writer is not None:
+            for f in mine:
+                if plan.files[f][2] == 0:
+                    writer.empty(f)
+        for r in range(rounds):
+            payload = sender.next()
+            views = x.round_trip(payload)
+            if writer is not None:
+                writer.wait()  # the previous round's writes: memory stays at two rounds
+                for k in range(x.nodes):
+                    if r < len(units.rounds[k]):
+                        writer.take(k, units.rounds[k][r], views[k], mine)
+                if on_progress is not None:
+                    on_progress(writer.bytes, total, writer.files, len(mine))
+        if writer is not None:
+            writer.wait()
+    finally:
+        sender.close()
+        if writer is not None:
+            writer.close()
+        if flusher is not None:
+            with contextlib.suppress(Exception):
+                flusher.close()
+        plan.journal.close()
+        if bar is not None:
+            bar.close()
+    result = req.locked(listing=entries)
+    return dataclasses.replace(
+        result,
+        seconds=time.monotonic() - req.t0,
+        engine="fanout",
+        skipped=False,
+        copied_files=writer.files if writer is not None else 0,
+        copied_bytes=writer.bytes if writer is not None else 0,
+        nodes=x.nodes,
+        read_bytes=sender.store_bytes,
+    )

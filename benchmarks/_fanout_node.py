@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 import fastload
-from fastload.staging import exchange
+from fastload.staging.fanout import exchange
 
 _round_trip = exchange.Exchange.round_trip
 _spent = {"seconds": 0.0, "received": 0}

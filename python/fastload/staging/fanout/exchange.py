@@ -89,6 +89,8 @@ class Exchange:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats: dict[int, tuple[int, float]] = {}  # node -> last count, when it moved
+        self._sets: list[list[Any]] = [[], []]  # the rounds' receive buffers, in turn
+        self._scratch: Any = None
         self._start_heartbeat()
 
     # --- the heartbeat --------------------------------------------------------
@@ -264,6 +266,7 @@ class Exchange:
         except Exception as e:
             raise self._store_lost(e) from None
         missing = set(range(self.nodes)) - {self.node}
+        nap, next_watch = 0.0005, started + WATCH_EVERY
         while True:
             try:
                 missing = {i for i in missing if not self._store.check([f"sync/{name}/{i}"])}
@@ -271,8 +274,12 @@ class Exchange:
                 raise self._store_lost(e) from None
             if not missing:
                 return
-            self._watch(missing, started)
-            time.sleep(WATCH_EVERY)
+            now = time.monotonic()
+            if now >= next_watch:
+                next_watch = now + WATCH_EVERY
+                self._watch(missing, started)
+            time.sleep(nap)  # short naps first: the others are usually about to arrive
+            nap = min(nap * 2, WATCH_EVERY)
 
     def broadcast_object(self, objs: list[Any]) -> None:
         """``objs`` from node 0 to every node, in place."""
@@ -314,14 +321,36 @@ class Exchange:
         self._wait(self._dist.all_gather(headers, header, group=self._group, async_op=True))
         lens = [int(h[1]) for h in headers]
         longest = max(lens)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.nodes)]
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if n:
-            if memoryview(payload).readonly:
-                payload = bytearray(payload)  # torch wants a writable buffer
-            mine[:n] = torch.frombuffer(payload, dtype=torch.uint8)
+        if longest == 0:
+            return [memoryview(b"") for _ in lens]
+        out = self._received(longest)
+        if n == longest and not memoryview(payload).readonly:
+            mine = torch.frombuffer(payload, dtype=torch.uint8)  # sent as it is
+        else:
+            # Shorter than the longest (all_gather wants equal sizes): padded in a
+            # buffer kept from round to round; the padding is never read.
+            if self._scratch is None or self._scratch.numel() < longest:
+                self._scratch = torch.empty(longest, dtype=torch.uint8)
+            mine = self._scratch[:longest]
+            if n:
+                mine[:n] = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if memoryview(payload).readonly
+                    else torch.frombuffer(payload, dtype=torch.uint8)
+                )
         self._wait(self._dist.all_gather(out, mine, group=self._group, async_op=True))
         return [memoryview(o.numpy())[:k] for o, k in zip(out, lens, strict=True)]
+
+    def _received(self, n: int) -> list[Any]:
+        """Where a round's buffers land: two sets, used in turn and kept (growing as
+        needed), so a round's views stay valid while the next round runs (the caller
+        is done with a round's views before the one after next)."""
+        k = self.round % 2
+        have = self._sets[k]
+        if not have or have[0].numel() < n:
+            have = [self._torch.empty(n, dtype=self._torch.uint8) for _ in range(self.nodes)]
+            self._sets[k] = have
+        return [t[:n] for t in have]
 
     def abort(self, error: BaseException) -> None:
         """Tells the others that this node failed (or what it saw fail): they stop

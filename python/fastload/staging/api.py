@@ -23,9 +23,9 @@ from ..errors import stage_error
 from ..sources.objstore import is_object_url
 from .archive import (
     archive_compression,
+    extract,
     is_stream,
     not_an_archive,
-    stage_archive,
     stage_stream,
     suffix_kind,
 )
@@ -343,37 +343,12 @@ def _stage_archive_locked(
     t0: float,
     sync: bool,
 ) -> StageResult:
-    size = source.size
-    on_progress, bar = progress_callback(progress, f"extract {Path(source.name).name}", size, 0)
-    try:
-        r = stage_archive(
-            source,
-            dst_abs,
-            compression=compression,
-            nested=options.get("unpack") == "nested",
-            options=options,
-            old=old,
-            checksum=checksum,
-            engine=engine,
-            on_progress=on_progress,
-            workers=workers,
-            stripe=stripe,
-            sync=sync,
-            t0=t0,
-        )
-    finally:
-        if bar is not None:
-            bar.close()
-    return StageResult(
-        dst_abs,
-        r["files"],
-        r["bytes"],
-        time.monotonic() - t0,
-        r["engine"],
-        r["skipped"],
-        r["copied_files"],
-        r["copied_bytes"],
-    )
+    return extract(
+        source, dst_abs, label=f"extract {Path(source.name).name}", total=source.size,
+        compression=compression, nested=options.get("unpack") == "nested", options=options,
+        old=old, checksum=checksum, engine=engine, progress=progress, workers=workers,
+        stripe=stripe, sync=sync, t0=t0,
+    )  # fmt: skip
 
 
 def verify(

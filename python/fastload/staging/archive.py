@@ -146,6 +146,42 @@ def archive_fingerprint(identity: tuple[str, int, Any], options: dict[str, Any])
     return h.hexdigest()
 
 
+def extract(
+    source: ArchiveSource,
+    dst: Path,
+    *,
+    label: str,
+    total: int,
+    compression: str,
+    nested: bool,
+    options: dict[str, Any],
+    old: dict[str, Any] | None,
+    checksum: tuple[str, str] | None,
+    engine: str,
+    progress: Any,
+    workers: int | None,
+    stripe: int,
+    sync: bool,
+    t0: float,
+) -> StageResult:
+    """:func:`stage_archive` with a progress bar (``label``, ``total`` bytes of the
+    archive, 0 where unknown) or callback, as a StageResult (under the node lock)."""
+    on_progress, bar = progress_callback(progress, label, total, 0)
+    try:
+        r = stage_archive(
+            source, dst, compression=compression, nested=nested, options=options, old=old,
+            checksum=checksum, engine=engine, on_progress=on_progress, workers=workers,
+            stripe=stripe, sync=sync, t0=t0,
+        )  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    return StageResult(
+        dst, r["files"], r["bytes"], time.monotonic() - t0, r["engine"], r["skipped"],
+        r["copied_files"], r["copied_bytes"],
+    )  # fmt: skip
+
+
 def stage_archive(
     source: ArchiveSource,
     dst: Path,
@@ -467,33 +503,9 @@ def stage_stream(
         }
         with node_lock(dst_abs, on_wait=say_waiting if progress else None):
             old = previous_stage(dst_abs)
-            on_progress, bar = progress_callback(progress, f"extract {source.name}", 0, 0)
-            try:
-                r = stage_archive(
-                    source,
-                    dst_abs,
-                    compression=compression,
-                    nested=unpack == "nested",
-                    options=options,
-                    old=old,
-                    checksum=checksum,
-                    engine=engine,
-                    on_progress=on_progress,
-                    workers=workers,
-                    stripe=stripe,
-                    sync=sync,
-                    t0=t0,
-                )
-            finally:
-                if bar is not None:
-                    bar.close()
-    return StageResult(
-        dst_abs,
-        r["files"],
-        r["bytes"],
-        time.monotonic() - t0,
-        r["engine"],
-        r["skipped"],
-        r["copied_files"],
-        r["copied_bytes"],
-    )
+            return extract(
+                source, dst_abs, label=f"extract {source.name}", total=0,
+                compression=compression, nested=unpack == "nested", options=options, old=old,
+                checksum=checksum, engine=engine, progress=progress, workers=workers,
+                stripe=stripe, sync=sync, t0=t0,
+            )  # fmt: skip

@@ -456,7 +456,7 @@ def stage_remote(
 ) -> StageResult:
     """stage() of an object store URL: a prefix (a tree), an object, or an archive object
     extracted as it streams in; fanned out over the job's nodes with ``fanout``."""
-    from .archive import detect_compression, not_an_archive, stage_archive, suffix_kind
+    from .archive import detect_compression, extract, not_an_archive, suffix_kind
     from .job import progress_callback, say_waiting
     from .readers import RemoteArchive
     from .tree import check_file_checksum
@@ -530,29 +530,17 @@ def stage_remote(
         total = info.size if info is not None else sum(o.size for o in objects)
         verb = "extract" if compression is not None else "stage"
         label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
+        if compression is not None:
+            assert info is not None
+            return extract(
+                source if source is not None else RemoteArchive(store, info), dst_abs,
+                label=f"{verb} {label}", total=total, compression=compression,
+                nested=options.get("unpack") == "nested", options=options, old=old,
+                checksum=checksum, engine=engine, progress=progress, workers=workers,
+                stripe=stripe, sync=sync, t0=t0,
+            )  # fmt: skip
         on_progress, bar = progress_callback(progress, f"{verb} {label}", total, 0)
         try:
-            if compression is not None:
-                assert info is not None
-                r = stage_archive(
-                    source if source is not None else RemoteArchive(store, info),
-                    dst_abs,
-                    compression=compression,
-                    nested=options.get("unpack") == "nested",
-                    options=options,
-                    old=old,
-                    checksum=checksum,
-                    engine=engine,
-                    on_progress=on_progress,
-                    workers=workers,
-                    stripe=stripe,
-                    sync=sync,
-                    t0=t0,
-                )
-                return StageResult(
-                    dst_abs, r["files"], r["bytes"], time.monotonic() - t0, r["engine"],
-                    r["skipped"], r["copied_files"], r["copied_bytes"],
-                )
             result = stage_objects(
                 store, listing if listing is not None else objects, dst_abs, single=single,
                 options=options, old=old,

@@ -40,13 +40,19 @@ def plain(sample: Any) -> Any:
 
 
 def cache_bytes(cache_dir: Path) -> int:
-    """The bytes of objects in a cache (entries and downloads in progress)."""
+    """The bytes of objects in a cache (entries and downloads in progress); each inode
+    once (a finished download's rename, during the listing, keeps its inode). Not under
+    the cache's lock: a DataLoader worker forked while the lock is held would keep it."""
     total = 0
     try:
         names = os.listdir(cache_dir / "shards")
     except FileNotFoundError:
         return 0
+    seen: set[int] = set()
     for n in names:
         with contextlib.suppress(FileNotFoundError):
-            total += os.stat(cache_dir / "shards" / n).st_size
+            st = os.stat(cache_dir / "shards" / n)
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
     return total

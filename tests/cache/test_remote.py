@@ -247,7 +247,7 @@ def test_quarter_limit_epoch(tmp_path: Path, s3: Any, bucket: str) -> None:
     def watch() -> None:
         while not done.is_set():
             peak[0] = max(peak[0], cache_bytes(cache_dir))
-            time.sleep(0.001)
+            time.sleep(0.002)
 
     watcher = threading.Thread(target=watch)
     watcher.start()

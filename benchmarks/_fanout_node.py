@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import fastload
 from fastload.staging.fanout import exchange
+from fastload.staging.fanout.over_torch import TorchTransport
 
 _round_trip = exchange.Exchange.round_trip
 _spent = {"seconds": 0.0, "received": 0}
@@ -77,7 +78,7 @@ def exchange_only(req: dict[str, Any]) -> dict[str, Any]:
     hosts = [socket.gethostname()] * dist.get_world_size()
     # A group of its own, as stage() makes for its leaders: Exchange.close() destroys it.
     group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-    x = exchange.Exchange(dist, group, hosts, "exchange benchmark", 300.0)
+    x = exchange.Exchange(TorchTransport(dist, group, 300.0), hosts, "exchange benchmark", 300.0)
     payload = bytearray(os.urandom(size))
     try:
         x.round_trip(b"")  # every node has built its side before the clock starts

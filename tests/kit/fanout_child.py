@@ -1,7 +1,9 @@
 """One process of a fanned-out stage (run by path): ``fanout_child.py SRC DST`` with the
 variables of a multi-node job in its environment. ``{node}`` in DST becomes
-``SLURM_NODEID`` (under srun). ``--init`` makes the gloo group from torchrun's variables
-before calling stage(), as a training script does; without it stage() makes its own.
+``SLURM_NODEID`` (under srun, or given to each rank by mpiexec). ``--init`` makes the
+gloo group from torchrun's variables before calling stage(), as a training script does;
+without it stage() makes its own. ``--fanout mpi`` or ``torch`` picks the transport
+(default: stage() chooses); ``--pid`` prints ``{"pid": ...}`` first.
 Prints one JSON line per progress report (``{"progress": bytes}``) and then
 ``{"result": ...}`` or ``{"error": ...}`` (exit status 3)."""
 
@@ -17,6 +19,12 @@ from typing import Any
 import fastload
 
 
+def say(doc: dict[str, Any]) -> None:
+    # One write per line: mpiexec prefixes every chunk it reads with the rank.
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("src")
@@ -26,7 +34,11 @@ def main() -> int:
     p.add_argument("--stripe", type=int, default=None)
     p.add_argument("--include", default=None)
     p.add_argument("--exclude", default=None)
+    p.add_argument("--fanout", default="true", help="true, or a transport: torch, mpi")
+    p.add_argument("--pid", action="store_true", help="print {'pid': ...} first")
     args = p.parse_args()
+    if args.pid:
+        say({"pid": os.getpid()})
     dst = args.dst.replace("{node}", os.environ.get("SLURM_NODEID", "x"))
     if args.init:
         import torch.distributed as dist
@@ -34,9 +46,10 @@ def main() -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 
     def progress(done: int, total: int, files: int, files_total: int) -> None:
-        print(json.dumps({"progress": done}), flush=True)
+        say({"progress": done})
 
-    kwargs: dict[str, Any] = {"fanout": True, "progress": progress}
+    fanout = True if args.fanout == "true" else args.fanout
+    kwargs: dict[str, Any] = {"fanout": fanout, "progress": progress}
     if args.nested:
         kwargs["unpack"] = "nested"
     for name in ("include", "exclude"):
@@ -48,7 +61,7 @@ def main() -> int:
         r = fastload.stage(args.src, dst, **kwargs)
     except Exception as e:
         out = {"type": type(e).__name__, "message": str(e)}
-        print(json.dumps({"error": out}), flush=True)
+        say({"error": out})
         return 3
     result = {
         "path": str(r.path),
@@ -61,7 +74,7 @@ def main() -> int:
         "nodes": r.nodes,
         "read_bytes": r.read_bytes,
     }
-    print(json.dumps({"result": result}), flush=True)
+    say({"result": result})
     return 0
 
 

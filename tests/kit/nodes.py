@@ -1,6 +1,7 @@
 """Several "nodes" on this machine for fan-out staging: one process per rank of a
 multi-node torchrun job (its variables in the environment), each running
-kit/fanout_child.py, a gloo group on loopback."""
+kit/fanout_child.py, a gloo group on loopback; or the ranks of one ``mpiexec`` (the
+mpich wheel's), each given its own node's variables."""
 
 from __future__ import annotations
 
@@ -76,3 +77,57 @@ def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     return [d["result"] for d in docs]
 
 
+
+
+def mpiexec() -> Path | None:
+    """The mpiexec beside this Python (the mpich wheel's hydra, in the venv), if any."""
+    path = Path(sys.executable).with_name("mpiexec")
+    return path if path.exists() else None
+
+
+def start_mpi_nodes(
+    src: Path | str,
+    dsts: list[Path],
+    *,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """One ``mpiexec`` of ``len(dsts)`` ranks on this machine, each with the variables of
+    its own node (``SLURM_NODEID``, no torchrun or SLURM job variables: the group is
+    MPI's) and staging into ``dsts[rank]``; their lines come prefixed ``[rank] ``."""
+    exe = mpiexec()
+    assert exe is not None
+    cmd: list[str] = [str(exe), "-prepend-rank"]
+    for k, d in enumerate(dsts):
+        if k:
+            cmd.append(":")
+        cmd += ["-n", "1", "-env", "SLURM_NODEID", str(k)]
+        cmd += [sys.executable, str(CHILD), str(src), str(d), "--pid", *args]
+    return subprocess.Popen(
+        cmd, env=child_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+def mpi_line(line: str) -> tuple[int, dict[str, Any]] | None:
+    """``[rank] {json}`` -> (rank, the document); None for MPI's own lines. (hydra
+    prefixes each chunk it reads, so a line may end in a stray ``[rank] ``.)"""
+    head, _, rest = line.partition("] ")
+    if not head.startswith("[") or not head[1:].isdigit() or not rest.startswith("{"):
+        return None
+    try:
+        doc, _ = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return None
+    return int(head[1:]), doc
+
+
+def mpi_outcomes(proc: subprocess.Popen[str], timeout: float = 240) -> dict[int, dict[str, Any]]:
+    """Each rank's last result or error (ranks that printed neither are missing)."""
+    out, _ = proc.communicate(timeout=timeout)
+    docs: dict[int, dict[str, Any]] = {}
+    for line in out.splitlines():
+        got = mpi_line(line)
+        if got is not None and ("result" in got[1] or "error" in got[1]):
+            docs[got[0]] = got[1]
+    return docs

@@ -1,32 +1,36 @@
 """The exchange of fan-out staging: the node leaders of a job, one process per node, in
-rounds where each contributes one buffer and receives everyone's (an all_gather over a
-gloo group of torch.distributed: TCP, no MPI, no GPU needed).
+rounds where each contributes one buffer and receives everyone's (an all_gather).
 
-Every leader keeps a heartbeat and a status in a small key-value store (torch's
-TCPStore, served by node 0). While a leader waits (in a round, or at a :meth:`sync`
-point before one, while others list, plan or set up), it watches them: a node that
-reports a failure (a full disk, a corrupt archive) stops the others at once with that
-node's message; a node whose heartbeat stops for the timeout (its process died or
-hangs) is named; a round's connection that breaks is explained the same way. Work of
-unequal length (listing, planning) happens before a :meth:`sync`, never inside a
-collective, so the gloo group's own timeout is the round timeout: a process never waits
-longer than that on a peer that is gone, not even at exit.
+The protocol lives here, once; a transport (:class:`Transport`) carries it:
+over_torch.py (a gloo group of torch.distributed, its heartbeat in a TCPStore: TCP, no
+MPI, no GPU needed) or over_mpi.py (mpi4py's non-blocking collectives on a communicator
+the MPI launcher made, the heartbeat in point-to-point messages).
 
-torch is imported here, lazily, only when a stage is fanned out across nodes.
+Every leader keeps a heartbeat and a status on the transport's control plane. While a
+leader waits (in a round, or at a :meth:`Exchange.sync` point before one, while others
+list, plan or set up), it watches them: a node that reports a failure (a full disk, a
+corrupt archive) stops the others at once with that node's message; a node whose
+heartbeat stops for the timeout (its process died or hangs) is named; a round's
+connection that breaks is explained the same way. Work of unequal length (listing,
+planning) happens before a sync, never inside a collective, and a collective is started
+without blocking and watched until it completes, so no process waits longer than the
+round timeout on a peer that is gone.
+
+torch and mpi4py are imported by their transports, lazily, only when a stage is fanned
+out across nodes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import os
 import pickle
-import socket
+import struct
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ...errors import StageError
 
@@ -34,10 +38,12 @@ OK, DONE = 0, 1
 
 HEARTBEAT_EVERY = 0.5  # seconds between a leader's heartbeats
 WATCH_EVERY = 0.25  # seconds between looks at the others while waiting
-LINGER = 10.0  # seconds node 0 waits, after a failure, for the others to hear of it
+LINGER = 10.0  # seconds a node that must linger waits, after a failure, for the others
 # Seconds a node may go without a heartbeat, or a round wait for the slowest node,
 # before the others stop (FASTLOAD_FANOUT_TIMEOUT).
 DEFAULT_TIMEOUT = 300.0
+
+HEADER = struct.Struct("<qq")  # a round's header: status, payload bytes
 
 
 class FanoutError(StageError):
@@ -64,18 +70,72 @@ def fanout_error(msg: str, path: str) -> FanoutError:
     return e
 
 
+class Pending(Protocol):
+    """A collective started without blocking."""
+
+    def done(self) -> bool:
+        """Whether it completed; may raise where a connection broke."""
+
+    def wait(self) -> None:
+        """After :meth:`done` said True: raises where it failed."""
+
+
+class Transport(Protocol):
+    """What :class:`Exchange` needs of a group of ``nodes`` leaders (this one is
+    ``node``): two non-blocking collectives over bytes, and a control plane (a
+    heartbeat, a status, sync marks and round counts per node) that every node can read
+    without the others' help. Control-plane calls may raise where it is gone."""
+
+    node: int
+    nodes: int
+    plane: int | None
+    """The node that serves the control plane (its loss is named), or None."""
+    lingers: bool
+    """After :meth:`Exchange.abort`, stay until the others have heard (the control plane
+    needs this process to carry the news)."""
+    max_nap: float
+    """Longest sleep between looks at a collective (MPI progresses it only in a look)."""
+
+    def all_gather(self, send: memoryview, recv: memoryview) -> Pending:
+        """``send`` (n bytes) of every node into ``recv`` (nodes * n bytes), in node order."""
+
+    def broadcast(self, buf: memoryview) -> Pending:
+        """``buf`` of node 0 into every node's ``buf``."""
+
+    def start(self, broadcast_object: Callable[[list[Any]], None]) -> None:
+        """Brings the control plane up (``broadcast_object`` sends its address)."""
+
+    def beat(self) -> None:
+        """One heartbeat (from the heartbeat thread)."""
+
+    def say(self, status: str) -> None: ...
+
+    def mark(self, name: str) -> None:
+        """This node reached sync point ``name``."""
+
+    def missing(self, name: str, nodes: set[int]) -> set[int]:
+        """Those of ``nodes`` that have not reached ``name``."""
+
+    def peers(self) -> tuple[dict[int, int], dict[int, str]]:
+        """Every node's heartbeat count, and the others' statuses."""
+
+    def next_round(self) -> None: ...
+
+    def rounds(self) -> dict[int, int]:
+        """The others' round counts."""
+
+    def close(self, ok: bool) -> None:
+        """Stops the control plane; releases the group where ``ok``."""
+
+
 class Exchange:
-    """The leaders' group: ``node`` is this leader's number among ``nodes`` leaders,
-    ``hosts`` their host names. ``what`` (the source) is named in errors."""
+    """The leaders' group over ``transport``; ``hosts`` are the leaders' host names,
+    ``what`` (the source) is named in errors."""
 
-    def __init__(
-        self, dist: Any, group: Any, hosts: Sequence[str], what: str, timeout: float
-    ) -> None:
-        import torch
-
-        self._torch, self._dist, self._group = torch, dist, group
-        self.node = dist.get_rank(group)
-        self.nodes = dist.get_world_size(group)
+    def __init__(self, transport: Transport, hosts: Sequence[str], what: str, timeout: float):
+        self._t = transport
+        self.node = transport.node
+        self.nodes = transport.nodes
         self.hosts = list(hosts)
         self.what = what
         self.timeout = timeout
@@ -84,67 +144,40 @@ class Exchange:
         self.silence = max(3.0, timeout / 2)
         self.round = 0
         self._failed = False
-        self._store: Any = None
-        self._beat: Any = None
+        self._up = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats: dict[int, tuple[int, float]] = {}  # node -> last count, when it moved
-        self._sets: list[list[Any]] = [[], []]  # the rounds' receive buffers, in turn
-        self._scratch: Any = None
-        self._start_heartbeat()
-
-    # --- the heartbeat --------------------------------------------------------
-
-    def _start_heartbeat(self) -> None:
-        dist = self._dist
-        store_timeout = datetime.timedelta(seconds=max(5.0, min(self.timeout, 30.0)))
-        if self.node == 0:
-            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            self._store = dist.TCPStore(
-                host, 0, None, True, timeout=store_timeout, wait_for_workers=False
-            )
-            where: list[Any] = [(host, self._store.port)]
-        else:
-            where = [None]
-        self.broadcast_object(where)
-        host, port = where[0]
-        if self.node != 0:
-            self._store = dist.TCPStore(host, port, None, False, timeout=store_timeout)
-        # The heartbeat thread talks to the store over a connection of its own.
-        self._beat = dist.TCPStore(host, port, None, False, timeout=store_timeout)
-        self._beat.add(f"hb/{self.node}", 1)
+        self._sets: list[bytearray] = [bytearray(), bytearray()]  # receive buffers, in turn
+        self._scratch = bytearray()
+        transport.start(self.broadcast_object)
+        self._up = True
+        transport.beat()
         self._thread = threading.Thread(target=self._heartbeat, name="fastload-hb", daemon=True)
         self._thread.start()
+
+    # --- the heartbeat --------------------------------------------------------
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY):
             try:
-                self._beat.add(f"hb/{self.node}", 1)
+                self._t.beat()
             except Exception:
-                return  # node 0 (the store) is gone: the next round finds out
+                return  # the control plane is gone: the next round finds out
 
     def _say(self, status: str) -> None:
         with contextlib.suppress(Exception):
-            self._store.set(f"st/{self.node}", status)
-
-    def _peers(self) -> tuple[dict[int, int], dict[int, str]]:
-        """The others' heartbeat counts and statuses (raises where node 0 is gone)."""
-        beats = {i: int(self._store.add(f"hb/{i}", 0)) for i in range(self.nodes)}
-        said = {}
-        for i in range(self.nodes):
-            if i != self.node and self._store.check([f"st/{i}"]):
-                said[i] = self._store.get(f"st/{i}").decode("utf-8", "replace")
-        return beats, said
+            self._t.say(status)
 
     def _watch(self, waiting_for: set[int], started: float) -> None:
         """Raises if a node failed, or one of ``waiting_for``, or its heartbeat stood
         still for the timeout."""
-        if self._store is None:
-            return  # the store is not up yet (its address is being sent)
+        if not self._up:
+            return  # the control plane is not up yet (its address is being sent)
         try:
-            beats, said = self._peers()
+            beats, said = self._t.peers()
         except Exception as e:
-            raise self._store_lost(e) from None
+            raise self._plane_lost(e) from None
         now = time.monotonic()
         if (err := self._reported(said)) is not None:
             raise err
@@ -178,12 +211,13 @@ class Exchange:
             self.what,
         )
 
-    def _store_lost(self, cause: BaseException) -> FanoutError:
+    def _plane_lost(self, cause: BaseException) -> FanoutError:
         self._failed = True
-        detail = f" ({str(cause).splitlines()[0][:200]})"
-        if self.node != 0:
+        detail = f" ({str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__})"
+        plane = self._t.plane
+        if plane is not None and self.node != plane:
             return self._error(
-                [0], "stopped answering (its process died, or its host is unreachable; "
+                [plane], "stopped answering (its process died, or its host is unreachable; "
                 "it also served the exchange's heartbeat)", detail,
             )  # fmt: skip
         return self._error([], "lost its peers", detail)
@@ -192,19 +226,19 @@ class Exchange:
         """A round's connection broke: which node stopped answering (its heartbeat, read
         twice a few beats apart, and what it reported)."""
         self._failed = True
-        detail = f" ({str(cause).splitlines()[0][:300]})"
+        detail = f" ({str(cause).splitlines()[0][:300] if str(cause) else type(cause).__name__})"
         try:
-            first, _ = self._peers()
+            first, _ = self._t.peers()
             time.sleep(4 * HEARTBEAT_EVERY)
-            second, said = self._peers()
+            second, said = self._t.peers()
         except Exception as e:
-            return self._store_lost(e)
+            return self._plane_lost(e)
         if (err := self._reported(said)) is not None:
             return err
         dead = [
             i
             for i in range(self.nodes)
-            if i != self.node and second[i] == first[i] and said.get(i) != "done"
+            if i != self.node and second.get(i) == first.get(i) and said.get(i) != "done"
         ]
         if dead:
             return self._error(dead, "stopped answering (its process died or hangs)", detail)
@@ -212,9 +246,7 @@ class Exchange:
 
     def _laggards(self) -> list[int]:
         try:
-            rounds = {
-                i: int(self._store.add(f"rd/{i}", 0)) for i in range(self.nodes) if i != self.node
-            }
+            rounds = self._t.rounds()
         except Exception:
             return []
         low = min(rounds.values(), default=self.round)
@@ -233,25 +265,29 @@ class Exchange:
 
     # --- collectives ----------------------------------------------------------
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Pending) -> None:
         """Waits for a collective, watching the others meanwhile."""
         started = time.monotonic()
         nap, next_watch = 0.0002, started + WATCH_EVERY
-        while not work.is_completed():
-            time.sleep(nap)
-            nap = min(nap * 2, 0.02)
-            now = time.monotonic()
-            if now >= next_watch:
-                next_watch = now + WATCH_EVERY
-                self._watch(set(range(self.nodes)) - {self.node}, started)
-                if now - started > self.timeout:
-                    behind = self._laggards()
-                    self._failed = True
-                    raise self._error(
-                        behind, f"did not reach round {self.round} within {self.timeout:g} s", ""
-                    )
         try:
+            while not work.done():
+                time.sleep(nap)
+                nap = min(nap * 2, self._t.max_nap)
+                now = time.monotonic()
+                if now >= next_watch:
+                    next_watch = now + WATCH_EVERY
+                    self._watch(set(range(self.nodes)) - {self.node}, started)
+                    if now - started > self.timeout:
+                        behind = self._laggards()
+                        self._failed = True
+                        raise self._error(
+                            behind,
+                            f"did not reach round {self.round} within {self.timeout:g} s",
+                            "",
+                        )
             work.wait()
+        except FanoutError:
+            raise
         except Exception as e:
             raise self._diagnose(e) from None
 
@@ -262,16 +298,16 @@ class Exchange:
             return
         started = time.monotonic()
         try:
-            self._store.set(f"sync/{name}/{self.node}", "1")
+            self._t.mark(name)
         except Exception as e:
-            raise self._store_lost(e) from None
+            raise self._plane_lost(e) from None
         missing = set(range(self.nodes)) - {self.node}
         nap, next_watch = 0.0005, started + WATCH_EVERY
         while True:
             try:
-                missing = {i for i in missing if not self._store.check([f"sync/{name}/{i}"])}
+                missing = self._t.missing(name, missing)
             except Exception as e:
-                raise self._store_lost(e) from None
+                raise self._plane_lost(e) from None
             if not missing:
                 return
             now = time.monotonic()
@@ -285,24 +321,14 @@ class Exchange:
         """``objs`` from node 0 to every node, in place."""
         if self.nodes == 1:
             return
-        torch = self._torch
-        if self.node == 0:
-            data = pickle.dumps(objs, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(data)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self._collective_broadcast(size)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.node == 0
-            else torch.empty(int(size[0]), dtype=torch.uint8)
-        )
-        self._collective_broadcast(buf)
+        data = pickle.dumps(objs, protocol=pickle.HIGHEST_PROTOCOL) if self.node == 0 else b""
+        size = bytearray(HEADER.pack(OK, len(data)))
+        self._wait(self._t.broadcast(memoryview(size)))
+        buf = bytearray(data) if self.node == 0 else bytearray(HEADER.unpack(size)[1])
+        if buf:
+            self._wait(self._t.broadcast(memoryview(buf)))
         if self.node != 0:
-            objs[:] = pickle.loads(buf.numpy().tobytes())
-
-    def _collective_broadcast(self, t: Any) -> None:
-        self._wait(self._dist.broadcast(t, group_src=0, group=self._group, async_op=True))
+            objs[:] = pickle.loads(buf)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -311,60 +337,53 @@ class Exchange:
     def round_trip(self, payload: Any, status: int = OK) -> list[memoryview]:
         """One round: sends ``payload`` (a bytes-like object), returns every node's, in
         node order. Raises :class:`FanoutError` if a node aborts or stops answering."""
-        torch = self._torch
-        n = memoryview(payload).nbytes
-        header = torch.tensor([status, n], dtype=torch.int64)
-        headers = [torch.empty(2, dtype=torch.int64) for _ in range(self.nodes)]
+        mine = memoryview(payload).cast("B")
+        n = mine.nbytes
+        header = bytearray(HEADER.pack(status, n))
+        headers = bytearray(HEADER.size * self.nodes)
         self.round += 1
         with contextlib.suppress(Exception):
-            self._store.add(f"rd/{self.node}", 1)
-        self._wait(self._dist.all_gather(headers, header, group=self._group, async_op=True))
-        lens = [int(h[1]) for h in headers]
+            self._t.next_round()
+        self._wait(self._t.all_gather(memoryview(header), memoryview(headers)))
+        lens = [HEADER.unpack_from(headers, i * HEADER.size)[1] for i in range(self.nodes)]
         longest = max(lens)
         if longest == 0:
             return [memoryview(b"") for _ in lens]
         out = self._received(longest)
-        if n == longest and not memoryview(payload).readonly:
-            mine = torch.frombuffer(payload, dtype=torch.uint8)  # sent as it is
-        else:
-            # Shorter than the longest (all_gather wants equal sizes): padded in a
-            # buffer kept from round to round; the padding is never read.
-            if self._scratch is None or self._scratch.numel() < longest:
-                self._scratch = torch.empty(longest, dtype=torch.uint8)
-            mine = self._scratch[:longest]
-            if n:
-                mine[:n] = (
-                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                    if memoryview(payload).readonly
-                    else torch.frombuffer(payload, dtype=torch.uint8)
-                )
-        self._wait(self._dist.all_gather(out, mine, group=self._group, async_op=True))
-        return [memoryview(o.numpy())[:k] for o, k in zip(out, lens, strict=True)]
+        if n != longest or mine.readonly:
+            # Shorter than the longest (all_gather wants equal sizes), or read-only:
+            # padded in a buffer kept from round to round; the padding is never read.
+            if len(self._scratch) < longest:
+                self._scratch = bytearray(longest)
+            send = memoryview(self._scratch)[:longest]
+            send[:n] = mine
+            mine = send
+        self._wait(self._t.all_gather(mine, out))
+        return [out[i * longest : i * longest + k] for i, k in enumerate(lens)]
 
-    def _received(self, n: int) -> list[Any]:
-        """Where a round's buffers land: two sets, used in turn and kept (growing as
-        needed), so a round's views stay valid while the next round runs (the caller
-        is done with a round's views before the one after next)."""
+    def _received(self, n: int) -> memoryview:
+        """Where a round's buffers land: two buffers, used in turn and kept (replaced
+        by a bigger one as needed), so a round's views stay valid while the next round
+        runs (the caller is done with a round's views before the one after next)."""
         k = self.round % 2
-        have = self._sets[k]
-        if not have or have[0].numel() < n:
-            have = [self._torch.empty(n, dtype=self._torch.uint8) for _ in range(self.nodes)]
-            self._sets[k] = have
-        return [t[:n] for t in have]
+        if len(self._sets[k]) < n * self.nodes:
+            self._sets[k] = bytearray(n * self.nodes)
+        return memoryview(self._sets[k])[: n * self.nodes]
 
     def abort(self, error: BaseException) -> None:
         """Tells the others that this node failed (or what it saw fail): they stop
-        within a moment, wherever they wait, with that message. Node 0, which serves the
-        store, stays until the others have read it (a few seconds at most)."""
+        within a moment, wherever they wait, with that message. A node that must linger
+        (see :attr:`Transport.lingers`) stays until the others have read it (a few
+        seconds at most)."""
         self._failed = True
         text = str(error) or type(error).__name__
         self._say(f"relay: {text}" if isinstance(error, FanoutError) else f"failed: {text}")
-        if self.node != 0:
+        if not self._t.lingers:
             return
         deadline = time.monotonic() + LINGER
         while time.monotonic() < deadline:
             try:
-                beats, said = self._peers()
+                beats, said = self._t.peers()
             except Exception:
                 return
             now = time.monotonic()
@@ -372,8 +391,9 @@ class Exchange:
                 if self._beats.get(i, (None, 0.0))[0] != n:
                     self._beats[i] = (n, now)
             waiting = [
-                i for i in range(1, self.nodes)
-                if i not in said and now - self._beats.get(i, (0, now))[1] < 3.0
+                i for i in range(self.nodes)
+                if i != self.node and i not in said
+                and now - self._beats.get(i, (0, now))[1] < 3.0
             ]  # fmt: skip
             if not waiting:
                 return
@@ -385,10 +405,11 @@ class Exchange:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * HEARTBEAT_EVERY)
-        if ok and not self._failed:
-            # Node 0 serves the store: it leaves last, when everyone said it is done.
+        fine = ok and not self._failed
+        if fine:
+            # Node 0 may serve the control plane: it leaves last, when everyone said it
+            # is done.
             with contextlib.suppress(Exception):
                 self.round_trip(b"", DONE)
         with contextlib.suppress(Exception):
-            if ok and not self._failed:
-                self._dist.destroy_process_group(self._group)
+            self._t.close(fine)

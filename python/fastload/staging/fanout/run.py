@@ -1,14 +1,17 @@
-"""Who takes part in a fanned-out stage: the process group (the job's, or one made from
+"""Who takes part in a fanned-out stage: the process group and its transport (the job's
+torch.distributed group, MPI's world under an MPI launcher, or a gloo group made from
 torchrun's or SLURM's variables), one leader per destination, the node lock, and a
 failure recorded for the node's other processes."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -120,70 +123,134 @@ def destination_id(dst: Path) -> str:
     return path.read_text(encoding="ascii").strip()
 
 
-def stage_fanout(req: Request, group: Any = None) -> StageResult:
-    """Stages ``req`` across the nodes of the job (see the module's description)."""
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_UNIVERSE_SIZE")
+
+
+def mpi_launched() -> bool:
+    """Whether an MPI launcher started this process as one of several (its variables:
+    Open MPI's, PMI's as MPICH's hydra and ``srun --mpi=pmi2`` set them) and mpi4py is
+    installed. Nothing is imported: importing mpi4py's MPI initialises MPI."""
+    env = os.environ
+    if not any(_int(env.get(v)) > 1 for v in MPI_SIZE_VARIABLES):
+        return False
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or "")
+    except ValueError:
+        return 0
+
+
+def _torch_group_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never initialised if not imported
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _is_mpi_comm(group: Any) -> bool:
+    return type(group).__module__.startswith("mpi4py")
+
+
+def _mpi_world(comm: Any) -> Any:
+    try:
+        from .over_mpi import MpiWorld
+
+        return MpiWorld(comm)
+    except ImportError:
+        raise ImportError(
+            "fan-out over MPI needs mpi4py (and an MPI library): pip install 'fastload[mpi]' "
+            "(a bundled MPICH for tests and laptops), or mpi4py built against the cluster's MPI"
+        ) from None
+
+
+def _torch_world(group: Any, timeout: float) -> Any:
+    """The job's torch.distributed group, or one made from torchrun's or SLURM's
+    variables; None where it describes a single process."""
     try:
         import torch.distributed as dist
     except ImportError:
         raise ImportError(
-            "stage(..., fanout=True) exchanges data over torch.distributed: "
-            "pip install torch (or drop fanout=True)"
+            "stage(..., fanout=True) exchanges data over torch.distributed (or MPI under an "
+            "MPI launcher): pip install torch (or fastload[mpi]), or drop fanout=True"
         ) from None
-    timeout = timeout_from_env()
-    created = False
+    from .over_torch import TorchWorld
+
     if not dist.is_available():
-        return req.plain()
+        return None
+    created = False
     if not dist.is_initialized():
         created = _init_from_env(dist, timeout)
         if not created:
-            return req.plain()
+            return None
+    return TorchWorld(dist, group, created, timeout)
+
+
+def open_world(fanout: Any, timeout: float) -> Any:
+    """Every process of the job, over the transport ``fanout`` asks for: ``"torch"`` or
+    ``"mpi"``, a torch.distributed group or an mpi4py communicator; else (``None``) an
+    initialised torch.distributed group, else MPI where an MPI launcher started the job
+    and mpi4py is installed, else a group made from torchrun's or SLURM's variables.
+    None: a single process."""
+    if isinstance(fanout, str):
+        if fanout not in ("torch", "mpi"):
+            raise ValueError(
+                f"fanout must be True, False, 'torch', 'mpi' or a group, not {fanout!r}"
+            )
+        if fanout == "mpi":
+            return _mpi_world(None)
+        return _torch_world(None, timeout)
+    if _is_mpi_comm(fanout):
+        return _mpi_world(fanout)
+    if fanout is None and not _torch_group_initialized() and mpi_launched():
+        return _mpi_world(None)
+    return _torch_world(fanout, timeout)
+
+
+def stage_fanout(req: Request, group: Any = None) -> StageResult:
+    """Stages ``req`` across the nodes of the job (see the module's description);
+    ``group`` picks the transport (see :func:`open_world`)."""
+    timeout = timeout_from_env()
+    world = open_world(group, timeout)
+    if world is None:
+        return req.plain()
     try:
-        if dist.get_world_size(group) < 2:
+        if world.size < 2:
             return req.plain()
-        return _stage_in_group(dist, group, req, timeout)
+        return _stage_in_group(world, req, timeout)
     finally:
-        if created:
-            dist.destroy_process_group()
+        world.close()
 
 
-def _stage_in_group(dist: Any, group: Any, req: Request, timeout: float) -> StageResult:
-    import datetime
-
-    size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    everyone: list[Any] = [None] * size
+def _stage_in_group(world: Any, req: Request, timeout: float) -> StageResult:
     # One leader per destination, not per node name: three "nodes" whose destination
     # is one directory of a shared file system are one copy (and one node lock).
     me = (node_key(), destination_id(req.dst), socket.gethostname(), uuid.uuid4().hex)
-    dist.all_gather_object(everyone, me, group)
+    everyone = world.all_gather_object(me)
     leaders: dict[str, int] = {}
     for r, (_, dest, _, _) in enumerate(everyone):
         leaders.setdefault(dest, r)
     order = sorted(leaders.values())
     token = everyone[0][3]
     hosts = [everyone[r][2] for r in order]
-    me_leader = leaders[everyone[rank][1]] == rank
-    # Global ranks of the leaders (new_group wants ranks of the default group).
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in order]
-    # The group's own timeout is the round timeout: work of unequal length happens
-    # between rounds (Exchange.sync), so no process waits longer on a peer that is gone.
-    leader_group = dist.new_group(
-        ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout)
-    )
+    me_leader = leaders[everyone[world.rank][1]] == world.rank
+    transport = world.leaders(order, me_leader)
     if len(order) == 1:
         # One node: its processes share the node lock as in a plain stage.
+        if transport is not None:
+            transport.close(True)
         return req.plain()
     on_wait = say_waiting if req.progress else None
     if not me_leader:
-        dist.barrier(group)  # the leaders hold their node locks from here on
+        world.barrier()  # the leaders hold their node locks from here on
         with node_lock(req.dst, on_wait=on_wait):
             failed = _read_failure(req.dst, token)
         if failed is not None:
             raise fanout_error(failed, str(req.src))
         return req.plain()
     with node_lock(req.dst, on_wait=on_wait):
-        dist.barrier(group)
-        x = Exchange(dist, leader_group, hosts, str(req.src), timeout)
+        world.barrier()
+        x = Exchange(transport, hosts, str(req.src), timeout)
         ok = False
         try:
             fan = fan_archive if req.compression is not None else fan_tree

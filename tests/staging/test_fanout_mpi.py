@@ -1,0 +1,222 @@
+"""stage(fanout=True) over MPI: the ranks of one ``mpiexec -n 3`` (the mpich wheel's
+hydra, on loopback), each with the variables of its own node and its own destination,
+no torchrun or SLURM job variables (so the group is MPI's); the source behind netsim
+(``NETSIM_DIRECT=1``: no page cache shared between the "nodes") counting the bytes it
+serves. Without mpi4py the package and fan-out over gloo work as before
+(test_fanout.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from fastload.staging.fanout import over_mpi as run_mpi
+from fastload.staging.fanout import run
+from kit.netsim import Mount, mounts
+from kit.nodes import mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
+from kit.trees import assert_same_tree, build_small_files, write_patterned
+
+pytest.importorskip("mpi4py")
+if mpiexec() is None:
+    pytest.skip("no mpiexec beside this Python (pip install mpich)", allow_module_level=True)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
+    with mounts(tmp_path) as mount:
+        yield mount
+
+
+def build_tree(root: Path, *, small: int = 200, big: int = 12 * MiB) -> Path:
+    build_small_files(root / "small", small, per_dir=100)
+    (root / "big").mkdir(parents=True)
+    write_patterned(root / "big" / "weights.bin", big, seed=5)
+    (root / "empty.txt").write_bytes(b"")
+    (root / "link").symlink_to("big/weights.bin")
+    return root
+
+
+def data_bytes(root: Path) -> int:
+    if root.is_file():
+        return root.stat().st_size
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def staged(src: Path | str, dsts: list[Path], *args: str) -> list[dict[str, object]]:
+    docs = mpi_outcomes(start_mpi_nodes(src, dsts, args=args), timeout=180)
+    assert sorted(docs) == [0, 1, 2], docs
+    for d in docs.values():
+        assert "result" in d, d
+    return [docs[k]["result"] for k in range(3)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kind", ["tree", "file", "tar"])
+def test_three_ranks_read_the_store_once(
+    tmp_path: Path, netsim: Callable[..., Mount], kind: str
+) -> None:
+    src = tmp_path / "src"
+    if kind == "tree":
+        build_tree(src)
+        name = ""
+    elif kind == "file":
+        src.mkdir()
+        write_patterned(src / "model.bin", 20 * MiB + 4321, seed=3)
+        name = "model.bin"
+    else:
+        tree = build_tree(tmp_path / "tree", small=150, big=6 * MiB)
+        src.mkdir()
+        with tarfile.open(src / "data.tar", "w", format=tarfile.PAX_FORMAT) as t:
+            t.add(tree, arcname="tree")
+        name = "data.tar"
+    store = netsim(src, 100, 100, direct=True)
+    dsts = [tmp_path / f"node{k}" / ("model.bin" if kind == "file" else "data") for k in range(3)]
+    got = staged(store.path / name, dsts, "--stripe", str(4 * MiB))
+    served = store.unmount()["read_bytes"]
+    total = data_bytes(src / name)
+    assert served <= 1.1 * total, (served, total)
+    assert [r["nodes"] for r in got] == [3, 3, 3]
+    assert sum(r["read_bytes"] for r in got) == total  # type: ignore[misc]
+    for d in dsts:
+        if kind == "tree":
+            assert_same_tree(src, d)
+        elif kind == "file":
+            assert d.read_bytes() == (src / name).read_bytes()
+        else:
+            # (tarfile keeps mtimes to the microsecond)
+            assert_same_tree(tmp_path / "tree", d / "tree", mtimes=False)
+
+
+def _stop_mid_way(proc: object, rank: int, sig: int) -> int:
+    """Reads the ranks' lines until ``rank`` has written something, sends it ``sig``;
+    its pid."""
+    pid = 0
+    stdout = proc.stdout  # type: ignore[attr-defined]
+    for line in stdout:
+        got = mpi_line(line)
+        if got is None or got[0] != rank:
+            continue
+        if "pid" in got[1]:
+            pid = int(got[1]["pid"])
+        elif got[1].get("progress", 0) > 0:
+            os.kill(pid, sig)
+            return pid
+    raise AssertionError(f"rank {rank} ended before it wrote anything")
+
+
+def _tree_for_failures(src: Path) -> int:
+    build_small_files(src / "small", 300, per_dir=100)
+    (src / "big").mkdir()
+    for k in range(4):
+        write_patterned(src / "big" / f"part{k}.bin", 6 * MiB, seed=k)
+    return data_bytes(src)
+
+
+def _rerun_reads_what_is_missing(
+    netsim: Callable[..., Mount], src: Path, dsts: list[Path], total: int
+) -> None:
+    held = 0
+    for d in dsts[:1]:  # node 0 keeps what it finished: those files are not read again
+        held = sum(
+            (src / p.relative_to(d)).stat().st_size
+            for p in d.rglob("*")
+            if p.is_file() and not p.name.endswith(".fl-tmp")
+        )
+    store = netsim(src, 300, 300, direct=True)
+    got = staged(store.path, dsts)
+    second = store.unmount()["read_bytes"]
+    for d in dsts:
+        assert_same_tree(src, d)
+    assert sum(r["read_bytes"] for r in got) == second  # type: ignore[misc]
+    assert second <= total - held + 8 * MiB, (second, held, total)
+
+
+def test_a_rank_that_hangs_is_named_then_a_rerun_completes(
+    tmp_path: Path, netsim: Callable[..., Mount]
+) -> None:
+    """Rank 1 stops (SIGSTOP) mid-way: ranks 0 and 2 fail within the timeout naming node
+    1; MPI_Finalize would wait for rank 1 forever, so they end themselves a few seconds
+    later and mpiexec ends the job; a rerun completes."""
+    src = tmp_path / "src"
+    total = _tree_for_failures(src)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    env = {"FASTLOAD_FANOUT_TIMEOUT": "4", "FASTLOAD_FANOUT_ROUND": str(256 << 10)}
+    store = netsim(src, 300, 300, direct=True)
+    proc = start_mpi_nodes(store.path, dsts, env=env)
+    pid = _stop_mid_way(proc, 1, signal.SIGSTOP)  # alive, silent
+    t0 = time.monotonic()
+    try:
+        docs = mpi_outcomes(proc, timeout=60)  # returns once mpiexec ended the job
+        ended = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
+    assert sorted(docs) == [0, 2], docs
+    for f in docs.values():
+        err = f["error"]
+        assert err["type"] == "FanoutError", f
+        assert "node 1" in err["message"], f
+    assert ended < 4 + run_mpi.FINALIZE_GRACE + 15, ended
+    assert store.unmount()["read_bytes"] < total
+    _rerun_reads_what_is_missing(netsim, src, dsts, total)
+
+
+def test_a_killed_rank_ends_the_job_then_a_rerun_completes(
+    tmp_path: Path, netsim: Callable[..., Mount]
+) -> None:
+    """Rank 2 is killed (SIGKILL) mid-way: MPI's launcher ends the job at once (MPICH's
+    hydra does; the ranks cannot name the node: MPI kills them first), and what each node
+    finished stays: a rerun completes."""
+    src = tmp_path / "src"
+    total = _tree_for_failures(src)
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    env = {"FASTLOAD_FANOUT_TIMEOUT": "30", "FASTLOAD_FANOUT_ROUND": str(256 << 10)}
+    store = netsim(src, 300, 300, direct=True)
+    proc = start_mpi_nodes(store.path, dsts, env=env)
+    _stop_mid_way(proc, 2, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        docs = mpi_outcomes(proc, timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode != 0
+    assert not any("result" in d for d in docs.values()), docs
+    assert store.unmount()["read_bytes"] < total
+    _rerun_reads_what_is_missing(netsim, src, dsts, total)
+
+
+def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MPI launcher's variables and mpi4py pick MPI; an initialised torch group, or
+    fanout="torch", still wins; a word that is no transport is refused."""
+    for v in run.MPI_SIZE_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    assert not run.mpi_launched()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert not run.mpi_launched()
+    monkeypatch.setenv("PMI_SIZE", "3")
+    assert run.mpi_launched()
+    chosen: list[str] = []
+    monkeypatch.setattr(run, "_mpi_world", lambda comm: chosen.append("mpi"))
+    monkeypatch.setattr(run, "_torch_world", lambda group, timeout: chosen.append("torch"))
+    monkeypatch.setattr(run, "_torch_group_initialized", lambda: False)
+    run.open_world(None, 1.0)
+    run.open_world("torch", 1.0)
+    monkeypatch.setattr(run, "_torch_group_initialized", lambda: True)
+    run.open_world(None, 1.0)
+    run.open_world("mpi", 1.0)
+    assert chosen == ["mpi", "torch", "torch", "mpi"]
+    with pytest.raises(ValueError, match="nccl"):
+        run.open_world("nccl", 1.0)

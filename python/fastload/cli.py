@@ -99,7 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a job over several nodes (run by every task, e.g. srun --ntasks-per-node=1 "
         "fastload stage --fanout ...): the nodes read the source once in total and exchange "
-        "it over torch.distributed (gloo), each writing the whole copy to its own DST",
+        "it over torch.distributed (gloo), or MPI under an MPI launcher with mpi4py, each "
+        "writing the whole copy to its own DST",
+    )
+    s.add_argument(
+        "--fanout-transport",
+        choices=("torch", "mpi"),
+        default=None,
+        help="with --fanout (implied): exchange over this transport instead of choosing",
     )
     s.add_argument(
         "--repair",
@@ -357,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=_want_progress(args),
                 storage_options=_storage_options(args),
                 repair=args.repair,
-                fanout=args.fanout,
+                fanout=args.fanout_transport or args.fanout,
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from fastload.staging.fanout import over_mpi as run_mpi
 from fastload.staging.fanout import run
 from kit.netsim import Mount, mounts
 from kit.nodes import mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
+from kit.procs import child_env
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
 pytest.importorskip("mpi4py")
@@ -220,3 +223,16 @@ def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chosen == ["mpi", "torch", "torch", "mpi"]
     with pytest.raises(ValueError, match="nccl"):
         run.open_world("nccl", 1.0)
+
+
+def test_one_process_over_mpi_is_a_plain_stage(tmp_path: Path) -> None:
+    """fanout="mpi" without a launcher: MPI's world of one (a singleton), a plain stage."""
+    import fastload
+
+    src = build_tree(tmp_path / "src", small=30, big=MiB)
+    r = fastload.stage(src, tmp_path / "a", fanout="mpi")
+    assert r.nodes == 1 and not r.skipped
+    assert_same_tree(src, tmp_path / "a")
+    cli = [sys.executable, "-m", "fastload", "stage", "--fanout-transport", "mpi"]
+    subprocess.run([*cli, str(src), str(tmp_path / "b")], env=child_env(), check=True)
+    assert_same_tree(src, tmp_path / "b")

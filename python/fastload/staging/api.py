@@ -136,13 +136,16 @@ def stage(
             is read about once in total: the nodes' first processes (their leaders)
             each read a share (balanced by bytes; big files and archives cut in pieces)
             and exchange it over ``torch.distributed`` (a gloo group: TCP, no GPU or MPI
-            needed), so every node writes the whole dataset to its own ``dst``. Every
-            process of the job calls stage() alike; the job's process group is used if
-            initialised (or pass one as ``fanout=``), else one is made from torchrun's
-            or SLURM's variables. A node's other processes wait on its lock. A single
-            node or process stages as without it. A node that fails or stops answering
-            stops the others within ``FASTLOAD_FANOUT_TIMEOUT`` seconds (default 300)
-            with an error naming it; a rerun fetches only what each node lacks.
+            needed) or MPI, so every node writes the whole dataset to its own ``dst``.
+            Every process of the job calls stage() alike; the job's torch process group
+            is used if initialised (or pass one as ``fanout=``), else MPI's world where an
+            MPI launcher (mpiexec, srun --mpi) started the job and mpi4py is installed
+            (or pass a communicator), else a gloo group made from torchrun's or SLURM's
+            variables; ``fanout="torch"`` or ``"mpi"`` forces a transport. A node's other
+            processes wait on its lock. A single node or process stages as without it. A
+            node that fails or stops answering stops the others within
+            ``FASTLOAD_FANOUT_TIMEOUT`` seconds (default 300) with an error naming it; a
+            rerun fetches only what each node lacks.
 
     Returns:
         A :class:`StageResult`; ``skipped`` is True when nothing had to be copied.

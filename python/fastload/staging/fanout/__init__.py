@@ -3,7 +3,7 @@ while the shared store serves it about once in total.
 
 Every process of the job calls ``stage(src, dst, fanout=True)``. The first process of
 each node (its leader) takes the node lock; the others wait on it as for any stage and
-then find the copy complete. The leaders form a gloo group (exchange.py) and:
+then find the copy complete. The leaders form a group (exchange.py, over gloo or MPI) and:
 
 - a tree or a file: node 0 lists the source and sends the listing; each leader works
   out what its destination lacks (the tree pipeline's own plan: journal, manifest);

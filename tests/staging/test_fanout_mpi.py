@@ -201,6 +201,27 @@ def test_a_killed_rank_ends_the_job_then_a_rerun_completes(
     _rerun_reads_what_is_missing(netsim, src, dsts, total)
 
 
+def test_a_failure_on_one_rank_is_named_on_the_others(tmp_path: Path) -> None:
+    """Node 1's disk is too small: it fails with its own error, the others with one that
+    names node 1 and says why, before the launcher ends the job."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    src = build_tree(tmp_path / "src", small=50, big=4 * MiB)
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        dsts = [tmp_path / "node0" / "d", small / "d", tmp_path / "node2" / "d"]
+        docs = mpi_outcomes(start_mpi_nodes(src, dsts), timeout=120)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    assert docs[1]["error"]["type"] == "NotEnoughSpaceError", docs
+    for k in (0, 2):
+        err = docs[k]["error"]
+        assert err["type"] == "FanoutError", docs
+        assert "node 1" in err["message"] and "space" in err["message"], docs
+
+
 def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """An MPI launcher's variables and mpi4py pick MPI; an initialised torch group, or
     fanout="torch", still wins; a word that is no transport is refused."""
@@ -213,7 +234,9 @@ def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.mpi_launched()
     chosen: list[str] = []
     monkeypatch.setattr(run, "_mpi_world", lambda comm: chosen.append("mpi"))
-    monkeypatch.setattr(run, "_torch_world", lambda group, timeout: chosen.append("torch"))
+    monkeypatch.setattr(
+        run, "_torch_world", lambda group, timeout: chosen.append("torch") or "a group"
+    )
     monkeypatch.setattr(run, "_torch_group_initialized", lambda: False)
     run.open_world(None, 1.0)
     run.open_world("torch", 1.0)
@@ -236,3 +259,17 @@ def test_one_process_over_mpi_is_a_plain_stage(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "fastload", "stage", "--fanout-transport", "mpi"]
     subprocess.run([*cli, str(src), str(tmp_path / "b")], env=child_env(), check=True)
     assert_same_tree(src, tmp_path / "b")
+
+
+def test_without_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpi4py absent: an MPI launcher's variables do not pick MPI, fanout="mpi" says what
+    to install, and where nothing else describes the job, stage() warns that every
+    process stages alone."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py fails
+    monkeypatch.setenv("PMI_SIZE", "3")
+    assert not run.mpi_launched()
+    with pytest.raises(ImportError, match=r"fastload\[mpi\]"):
+        run.open_world("mpi", 1.0)
+    monkeypatch.setattr(run, "_torch_world", lambda group, timeout: None)
+    with pytest.warns(RuntimeWarning, match="every process stages alone"):
+        assert run.open_world(None, 1.0) is None

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +131,11 @@ def mpi_launched() -> bool:
     """Whether an MPI launcher started this process as one of several (its variables:
     Open MPI's, PMI's as MPICH's hydra and ``srun --mpi=pmi2`` set them) and mpi4py is
     installed. Nothing is imported: importing mpi4py's MPI initialises MPI."""
-    env = os.environ
-    if not any(_int(env.get(v)) > 1 for v in MPI_SIZE_VARIABLES):
-        return False
-    return importlib.util.find_spec("mpi4py") is not None
+    return _mpi_size_from_env() > 1 and importlib.util.find_spec("mpi4py") is not None
+
+
+def _mpi_size_from_env() -> int:
+    return max(_int(os.environ.get(v)) for v in MPI_SIZE_VARIABLES)
 
 
 def _int(text: str | None) -> int:
@@ -204,7 +206,16 @@ def open_world(fanout: Any, timeout: float) -> Any:
         return _mpi_world(fanout)
     if fanout is None and not _torch_group_initialized() and mpi_launched():
         return _mpi_world(None)
-    return _torch_world(fanout, timeout)
+    world = _torch_world(fanout, timeout)
+    if world is None and fanout is None and (n := _mpi_size_from_env()) > 1:
+        warnings.warn(
+            f"fanout=True: an MPI launcher started {n} processes, but mpi4py is not "
+            "installed (pip install mpi4py) and no torch.distributed group or torchrun/SLURM "
+            "variables describe the job: every process stages alone",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return world
 
 
 def stage_fanout(req: Request, group: Any = None) -> StageResult:

@@ -9,13 +9,16 @@ argv[1] is JSON: {"op": "stage"|"verify", "src": ..., "dst": ..., "kwargs": {...
     RESULT {json}             the StageResult / VerifyResult, exit status 0
     ERROR {json}              the exception raised (class, errno, filename, ...), status 3
 
-KeyboardInterrupt is not caught: it ends the process the usual way.
+KeyboardInterrupt is not caught: it ends the process the usual way. Ctrl-C works as in
+a terminal even when the test run itself was started in the background, whose shell
+ignores SIGINT (the child would inherit that, and Python then installs no handler).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -57,6 +60,7 @@ def _describe_error(e: BaseException) -> dict[str, Any]:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     spec = json.loads(sys.argv[1])
     import fastload
 

@@ -139,7 +139,7 @@ def stage(
             needed) or MPI, so every node writes the whole dataset to its own ``dst``.
             Every process of the job calls stage() alike; the job's torch process group
             is used if initialised (or pass one as ``fanout=``), else MPI's world where an
-            MPI launcher (mpiexec, srun --mpi) started the job and mpi4py is installed
+            MPI launcher (mpiexec, srun --mpi=pmi2) started the job and mpi4py is installed
             (or pass a communicator), else a gloo group made from torchrun's or SLURM's
             variables; ``fanout="torch"`` or ``"mpi"`` forces a transport. A node's other
             processes wait on its lock. A single node or process stages as without it. A

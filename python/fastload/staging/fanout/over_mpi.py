@@ -1,21 +1,21 @@
 """The exchange over MPI (mpi4py, optional): for jobs started by an MPI launcher
-(``mpiexec``, ``srun --mpi=...``). The rounds are non-blocking collectives
-(``Iallgather``, ``Ibcast``) on the leaders' communicator, tested until they complete
-while :class:`~.exchange.Exchange` watches the others; the control plane is a second
-communicator on which every node sends its state (heartbeat count, status, sync marks,
-round) to every other in small non-blocking messages, each heartbeat and at once when
-it changes, and reads what has arrived: no node serves it, and a silent node is one
-whose messages stopped.
+(``mpiexec``, ``mpirun``, ``srun --mpi=pmi2``), or where ``fanout="mpi"`` asks for it.
+The rounds are non-blocking collectives (``Iallgather``, ``Ibcast``) on the leaders'
+communicator, tested until they complete while :class:`~.exchange.Exchange` watches the
+others; the control plane is a second communicator on which every node sends its state
+(heartbeat count, status, sync marks, round) to every other in small non-blocking
+messages, each heartbeat and at once when it changes, and reads what has arrived: no
+node serves it, and a silent node is one whose messages stopped.
 
 MPI's own reaction to a process that dies is the library's and the launcher's: MPICH's
-``mpiexec`` and Open MPI's end the whole job at once (bounded, but with their message);
-a node that hangs, or that fails and says so, is named by the exchange as over torch.
-A collective that a failed exchange leaves behind can never complete, and
-``MPI_Finalize`` waits for every process, a hung one too (MPICH's waits on the launcher):
-after such a failure, a process still in ``MPI_Finalize`` ``FINALIZE_GRACE`` seconds
-after it began to exit is ended by ``SIGALRM`` (the kernel's alarm: ``MPI_Abort`` cannot
-be called from Python once the interpreter is finalising), and the launcher ends the
-job then, not at its wall time.
+``mpiexec`` ends the whole job at once (as the tests see; Open MPI's ``mpirun`` does so
+by default too): bounded, but with the launcher's message; a node that hangs, or that
+fails and says so, is named by the exchange as over torch. A collective that a failed
+exchange leaves behind can never complete, and ``MPI_Finalize`` waits for every process,
+a hung one too (MPICH's waits on the launcher): after such a failure, a process still in
+``MPI_Finalize`` ``FINALIZE_GRACE`` seconds after it began to exit is ended by
+``SIGALRM`` (the kernel's alarm: ``MPI_Abort`` cannot be called from Python once the
+interpreter is finalising), and the launcher ends the job then, not at its wall time.
 
 Every MPI call here holds one lock, so the heartbeat thread and the main thread never
 call MPI at once (``MPI_THREAD_SERIALIZED`` is enough)."""

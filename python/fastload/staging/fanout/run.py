@@ -124,7 +124,10 @@ def destination_id(dst: Path) -> str:
     return path.read_text(encoding="ascii").strip()
 
 
-MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_UNIVERSE_SIZE")
+# The job's size as MPI launchers tell it: Open MPI's mpirun; PMI's (MPICH's and Intel
+# MPI's hydra, srun --mpi=pmi2). Under srun --mpi=pmix none is set: SLURM's variables
+# make a gloo group there, or fanout="mpi" asks for MPI.
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def mpi_launched() -> bool:

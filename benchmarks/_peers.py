@@ -210,6 +210,79 @@ def _loader(
     raise ValueError(tool)
 
 
+def remote_loader(
+    tool: str,
+    url: str,
+    cache: Path,
+    *,
+    cache_limit: int,
+    endpoint: str,
+    batch: int,
+    workers: int,
+    seed: int = 0,
+    collate_fn: Callable[[list[Any]], Any] = as_list,
+) -> Any:
+    """A shuffled epoch of the peer's copy at ``url`` (an ``s3://`` prefix) through its
+    own cache in ``cache`` (fresh), holding at most ``cache_limit`` bytes, each library's
+    documented way, with a DataLoader of ``workers`` fork workers and batches of
+    ``batch`` lists of samples:
+    mosaicml  StreamingDataset(remote=url, local=cache, cache_limit, shuffle=True,
+              batch_size) in a torch DataLoader; boto3, the endpoint from
+              ``S3_ENDPOINT_URL`` (its documented variable), which the caller sets
+    litdata   StreamingDataset(url, cache_dir=cache, max_cache_size=cache_limit,
+              shuffle=True, storage_options={"endpoint_url": endpoint}) in its
+              StreamingDataLoader, boto3 for index.json and the chunks. (litdata 0.2.76
+              fetches chunks with obstore where obstore is installed, as it is in the
+              benchmark venv for fastload; its obstore stores cannot reach an http://
+              endpoint (no allow_http), so it is told obstore is absent: the boto3 path
+              it takes where obstore is not installed.) Set in this process, so run it
+              in a process of its own (test_bench_remote.py: benchmarks/_remote_peer.py)
+    """
+    with quiet():
+        return _remote_loader(tool, url, cache, cache_limit, endpoint, batch, workers, seed,
+                              collate_fn)  # fmt: skip
+
+
+def _remote_loader(
+    tool: str,
+    url: str,
+    cache: Path,
+    cache_limit: int,
+    endpoint: str,
+    batch: int,
+    workers: int,
+    seed: int,
+    collate_fn: Callable[[list[Any]], Any],
+) -> Any:
+    data = pytest.importorskip("torch.utils.data")
+    pytest.importorskip("boto3")
+    common: dict[str, Any] = {
+        "batch_size": batch,
+        "num_workers": workers,
+        "collate_fn": collate_fn,
+        "multiprocessing_context": multiprocessing.get_context("fork"),
+    }
+    if tool == "mosaicml":
+        clean_streaming()
+        ds = import_streaming().StreamingDataset(
+            remote=url, local=str(cache), cache_limit=cache_limit, shuffle=True,
+            shuffle_seed=seed, batch_size=batch,
+        )  # fmt: skip
+        return data.DataLoader(ds, **common)
+    if tool == "litdata":
+        ld = import_litdata()
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_AVAILABLE = False  # read in each (forked) worker
+        shutil.rmtree(cache, ignore_errors=True)
+        ds = ld.StreamingDataset(
+            url, cache_dir=str(cache), max_cache_size=cache_limit, shuffle=True, seed=seed,
+            storage_options={"endpoint_url": endpoint},
+        )  # fmt: skip
+        return ld.StreamingDataLoader(ds, **common)
+    raise ValueError(tool)
+
+
 def drain_keys(batches: Iterator[list[dict[str, Any]]]) -> tuple[list[str], int]:
     """(keys, payload bytes) of every sample of an epoch of lists of samples."""
     keys: list[str] = []

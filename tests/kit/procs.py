@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,3 +267,40 @@ def run_child_with_trigger(
         if restore is not None:
             os.sched_setscheduler(0, *restore)
     return child.finish(timeout), fired
+
+
+# --------------------------------------------------------------------------------------
+# A test module run as several child scripts at once (ranks of a gloo group, say)
+# --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_script(script: Path, mode: str, args: Sequence[dict[str, Any]],
+               timeout: float = 180) -> None:
+    """Runs ``python script mode json(a)`` for each ``a`` of ``args`` at once (without
+    the launcher variables of the test run itself) and asserts each exits 0."""
+    env = with_tests_on_path(
+        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    )
+    procs = [
+        subprocess.Popen([sys.executable, str(script), mode, json.dumps(a)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for a in args
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"{mode} child failed:\n{out[-4000:]}"

@@ -7,6 +7,7 @@
   and each reader's view of them (fastload, webdataset, wids, tarfile, GNU tar).
 - ``procs``: one fastload call in a child process (``stage_child.py``, run by path).
 - ``fs``: tmpfs limits, the page cache, O_DIRECT, permissions, sizes in messages.
+- ``slurm``: the loopback SLURM cluster tests/slurm run jobs on.
 
 ``tests/conftest.py`` puts ``tests/`` on ``sys.path``, so a test in any folder imports
 ``from kit import trees``; a test module run as a child script gets it on PYTHONPATH

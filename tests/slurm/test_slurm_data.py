@@ -8,8 +8,8 @@ import hashlib
 from pathlib import Path
 
 import fastload
-from conftest import Cluster
 from fastload import ShardIndex
+from kit.slurm import Cluster
 
 
 def make_samples(root: Path, n: int = 120) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 
-from conftest import NODES, TASK, Cluster
+from kit.slurm import NODES, TASK, Cluster
 
 
 def test_detect_and_world_under_srun(slurm: Cluster) -> None:

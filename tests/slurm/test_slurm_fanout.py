@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Cluster
+from kit.slurm import Cluster
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
 CHILD = Path(__file__).resolve().parents[1] / "kit" / "fanout_child.py"

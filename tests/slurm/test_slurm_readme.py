@@ -12,8 +12,8 @@ from pathlib import Path
 from test_slurm_data import make_samples
 
 import fastload
-from conftest import NODES, TASK, Cluster
 from fastload import ShardIndex
+from kit.slurm import NODES, TASK, Cluster
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from conftest import NODES, TASK, Cluster
+from kit.slurm import NODES, TASK, Cluster
 
 
 def make_tree(root: Path, files: int = 40) -> dict[str, bytes]:

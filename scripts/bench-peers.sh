@@ -3,7 +3,8 @@
 # its own format: MosaicML streaming (MDS), litdata (litdata.optimize chunks) and Hugging
 # Face datasets (Arrow). Idempotent: a second run installs only what is missing, except
 # fastload itself, which is rebuilt from this checkout so that the benchmarks time the
-# current code (FASTLOAD_BENCH_NO_FASTLOAD=1 leaves an installed one alone).
+# current code (FASTLOAD_BENCH_NO_FASTLOAD=1 leaves an installed one alone; FASTLOAD_WHEEL=PATH
+# installs that wheel of this checkout instead of compiling it again).
 #
 #   scripts/bench-peers.sh [VENV]        (default .venv-bench)
 #   VENV/bin/python -m pytest benchmarks --bench-scale full --benchmark-json=/tmp/b.json
@@ -59,6 +60,10 @@ with open("pyproject.toml", "rb") as f:
 EOF
   )
   "$VPY" -m pip install -q -c "$CONSTRAINTS" "${BENCH[@]}"
+elif [ -n "${FASTLOAD_WHEEL:-}" ]; then
+  # A wheel of this checkout already built (scripts/test.sh makes one): not compiled again.
+  "$VPY" -m pip install -q -c "$CONSTRAINTS" --force-reinstall --no-deps "$FASTLOAD_WHEEL"
+  "$VPY" -m pip install -q -c "$CONSTRAINTS" "$FASTLOAD_WHEEL[test,torch,bench]"
 else
   "$VPY" -m pip install -q -c "$CONSTRAINTS" ".[test,torch,bench]"
 fi

@@ -102,6 +102,25 @@ def test_big_object_in_parts_and_single_objects(
     assert proxy.gets() == 0
 
 
+def test_mid_sized_objects_stream_through_faults(
+    s3: S3Server, bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Objects over a MiB and under a part (one GET each, written as they stream in),
+    through truncated bodies and resets: whole, with the digests verify() expects."""
+    rng = random.Random(6)
+    files = {f"m/o{i}.bin": rng.randbytes((1 << 20) + rng.randrange(1, 3 << 20))
+             for i in range(6)}  # fmt: skip
+    files["m/small.bin"] = b"s" * 10
+    upload(s3, bucket, files)
+    proxy.truncate_every = 3
+    proxy.truncate_at = 700_000  # after the first pieces were written
+    proxy.reset_every = 5
+    r = fastload.stage(f"s3://{bucket}/m/", tmp_path / "m")
+    assert r.files == len(files) and proxy.faults >= 2
+    assert tree_of(tmp_path / "m") == {k[len("m/"):]: v for k, v in files.items()}
+    assert fastload.verify(tmp_path / "m").ok
+
+
 def _make_archive(kind: str, src: Path, dst: Path) -> Path:
     if kind == "nested":
         inner = dst.parent / "inner"

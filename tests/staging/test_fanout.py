@@ -6,7 +6,6 @@ separate nodes) counting the bytes it serves."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 import fastload
 from kit.netsim import Mount, mounts
-from kit.nodes import outcome, results, start_nodes
+from kit.nodes import data_bytes, fanout_tree, outcome, results, start_nodes
 from kit.procs import child_env
 from kit.tars import gnu_extract, need_gnu_tar
 from kit.trees import assert_same_tree, build_small_files, write_patterned
@@ -36,20 +35,10 @@ def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
         yield mount
 
 
-def data_bytes(root: Path) -> int:
-    if root.is_file():
-        return root.stat().st_size
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def build_tree(root: Path, *, small: int = 400, big: int = 20 * MiB) -> Path:
-    build_small_files(root / "small", small, per_dir=100)
-    (root / "big").mkdir(parents=True)
-    write_patterned(root / "big" / "weights.bin", big, seed=5)
-    (root / "empty.txt").write_bytes(b"")
-    (root / "link").symlink_to("big/weights.bin")
-    os.chmod(root / "small", 0o750)
-    return root
+    return fanout_tree(root, small=small, big=big)
 
 
 @pytest.mark.parametrize("fanout", [True, False])

@@ -23,7 +23,7 @@ import pytest
 from fastload.staging.fanout import over_mpi as run_mpi
 from fastload.staging.fanout import run
 from kit.netsim import Mount, mounts
-from kit.nodes import mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
+from kit.nodes import data_bytes, fanout_tree, mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
 from kit.procs import child_env
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
@@ -41,18 +41,9 @@ def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
 
 
 def build_tree(root: Path, *, small: int = 200, big: int = 12 * MiB) -> Path:
-    build_small_files(root / "small", small, per_dir=100)
-    (root / "big").mkdir(parents=True)
-    write_patterned(root / "big" / "weights.bin", big, seed=5)
-    (root / "empty.txt").write_bytes(b"")
-    (root / "link").symlink_to("big/weights.bin")
-    return root
+    return fanout_tree(root, small=small, big=big)
 
 
-def data_bytes(root: Path) -> int:
-    if root.is_file():
-        return root.stat().st_size
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def staged(src: Path | str, dsts: list[Path], *args: str) -> list[dict[str, object]]:

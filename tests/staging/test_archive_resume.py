@@ -195,14 +195,22 @@ def test_repeated_kills_then_resume(engine: str, mixed_archive: Archive,
     assert fastload.verify(dst).ok
 
 
+def _complete(dst: Path) -> bool:
+    try:
+        fastload.verify(dst)
+    except fastload.StageError:
+        return False
+    return True
+
+
 def test_ctrl_c_stops_and_resumes(engine: str, mixed_archive: Archive, tmp_path: Path) -> None:
     full = full_seconds(mixed_archive, tmp_path, engine)
     for attempt, frac in enumerate((0.4, 0.2, 0.1, 0.05)):
         dst = tmp_path / f"dst{attempt}"
         child = interrupt_at(mixed_archive, dst, engine, frac * full, signal.SIGINT,
                              progress=True)
-        if child.returncode != 0:
-            break
+        if child.returncode != 0 and not _complete(dst):
+            break  # (a Ctrl-C after stage() returned, before the child printed, is late)
     else:
         pytest.fail("every extraction finished before Ctrl-C arrived")
     assert child.result is None

@@ -223,7 +223,10 @@ def remote(store: Store, shape: Shape, tmp_path_factory: pytest.TempPathFactory)
     fastload.ShardIndex.build([str(links / n) for n in names], links / "index.fidx")
     files = {n: Path(p) for n, p in zip(names, shards.paths, strict=True)}
     store.upload(f"{shape.label}/bare/", files)
-    store.upload(f"{shape.label}/data/", {**files, "index.fidx": links / "index.fidx"})
+    store.upload(f"{shape.label}/data/", files)
+    # The index last, as pack uploads it: an index object older than a shard is stale
+    # (and the datasets would build their own).
+    store.upload(f"{shape.label}/data/", {"index.fidx": links / "index.fidx"})
     return Remote(store, shape, shards, names)
 
 

@@ -189,6 +189,71 @@ def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str],
     assert sorted(downloads[-len(SIZES):]) == sorted(e.name for e in entries)  # each once
 
 
+def test_prefetch_window_downloads_at_once(shards: tuple[list[Path], str], tmp_path: Path,
+                                           proxy: Any) -> None:
+    """The shard read and the ``prefetch`` after it download together (the first batch
+    needs several shards; a store answers requests in flight together), and no more."""
+    _, url = shards
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, shuffle=False, batch_size=2,
+                                       prefetch=3)
+    assert ds._remote is not None
+    entries = ds._remote.shards.entries
+    for n in os.listdir(cache_dir / "shards"):
+        os.unlink(cache_dir / "shards" / n)
+    proxy.latency = 0.3  # each GET takes 0.3 s: those started together overlap
+    proxy.reset_counts()
+    it = iter(ds)
+    next(it)
+    deadline = time.monotonic() + 60
+    while not all((cache_dir / "shards" / e.name).exists() for e in entries[:4]):
+        assert time.monotonic() < deadline, os.listdir(cache_dir / "shards")
+        time.sleep(0.02)
+    assert proxy.max_in_flight == 4
+    assert proxy.gets() == 4  # the reader's shard downloaded once (by it or a thread)
+    proxy.latency = 0.0
+    assert sum(len(b) for b in it) == sum(SIZES) - 2
+
+
+def download_pids(cache_dir: Path, since: int) -> set[int]:
+    return {pid for pid, op, _, _ in ShardCache(cache_dir).events()[since:] if op == "download"}
+
+
+def test_forked_workers_downloads_are_served_by_their_parent(
+    shards: tuple[list[Path], str], tmp_path: Path
+) -> None:
+    """DataLoader workers forked after obstore was used cannot use it; their parent (this
+    process) downloads for them: no helper process to start in each worker."""
+    paths, url = shards
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, seed=2)
+    for n in os.listdir(cache_dir / "shards"):
+        os.unlink(cache_dir / "shards" / n)
+    since = len(ShardCache(cache_dir).events())
+    local = fastload.ShardIterableDataset([str(p) for p in paths], seed=2)
+    assert epoch_keys(ds, workers=2) == epoch_keys(local, workers=2)
+    assert download_pids(cache_dir, since) == {os.getpid()}
+
+
+def test_forked_workers_fall_back_to_helpers(shards: tuple[list[Path], str], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers whose parent serves nothing (gone, or never started) start helper
+    processes of their own, and read the same epoch."""
+    from fastload.cache import _fetchd
+
+    paths, url = shards
+    cache_dir = tmp_path / "c"
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, seed=2)
+    for n in os.listdir(cache_dir / "shards"):
+        os.unlink(cache_dir / "shards" / n)
+    since = len(ShardCache(cache_dir).events())
+    monkeypatch.setattr(_fetchd, "_server", (str(tmp_path / "gone.sock"), b"k" * 32, -1))
+    local = fastload.ShardIterableDataset([str(p) for p in paths], seed=2)
+    assert epoch_keys(ds, workers=2) == epoch_keys(local, workers=2)
+    pids = download_pids(cache_dir, since)
+    assert pids and os.getpid() not in pids
+
+
 # --- the index object pack writes ------------------------------------------------------
 
 
@@ -208,6 +273,19 @@ def test_index_object_first_sample_without_shard_download(
     local = fastload.ShardIndexDataset([str(p) for p in paths])
     assert plain(ds[5]) == plain(local[5])
     assert not ShardCache(tmp_path / "c").events()
+    # The view links a shard's recorded path to its cache entry when the shard is first
+    # pinned, not all at once: none yet (ranged reads pin nothing), then shard 0's.
+    (view,) = (tmp_path / "c" / "views").iterdir()
+
+    def links() -> list[str]:
+        return sorted(p.name for p in view.iterdir() if p.is_symlink())
+
+    assert links() == []
+    whole = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c")
+    assert plain(whole[5]) == plain(local[5])
+    assert links() == [paths[0].name]
+    assert (view / paths[0].name).resolve() == (tmp_path / "c" / "shards").resolve() / \
+        whole._remote.shards.entries[0].name
     # A subset of the shards the index does not describe: an index is built instead.
     part = fastload.ShardIndexDataset(f"s3://{bucket}/data/train-{{000002..000004}}.tar",
                                       cache_dir=tmp_path / "c")
@@ -290,7 +368,7 @@ def test_pinned_shard_is_never_evicted(tmp_path: Path, s3: Any, bucket: str) -> 
             assert pin.path.exists()
             assert cache_bytes(cache_dir) <= limit
         second = shards.pinned_one(1)
-        assert not shards.prefetch(2)  # both pinned: no room, and the prefetch gives up
+        assert shards.prefetch(2) is False  # both pinned: no room, and the prefetch gives up
         assert cache_bytes(cache_dir) <= limit
         second.release()
     finally:

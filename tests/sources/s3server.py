@@ -145,6 +145,8 @@ class FaultProxy:
         self.truncate_at = 100
         self.reset_every = 0
         self.requests: Counter[str] = Counter()
+        self.in_flight = 0  # object GETs being answered now
+        self.max_in_flight = 0  # the most at once since reset_counts
         self.bytes_out = 0
         self.faults = 0
         self._n = 0
@@ -162,6 +164,7 @@ class FaultProxy:
         with self._lock:
             self.requests.clear()
             self.bytes_out = 0
+            self.max_in_flight = self.in_flight
 
     def gets(self) -> int:
         """GET requests of objects (listings are GETs with ``list-type`` in the query)."""
@@ -187,6 +190,15 @@ class FaultProxy:
             self._relay(conn)
 
     def _relay(self, conn: socket.socket) -> None:
+        counted = [False]
+        try:
+            self._relay_counted(conn, counted)
+        finally:
+            if counted[0]:
+                with self._lock:
+                    self.in_flight -= 1
+
+    def _relay_counted(self, conn: socket.socket, counted: list[bool]) -> None:
         with conn:
             conn.settimeout(30)
             buf = b""
@@ -217,6 +229,10 @@ class FaultProxy:
                     self._n += 1
                     n = self._n
                     self.requests[kind] += 1
+                    if kind == "GET" and not counted[0]:
+                        counted[0] = True
+                        self.in_flight += 1
+                        self.max_in_flight = max(self.max_in_flight, self.in_flight)
                 if self.latency:
                     time.sleep(self.latency)
                 if self.reset_every and n % self.reset_every == 0:

@@ -10,9 +10,10 @@ passes through the cache once: a sparse copy of its headers is what gets indexed
 
 The index lives in a *view*: ``views/<hash of URLs and ETags>/`` holds the index file
 and, at the paths the index records, symbolic links to the cache entries of those
-versions. The native reader opens shards through the links, so the datasets read
-remote shards with the same native fetch as local ones; a shard is read only while
-pinned (:meth:`RemoteShards.pinned`), which downloads it first when it is not cached.
+versions (each made when its shard is first pinned). The native reader opens shards
+through the links, so the datasets read remote shards with the same native fetch as
+local ones; a shard is read only while pinned (:meth:`RemoteShards.pinned_one`), which
+downloads it first when it is not cached.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import hashlib
 import os
 import shutil
 import tarfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .. import _core
 from .._util import node_lock
@@ -45,6 +47,8 @@ INDEX_OBJECT = "index.fidx"
 _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4")
 #: Shards indexed at once when there is no index object.
 _INDEX_IN_FLIGHT = 4
+#: The index object's parts (ranged GETs, several in flight).
+_INDEX_PART = 4 << 20
 
 
 def is_remote(source: object) -> bool:
@@ -79,6 +83,9 @@ class RemoteShards:
         biggest = max(self.entries, key=lambda e: e.size)
         cache.check_fits(biggest.size, biggest.url)
         self._index_info = self._listing_index(listed)
+        # DataLoader workers forked from here on get their downloads served by this
+        # process (no helper process to start in each).
+        _fetchd.serve_forks()
 
     # --- pickling: the stores are per process --------------------------------------------
 
@@ -176,16 +183,15 @@ class RemoteShards:
         per node, the other processes wait and open it)."""
         view = self.cache.root / "views" / self._view_key()
         path = view / "index.fidx"
+        self._view, self._links = view, self._stored()
         with contextlib.suppress(FileNotFoundError, IndexFormatError):
             return ShardIndex.open(path, check=False)
         view.mkdir(parents=True, exist_ok=True)
         with node_lock(path):
             with contextlib.suppress(FileNotFoundError, IndexFormatError):
                 return ShardIndex.open(path, check=False)
-            stored = self._stored()
             if not (self._index_info is not None and self._fetch_index_object(path)):
-                self._build(path, stored)
-            self._link(view, stored)
+                self._build(path, self._links)
             return ShardIndex.open(path, check=False)
 
     def _fetch_index_object(self, dest: Path) -> bool:
@@ -196,14 +202,27 @@ class RemoteShards:
         assert info is not None
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         try:
-            data = self.store(url).get(self._key(url), info.etag)
-            tmp.write_bytes(data)
+            # In parts, several in flight: an index of 200,000 samples is 28 MB, and the
+            # first sample waits for all of it.
+            fetch = store_fetcher(_Stores(self), str, _INDEX_PART)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                fetch(CacheEntry(url, info.etag, info.size),
+                      lambda at, data: _pwrite_all(fd, data, at, tmp))
+            finally:
+                os.close(fd)
+            if os.path.getsize(tmp) != info.size:
+                raise stage_error(errno.EIO, f"'{url}': {os.path.getsize(tmp)} bytes read, "
+                                  f"{info.size} listed", url)
             native = _core.Index(os.fspath(tmp), check_shards=False)
             got = [native.shard(i) for i in range(native.shard_count)]
             del native
         except (IndexFormatError, FileNotFoundError, SourceChangedError):
             tmp.unlink(missing_ok=True)
             return False
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         names = [os.path.basename(self._key(u)) for u in self.urls]
         if [g[0] for g in got] != names or [g[2] for g in got] != [e.size for e in self.entries]:
             tmp.unlink(missing_ok=True)
@@ -234,16 +253,22 @@ class RemoteShards:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    def _link(self, view: Path, stored: list[str]) -> None:
-        """Links each recorded shard path in the view to its cache entry."""
-        for rel, entry in zip(stored, self.entries, strict=True):
-            link = view / rel
-            link.parent.mkdir(parents=True, exist_ok=True)
-            target = os.path.relpath(self.cache.path(entry), link.parent)
-            tmp = link.with_name(f".{link.name}.{os.getpid()}.lnk")
-            tmp.unlink(missing_ok=True)
-            os.symlink(target, tmp)
-            os.replace(tmp, link)
+    def _link(self, shard: int) -> None:
+        """Links the path the index records for ``shard`` in the view to its cache entry,
+        unless it is there: made when the shard is first pinned, not all at once with the
+        index (a link costs about as much as a small request: 70 ms for 200 shards)."""
+        view = getattr(self, "_view", None)
+        if view is None:  # no index asked for yet: nothing reads through the view
+            return
+        link = view / self._links[shard]
+        if os.path.lexists(link):
+            return
+        link.parent.mkdir(parents=True, exist_ok=True)
+        target = os.path.relpath(self.cache.path(self.entries[shard]), link.parent)
+        tmp = link.with_name(f".{link.name}.{os.getpid()}.{threading.get_ident()}.lnk")
+        tmp.unlink(missing_ok=True)
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -256,8 +281,8 @@ class RemoteShards:
             return None
         cache, options = self.cache, self.storage_options
 
-        def download(entry: CacheEntry, wait: bool) -> bool:
-            return bool(_fetchd.helper().call(
+        def download(entry: CacheEntry, wait: bool) -> bool | None:
+            return cast("bool | None", _fetchd.helper().call(
                 "download", os.fspath(cache.root), cache.limit,
                 (entry.url, entry.etag, entry.size), wait, options,
             ))
@@ -283,10 +308,16 @@ class RemoteShards:
         if pin is None:  # only if the download vanished at once (evicted by nobody: a bug)
             raise stage_error(errno.EIO, f"'{entry.url}' could not be kept in the cache "
                               f"'{self.cache.root}'", entry.url)
+        try:
+            self._link(shard)
+        except BaseException:
+            pin.release()
+            raise
         return pin
 
-    def prefetch(self, shard: int) -> bool:
-        """Downloads shard ``shard`` if the cache has room now; True once it is cached."""
+    def prefetch(self, shard: int) -> bool | None:
+        """Downloads shard ``shard`` if the cache has room now: True once it is cached,
+        False when there is no room, None when another process or thread downloads it."""
         entry = self.entries[shard]
         if self.cache._valid(entry):
             return True
@@ -307,6 +338,15 @@ class RemoteShards:
         except SourceChangedError:
             self.cache.drop(entry.url)
             raise
+
+
+def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, at)
+        if n <= 0:
+            raise stage_error(errno.EIO, "short write", str(path))
+        view, at = view[n:], at + n
 
 
 class _Stores:

@@ -277,7 +277,7 @@ class ShardCache:
         fetch: Fetcher,
         *,
         wait: bool = True,
-        via: Callable[[CacheEntry, bool], bool] | None = None,
+        via: Callable[[CacheEntry, bool], bool | None] | None = None,
     ) -> Pin | None:
         """Pins ``entry``, downloading it first if it is not cached (one process per node
         downloads; the others wait for it). ``wait=False`` (prefetching): returns None
@@ -301,22 +301,31 @@ class ShardCache:
             raise
 
     def prefetch(self, entry: CacheEntry, fetch: Fetcher,
-                 via: Callable[[CacheEntry, bool], bool] | None = None) -> bool:
-        """Downloads ``entry`` if there is room without waiting; True once it is cached."""
-        pin = self.acquire(entry, fetch, wait=False, via=via)
-        if pin is None:
-            return False
-        pin.release()
-        return True
+                 via: Callable[[CacheEntry, bool], bool | None] | None = None) -> bool | None:
+        """Downloads ``entry`` if there is room, without waiting: True once it is cached,
+        False when there is no room now, None when another process or thread is
+        downloading it."""
+        self.check_fits(entry.size, entry.url)
+        pin_fd = self._open(self.state / f"{entry.name}.pin")
+        try:
+            fcntl.flock(pin_fd, fcntl.LOCK_SH)  # (nobody evicts it between the two)
+            if self._valid(entry):
+                return True
+            ok = self._download(entry, fetch, False) if via is None else via(entry, False)
+            return None if ok is None else bool(ok) and self._valid(entry)
+        finally:
+            os.close(pin_fd)
 
-    def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool) -> bool:
-        """Downloads ``entry`` into place, with its pin held by the caller."""
+    def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool) -> bool | None:
+        """Downloads ``entry`` into place, with its pin held by the caller: True once it
+        is in place; with ``wait`` False, False when there is no room and None when
+        another downloader has it."""
         dl_fd = self._open(self.state / f"{entry.name}.dl")
         try:
             if wait:
                 fcntl.flock(dl_fd, fcntl.LOCK_EX)  # another process's download: wait
             elif not _try_lock(dl_fd, fcntl.LOCK_EX):
-                return False
+                return None  # another downloader has it
             if self._valid(entry):  # it was downloaded while we waited
                 return True
             deadline = time.monotonic() + WAIT_FOR_ROOM
@@ -339,7 +348,10 @@ class ShardCache:
             part = self.shards / f"{entry.name}.part"
             try:
                 self._fill(entry, part_fd, fetch)
-                os.rename(part, self.path(entry))
+                # Under the lock: a scan between listing the .part and stat-ing it would
+                # count neither name, and let another download past the limit.
+                with self._locked():
+                    os.rename(part, self.path(entry))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(part)
@@ -387,22 +399,23 @@ class ShardCache:
         return n
 
 
-def store_fetcher(store: Any, key_of: Callable[[str], str]) -> Fetcher:
+def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PART) -> Fetcher:
     """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: one GET, or
-    ranged GETs of :data:`PART` bytes, :data:`PARTS_IN_FLIGHT` at a time, every one
+    ranged GETs of ``part_size`` bytes, :data:`PARTS_IN_FLIGHT` at a time, every one
     with ``If-Match`` on the listed ETag."""
 
     def fetch(entry: CacheEntry, write: Callable[[int, Any], None]) -> None:
         key = key_of(entry.url)
-        if entry.size <= PART:
+        if entry.size <= part_size:
             write(0, store.get(key, entry.etag))
             return
 
         def part(start: int) -> None:
-            write(start, store.get_range(key, start, min(entry.size, start + PART), entry.etag))
+            end = min(entry.size, start + part_size)
+            write(start, store.get_range(key, start, end, entry.etag))
 
         with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="fastload-cache") as pool:
-            for f in [pool.submit(part, s) for s in range(0, entry.size, PART)]:
+            for f in [pool.submit(part, s) for s in range(0, entry.size, part_size)]:
                 f.result()
 
     return fetch

@@ -18,6 +18,9 @@ data it reads, side by side in the same run:
                     thrashes the cache): its MDS shards, written from the same samples
                     (MDSWriter, about as many samples per shard), boto3 with
                     ``S3_ENDPOINT_URL``
+  s5cmd-cp-only     (epoch only; not a reader) ``s5cmd cp`` of fastload's tars into a
+                    fresh folder, nothing read from them: the floor the server and the
+                    proxy set on these 2 cores for any tool that reads the tars
   litdata           StreamingDataset("s3://.../litdata", max_cache_size, shuffle=True,
                     storage_options={"endpoint_url": ...}) in its StreamingDataLoader: its
                     chunks (litdata.optimize, the same samples per chunk as per shard),
@@ -77,6 +80,9 @@ WORKERS = 2
 SEED = 1
 LATENCY = 0.002
 EPOCH_TOOLS = ["fastload", "webdataset-s5cmd", "webdataset-s3fs", "mosaicml", "litdata"]
+#: Not a reader: the shards' bytes copied to disk by ``s5cmd cp``, nothing decoded: the
+#: floor this server and proxy set for any reader of the tars.
+FLOOR = "s5cmd-cp-only"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +323,9 @@ def _prepare(tool: str, r: Remote, running: dict[str, Worker]) -> Worker | None:
         _s5cmd()
         pytest.importorskip("webdataset")
         return None
+    if tool == FLOOR:
+        _s5cmd()
+        return None
     if tool == "webdataset-s3fs":
         return _worker(tool, running, r.store)
     r.peer(tool)
@@ -361,6 +370,13 @@ def _loader(tool: str, r: Remote, cache: Path) -> Any:
 
 def _epoch(tool: str, r: Remote, cache: Path, worker: Worker | None) -> tuple[int, int]:
     """(samples, distinct keys) of one epoch."""
+    if tool == FLOOR:
+        subprocess.run([_s5cmd(), "--endpoint-url", r.store.endpoint, "cp",
+                        f"s3://{BUCKET}/{r.shape.label}/data/shard-*", f"{cache}/"],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        if len(list(cache.glob("shard-*.tar"))) != len(r.names):
+            raise AssertionError(f"s5cmd cp: {len(list(cache.iterdir()))} files")
+        return r.samples, r.samples  # (every shard arrived: nothing to count in them)
     if worker is not None:
         return worker.ask(_request("epoch", tool, r, cache))
     keys = [s["__key__"] for batch in _loader(tool, r, cache) for s in batch]
@@ -406,7 +422,7 @@ def _describe(benchmark: Any, r: Remote, scale: Scale, group: str, tool: str) ->
 # --- the cases ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tool", EPOCH_TOOLS)
+@pytest.mark.parametrize("tool", [*EPOCH_TOOLS, FLOOR])
 def test_remote_epoch(benchmark: Any, workers: dict[str, Worker], remote: Remote,
                       scale: Scale, tool: str) -> None:  # fmt: skip
     worker = _prepare(tool, remote, workers)

@@ -230,6 +230,10 @@ def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
             from ..sources.objstore import split_url
             return store(url, self.options).get_range(split_url(url)[2], start, end, etag)
 
+        def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Any:
+            from ..sources.objstore import split_url
+            return store(url, self.options).stream_range(split_url(url)[2], start, end, etag)
+
     while True:
         try:
             site, *req = recv.recv()

@@ -27,7 +27,7 @@ import os
 import shutil
 import tarfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -361,6 +361,9 @@ class _Stores:
 
     def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
         return self._shards.store(key).get_range(RemoteShards._key(key), start, end, etag)
+
+    def stream_range(self, key: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
+        return self._shards.store(key).stream_range(RemoteShards._key(key), start, end, etag)
 
 
 def header_skeleton(src: Path, dst: Path, size: int) -> None:

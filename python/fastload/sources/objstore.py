@@ -341,7 +341,20 @@ class ObjectStore:
 
     def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
         """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at
-        its end); the object must still have ``etag``. Returns the bytes read."""
+        its end); the object must still have ``etag``. Returns the bytes read. A range
+        over :data:`STREAM_CHUNK` is copied in as its pieces arrive: no buffer of the
+        range's size besides ``view`` (the blocks of a remote archive, the units of a
+        fan-out)."""
+        if len(view) > STREAM_CHUNK:
+            n = 0
+            for piece in self.stream_range(key, start, start + len(view), etag):
+                m = len(piece)
+                if n + m > len(view):
+                    raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked",
+                                      self._full(key))  # fmt: skip
+                view[n:n + m] = piece
+                n += m
+            return n
         full = self._full(key)
         opts: dict[str, Any] = {"range": (start, start + len(view))}
         if etag:

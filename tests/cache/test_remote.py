@@ -165,22 +165,33 @@ def test_default_cache_dir_is_the_environments(shards: tuple[list[Path], str], t
     assert cache_bytes(tmp_path / "node" / "cache") > 0
 
 
+def emptied(url: str, cache_dir: Path, **kw: Any) -> Any:
+    """An iterable dataset over ``url`` whose cache holds no shard (the index build
+    downloads every one: removed)."""
+    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, **kw)
+    for n in os.listdir(cache_dir / "shards"):
+        os.unlink(cache_dir / "shards" / n)
+    return ds
+
+
+def wait_cached(cache_dir: Path, ds: Any, n: int) -> None:
+    """Until the first ``n`` shards of ``ds`` are in the cache."""
+    deadline = time.monotonic() + 60
+    while not all((cache_dir / "shards" / e.name).exists()
+                  for e in ds._remote.shards.entries[:n]):  # fmt: skip
+        assert time.monotonic() < deadline, os.listdir(cache_dir / "shards")
+        time.sleep(0.02)
+
+
 def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str],
                                             tmp_path: Path) -> None:
     _, url = shards
     cache_dir = tmp_path / "c"
-    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, shuffle=False, batch_size=2,
-                                       prefetch=2)
-    assert ds._remote is not None
+    ds = emptied(url, cache_dir, shuffle=False, batch_size=2, prefetch=2)
     entries = ds._remote.shards.entries
-    for n in os.listdir(cache_dir / "shards"):  # the index build left some: none now
-        os.unlink(cache_dir / "shards" / n)
     it = iter(ds)
     next(it)  # reading shard 0: the thread fetches 1 and 2, and no further
-    deadline = time.monotonic() + 60
-    while not all((cache_dir / "shards" / e.name).exists() for e in entries[:3]):
-        assert time.monotonic() < deadline, os.listdir(cache_dir / "shards")
-        time.sleep(0.02)
+    wait_cached(cache_dir, ds, 3)
     time.sleep(0.3)  # (a thread that went on would have started shard 3 by now)
     assert sorted(os.listdir(cache_dir / "shards")) == sorted(e.name for e in entries[:3])
     rest = list(it)
@@ -195,20 +206,12 @@ def test_prefetch_window_downloads_at_once(shards: tuple[list[Path], str], tmp_p
     needs several shards; a store answers requests in flight together), and no more."""
     _, url = shards
     cache_dir = tmp_path / "c"
-    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, shuffle=False, batch_size=2,
-                                       prefetch=3)
-    assert ds._remote is not None
-    entries = ds._remote.shards.entries
-    for n in os.listdir(cache_dir / "shards"):
-        os.unlink(cache_dir / "shards" / n)
+    ds = emptied(url, cache_dir, shuffle=False, batch_size=2, prefetch=3)
     proxy.latency = 0.3  # each GET takes 0.3 s: those started together overlap
     proxy.reset_counts()
     it = iter(ds)
     next(it)
-    deadline = time.monotonic() + 60
-    while not all((cache_dir / "shards" / e.name).exists() for e in entries[:4]):
-        assert time.monotonic() < deadline, os.listdir(cache_dir / "shards")
-        time.sleep(0.02)
+    wait_cached(cache_dir, ds, 4)
     assert proxy.max_in_flight == 4
     assert proxy.gets() == 4  # the reader's shard downloaded once (by it or a thread)
     proxy.latency = 0.0
@@ -226,9 +229,7 @@ def test_forked_workers_downloads_are_served_by_their_parent(
     process) downloads for them: no helper process to start in each worker."""
     paths, url = shards
     cache_dir = tmp_path / "c"
-    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, seed=2)
-    for n in os.listdir(cache_dir / "shards"):
-        os.unlink(cache_dir / "shards" / n)
+    ds = emptied(url, cache_dir, seed=2)
     since = len(ShardCache(cache_dir).events())
     local = fastload.ShardIterableDataset([str(p) for p in paths], seed=2)
     assert epoch_keys(ds, workers=2) == epoch_keys(local, workers=2)
@@ -243,9 +244,7 @@ def test_forked_workers_fall_back_to_helpers(shards: tuple[list[Path], str], tmp
 
     paths, url = shards
     cache_dir = tmp_path / "c"
-    ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, seed=2)
-    for n in os.listdir(cache_dir / "shards"):
-        os.unlink(cache_dir / "shards" / n)
+    ds = emptied(url, cache_dir, seed=2)
     since = len(ShardCache(cache_dir).events())
     monkeypatch.setattr(_fetchd, "_server", (str(tmp_path / "gone.sock"), b"k" * 32, -1))
     local = fastload.ShardIterableDataset([str(p) for p in paths], seed=2)

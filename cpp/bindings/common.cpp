@@ -22,6 +22,12 @@ std::string fs_bytes(const py::handle& obj) {
   return std::string(owned);
 }
 
+std::span<const char> contiguous_bytes(const py::buffer_info& info, const char* what) {
+  if (!PyBuffer_IsContiguous(info.view(), 'C'))
+    throw py::value_error(std::string(what) + " needs a contiguous buffer");
+  return {static_cast<const char*>(info.ptr), size_t(info.size * info.itemsize)};
+}
+
 std::vector<std::string> fs_list(const py::iterable& items) {
   std::vector<std::string> out;
   for (auto item : items) out.push_back(fs_bytes(item));

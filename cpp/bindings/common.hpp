@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,10 @@ namespace py = pybind11;
 py::str fs_str(const std::string& s);
 std::string fs_bytes(const py::handle& obj);  // accepts str, bytes or os.PathLike
 std::vector<std::string> fs_list(const py::iterable& items);  // fs_bytes of each
+
+// The bytes of a requested buffer; a strided one raises ValueError("<what> needs a
+// contiguous buffer"). `info` holds the view: keep it for as long as the bytes are used.
+std::span<const char> contiguous_bytes(const py::buffer_info& info, const char* what);
 
 // Runs work() on a thread while this (Python) thread waits in 100 ms slices: Ctrl-C
 // cancels the work and raises KeyboardInterrupt once it has stopped; tick() (progress,

@@ -8,12 +8,9 @@ void register_hash(py::module_& m) {
       "fl64",
       [](const py::buffer& data, uint64_t seed) {
         py::buffer_info info = data.request();
-        if (!PyBuffer_IsContiguous(info.view(), 'C'))
-          throw py::value_error("fl64 needs a contiguous buffer");
-        const void* p = info.ptr;
-        size_t n = size_t(info.size * info.itemsize);
+        std::span<const char> b = contiguous_bytes(info, "fl64");
         py::gil_scoped_release nogil;
-        return hash::fl64(p, n, seed);
+        return hash::fl64(b.data(), b.size(), seed);
       },
       py::arg("data"), py::arg("seed") = 0,
       "The 64-bit chunk digest fastload stores in its manifests.");
@@ -29,12 +26,9 @@ void register_hash(py::module_& m) {
           "update",
           [](hash::Fl64Stream& h, const py::buffer& data) {
             py::buffer_info info = data.request();
-            if (!PyBuffer_IsContiguous(info.view(), 'C'))
-              throw py::value_error("Fl64Stream.update needs a contiguous buffer");
-            const void* p = info.ptr;
-            size_t n = size_t(info.size * info.itemsize);
+            std::span<const char> b = contiguous_bytes(info, "Fl64Stream.update");
             py::gil_scoped_release nogil;
-            h.update(p, n);
+            h.update(b.data(), b.size());
           },
           py::arg("data"))
       .def("digest", &hash::Fl64Stream::digest,

@@ -206,6 +206,7 @@ _stores_lock = threading.Lock()
 def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
     """Answers ``recv``'s requests on ``send`` until end of input. A helper process takes
     the site defaults each request carries; a server is the process they come from."""
+    from .remote import ByUrl
     from .store import CacheEntry, ShardCache, store_fetcher
 
     def store(url: str, options: dict[str, Any]) -> Any:
@@ -217,22 +218,6 @@ def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
             if key not in _stores:
                 _stores[key] = ObjectStore(key[0], options)
             return _stores[key]
-
-    class _ByUrl:
-        def __init__(self, options: dict[str, Any]) -> None:
-            self.options = options
-
-        def get(self, url: str, etag: str | None) -> Any:
-            from ..sources.objstore import split_url
-            return store(url, self.options).get(split_url(url)[2], etag)
-
-        def get_range(self, url: str, start: int, end: int, etag: str | None) -> Any:
-            from ..sources.objstore import split_url
-            return store(url, self.options).get_range(split_url(url)[2], start, end, etag)
-
-        def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Any:
-            from ..sources.objstore import split_url
-            return store(url, self.options).stream_range(split_url(url)[2], start, end, etag)
 
     while True:
         try:
@@ -249,10 +234,12 @@ def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
                 _, root, limit, (url, etag, size), wait, options = req
                 cache = ShardCache(root, limit)
                 entry = CacheEntry(url, etag, size)
-                out: Any = cache._download(entry, store_fetcher(_ByUrl(options), str), wait)
+                by_url = ByUrl(functools.partial(store, options=options))
+                out: Any = cache._download(entry, store_fetcher(by_url, str), wait)
             elif req[0] == "range":
                 _, url, start, end, etag, options = req
-                out = bytes(_ByUrl(options).get_range(url, start, end, etag))
+                by_url = ByUrl(functools.partial(store, options=options))
+                out = bytes(by_url.get_range(url, start, end, etag))
             else:
                 raise ValueError(f"unknown request {req[0]!r}")
             reply: tuple[Any, ...] = ("ok", out)

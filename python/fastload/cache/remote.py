@@ -27,7 +27,7 @@ import os
 import shutil
 import tarfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -204,7 +204,7 @@ class RemoteShards:
         try:
             # In parts, several in flight: an index of 200,000 samples is 28 MB, and the
             # first sample waits for all of it.
-            fetch = store_fetcher(_Stores(self), str, _INDEX_PART)
+            fetch = store_fetcher(ByUrl(self.store), str, _INDEX_PART)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
                 fetch(CacheEntry(url, info.etag, info.size),
@@ -273,7 +273,7 @@ class RemoteShards:
     # --- reading -------------------------------------------------------------------------
 
     def fetcher(self) -> Any:
-        return store_fetcher(_Stores(self), str)
+        return store_fetcher(ByUrl(self.store), str)
 
     def _via(self) -> Any:
         """In a process forked after obstore was used: downloads by the helper."""
@@ -349,21 +349,23 @@ def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:
         view, at = view[n:], at + n
 
 
-class _Stores:
-    """The ``get``/``get_range`` of whichever bucket a key's URL is in (keys here are
-    whole URLs, so one fetcher serves shards of several buckets)."""
+class ByUrl:
+    """The ``get``/``get_range``/``stream_range`` of objects named by whole URLs, each
+    through the client ``store_of(url)`` gives for its bucket (so one fetcher serves
+    shards of several buckets; the helper and the server of forked workers use it with
+    their own clients)."""
 
-    def __init__(self, shards: RemoteShards) -> None:
-        self._shards = shards
+    def __init__(self, store_of: Callable[[str], ObjectStore]) -> None:
+        self._store_of = store_of
 
-    def get(self, key: str, etag: str | None) -> memoryview:
-        return self._shards.store(key).get(RemoteShards._key(key), etag)
+    def get(self, url: str, etag: str | None) -> memoryview:
+        return self._store_of(url).get(split_url(url)[2], etag)
 
-    def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
-        return self._shards.store(key).get_range(RemoteShards._key(key), start, end, etag)
+    def get_range(self, url: str, start: int, end: int, etag: str | None) -> memoryview:
+        return self._store_of(url).get_range(split_url(url)[2], start, end, etag)
 
-    def stream_range(self, key: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
-        return self._shards.store(key).stream_range(RemoteShards._key(key), start, end, etag)
+    def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
+        return self._store_of(url).stream_range(split_url(url)[2], start, end, etag)
 
 
 def header_skeleton(src: Path, dst: Path, size: int) -> None:

@@ -283,38 +283,40 @@ class ShardCache:
         downloads; the others wait for it). ``wait=False`` (prefetching): returns None
         instead of waiting for room or for another process's download. ``via(entry,
         wait)``: another process downloads (see :mod:`fastload.cache._fetchd`)."""
-        self.check_fits(entry.size, entry.url)
-        pin_fd = self._open(self.state / f"{entry.name}.pin")
-        try:
-            fcntl.flock(pin_fd, fcntl.LOCK_SH)
-            if self._valid(entry):
-                with contextlib.suppress(OSError):
-                    os.utime(self.path(entry))  # least recently used = oldest mtime
-                return Pin(pin_fd, self.path(entry))
-            ok = self._download(entry, fetch, wait) if via is None else via(entry, wait)
-            if not ok or not self._valid(entry):
-                os.close(pin_fd)
-                return None
-            return Pin(pin_fd, self.path(entry))
-        except BaseException:
+        pin_fd, ok = self._pinned(entry, fetch, wait, via)
+        if not ok:
             os.close(pin_fd)
-            raise
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.path(entry))  # least recently used = oldest mtime
+        return Pin(pin_fd, self.path(entry))
 
     def prefetch(self, entry: CacheEntry, fetch: Fetcher,
                  via: Callable[[CacheEntry, bool], bool | None] | None = None) -> bool | None:
         """Downloads ``entry`` if there is room, without waiting: True once it is cached,
         False when there is no room now, None when another process or thread is
         downloading it."""
+        pin_fd, ok = self._pinned(entry, fetch, False, via)
+        os.close(pin_fd)
+        return ok
+
+    def _pinned(self, entry: CacheEntry, fetch: Fetcher, wait: bool,
+                via: Callable[[CacheEntry, bool], bool | None] | None
+                ) -> tuple[int, bool | None]:  # fmt: skip
+        """Takes a pin of ``entry`` (its descriptor, for the caller to close) and
+        downloads it unless it is cached: True once it is in place, False without room,
+        None while another downloader has it (``wait`` False)."""
         self.check_fits(entry.size, entry.url)
         pin_fd = self._open(self.state / f"{entry.name}.pin")
         try:
-            fcntl.flock(pin_fd, fcntl.LOCK_SH)  # (nobody evicts it between the two)
+            fcntl.flock(pin_fd, fcntl.LOCK_SH)
             if self._valid(entry):
-                return True
-            ok = self._download(entry, fetch, False) if via is None else via(entry, False)
-            return None if ok is None else bool(ok) and self._valid(entry)
-        finally:
+                return pin_fd, True
+            ok = self._download(entry, fetch, wait) if via is None else via(entry, wait)
+            return pin_fd, None if ok is None else bool(ok) and self._valid(entry)
+        except BaseException:
             os.close(pin_fd)
+            raise
 
     def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool) -> bool | None:
         """Downloads ``entry`` into place, with its pin held by the caller: True once it

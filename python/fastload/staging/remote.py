@@ -112,8 +112,6 @@ class _Fetcher:
             if self.cancelled:
                 raise InterruptedError
             n = len(piece)
-            if got + n > want:
-                raise self._eio(obj, f"longer reply than asked at {off}")
             done = os.pwrite(fd, piece, off + got)
             while done < n:
                 done += os.pwrite(fd, memoryview(piece)[done:], off + got + done)

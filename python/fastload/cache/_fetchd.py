@@ -206,8 +206,7 @@ _stores_lock = threading.Lock()
 def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
     """Answers ``recv``'s requests on ``send`` until end of input. A helper process takes
     the site defaults each request carries; a server is the process they come from."""
-    from .remote import ByUrl
-    from .store import CacheEntry, ShardCache, store_fetcher
+    from .store import ByUrl, CacheEntry, ShardCache, store_fetcher
 
     def store(url: str, options: dict[str, Any]) -> Any:
         from ..sources.objstore import ObjectStore, split_url

@@ -27,7 +27,7 @@ import os
 import shutil
 import tarfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -38,7 +38,7 @@ from ..errors import IndexFormatError, SourceChangedError, stage_error
 from ..index import ShardIndex, expand_braces
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
 from . import _fetchd
-from .store import CacheEntry, Pin, ShardCache, store_fetcher
+from .store import ByUrl, CacheEntry, Pin, ShardCache, store_fetcher
 
 __all__ = ["INDEX_OBJECT", "RemoteShards", "is_remote"]
 
@@ -347,25 +347,6 @@ def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:
         if n <= 0:
             raise stage_error(errno.EIO, "short write", str(path))
         view, at = view[n:], at + n
-
-
-class ByUrl:
-    """The ``get``/``get_range``/``stream_range`` of objects named by whole URLs, each
-    through the client ``store_of(url)`` gives for its bucket (so one fetcher serves
-    shards of several buckets; the helper and the server of forked workers use it with
-    their own clients)."""
-
-    def __init__(self, store_of: Callable[[str], ObjectStore]) -> None:
-        self._store_of = store_of
-
-    def get(self, url: str, etag: str | None) -> memoryview:
-        return self._store_of(url).get(split_url(url)[2], etag)
-
-    def get_range(self, url: str, start: int, end: int, etag: str | None) -> memoryview:
-        return self._store_of(url).get_range(split_url(url)[2], start, end, etag)
-
-    def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
-        return self._store_of(url).stream_range(split_url(url)[2], start, end, etag)
 
 
 def header_skeleton(src: Path, dst: Path, size: int) -> None:

@@ -43,10 +43,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._util import human
 from ..errors import SourceChangedError, stage_error
+
+if TYPE_CHECKING:
+    from ..sources.objstore import ObjectStore
 
 __all__ = ["CacheEntry", "Pin", "ShardCache"]
 
@@ -399,6 +402,31 @@ class ShardCache:
                         and self._evict_one(name):
                     n += 1
         return n
+
+
+class ByUrl:
+    """The ``get``/``get_range``/``stream_range`` of objects named by whole URLs, each
+    through the client ``store_of(url)`` gives for its bucket (so one fetcher serves
+    shards of several buckets; the helper and the server of forked workers use it with
+    their own clients)."""
+
+    def __init__(self, store_of: Callable[[str], ObjectStore]) -> None:
+        self._store_of = store_of
+
+    def get(self, url: str, etag: str | None) -> memoryview:
+        return self._store_of(url).get(_key(url), etag)
+
+    def get_range(self, url: str, start: int, end: int, etag: str | None) -> memoryview:
+        return self._store_of(url).get_range(_key(url), start, end, etag)
+
+    def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
+        return self._store_of(url).stream_range(_key(url), start, end, etag)
+
+
+def _key(url: str) -> str:
+    from ..sources.objstore import split_url
+
+    return split_url(url)[2]
 
 
 def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PART) -> Fetcher:

@@ -71,8 +71,16 @@ class Cluster:
 
     @staticmethod
     def task_lines(out: str) -> list[dict[str, Any]]:
-        """slurm_task.py's JSON lines among ``out``'s."""
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        """slurm_task.py's JSON lines among ``out``'s (two on one line too: the tasks
+        torchrun starts share its output, and their lines may run together)."""
+        decoder = json.JSONDecoder()
+        found: list[dict[str, Any]] = []
+        for line in out.splitlines():
+            at = 0
+            while line.startswith("{", at):
+                obj, at = decoder.raw_decode(line, at)
+                found.append(obj)
+        return found
 
     def sbatch(self, script: str, *args: str, wait: bool = True) -> tuple[int, int]:
         """Submits ``script`` (the text of a batch script); returns its job id and, with

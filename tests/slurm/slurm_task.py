@@ -64,4 +64,5 @@ def main(op: str, *args: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:])), flush=True)
+    # One write (under PIPE_BUF: atomic), so tasks sharing a pipe do not split lines.
+    os.write(1, (json.dumps(main(*sys.argv[1:])) + "\n").encode())

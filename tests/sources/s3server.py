@@ -27,6 +27,8 @@ from pathlib import Path
 
 KEY_ID = "fastload-test"
 SECRET = "fastload-test-secret"
+# Volumes the server may create (see s3_server): more than the buckets of a whole run.
+MAX_VOLUMES = 2000
 
 
 def weed_binary() -> str | None:
@@ -106,6 +108,11 @@ def s3_server(root: Path | None = None) -> Iterator[S3Server]:
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             f"-admin.port={admin}", "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+            # Each bucket gets a volume of its own, and by default the server allows
+            # free space / volume size of them (1 GiB each where the disk is big): with
+            # 29 GB free, the suite's 30th bucket got InternalError on every upload.
+            # Volumes grow as they are written, so a fixed count reserves no space.
+            f"-volume.max={MAX_VOLUMES}",
         ]  # fmt: skip
         env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
                "TMPDIR": str(root)}  # fmt: skip

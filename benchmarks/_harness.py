@@ -9,6 +9,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -150,6 +151,7 @@ class Rounds:
     ) -> Any:
         def setup() -> tuple[tuple[Path], dict[str, Any]]:
             self.clean()
+            settle_deletions()
             self._n += 1
             dst = self.work / f"round{self._n}" / "dst"
             dst.parent.mkdir(parents=True)
@@ -174,8 +176,53 @@ class Rounds:
 
     def clean(self) -> None:
         if self.last is not None:
-            shutil.rmtree(self.last.parent, ignore_errors=True)
+            remove_tree(self.last.parent)
             self.last = None
+
+
+# ext4 without a journal (this machine's root) passes over every inode freed in the last
+# 60 s when it allocates one (fs/ext4/ialloc.c, recently_deleted(): the freed inode's
+# table block is read to see when it died). A round that follows the deletion of the
+# previous round's 40,000 files pays that on each create: a quarter of the CPU samples of
+# an extraction, GNU tar's rounds up to twice as long. A job unpacking onto a node's fresh
+# local disk pays none of it, so a round waits until the deletions it follows are older
+# than that (only where they were large, on such a file system: the small scale is not
+# slowed).
+# FASTLOAD_BENCH_SETTLE=0 turns the wait off (to see what it changes).
+RECENTLY_DELETED_S = float(os.environ.get("FASTLOAD_BENCH_SETTLE", "61"))
+LARGE_DELETION = 2_000  # files
+_settle_until = 0.0  # time.monotonic() before which a new round would pay for deletions
+
+
+def _ext4_without_journal(path: Path) -> bool:
+    st = os.stat(path)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    try:
+        name = dev.resolve().name
+        return (Path("/sys/fs/ext4") / name / "journal_task").read_text().strip() == "<none>"
+    except OSError:
+        return False
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf path``; a large deletion on ext4 without a journal makes the next round
+    wait (:func:`settle_deletions`)."""
+    global _settle_until
+    if not path.exists():
+        return
+    files = sum(len(names) for _d, _s, names in os.walk(path))
+    no_journal = _ext4_without_journal(path)
+    shutil.rmtree(path, ignore_errors=True)
+    if files >= LARGE_DELETION and no_journal:
+        _settle_until = time.monotonic() + RECENTLY_DELETED_S
+
+
+def settle_deletions() -> None:
+    """Waits until the large deletions made by :func:`remove_tree` are older than the
+    window in which ext4 without a journal passes over freed inodes."""
+    left = _settle_until - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 _FS_IOC_GETFLAGS = 0x80086601
@@ -185,12 +232,10 @@ _FS_TOPDIR_FL = 0x00020000
 
 def spread_subdirs(path: Path) -> None:
     """Marks ``path`` as the top of a directory hierarchy (``chattr +T``; ext2/3/4), so
-    each round's directory is placed in block groups of its own instead of where the
-    previous round's tree was just deleted. ext4 without a journal (this machine's) skips
-    inodes freed in the last minute on every create, rescanning them each time, which
-    makes every tool's creates several times slower in back-to-back rounds; a job
-    unpacking onto a node's local disk does not follow a 40,000-file deletion. Where the
-    flag is not supported this does nothing."""
+    each round's directory is spread to block groups with many free inodes. That alone
+    does not keep a round away from the inodes the previous round freed (just freed, those
+    groups are the emptiest): :func:`settle_deletions` does. Where the flag is not
+    supported this does nothing."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:

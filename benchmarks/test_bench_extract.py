@@ -14,7 +14,9 @@ Groups (each in a warm and a cold page-cache variant):
 Sizes: ``small`` (CI smoke: 300 files of ~8 KB in 10 classes) or ``full`` (40,000 files,
 log-normal around 100 KB, ~3.8 GiB; the nested archive holds them in 400 inner tars).
 Every round extracts into a fresh destination (``Rounds``: setup not timed, each round
-ends with syncfs() of the destination when ``--bench-sync on``), and every case checks
+ends with syncfs() of the destination when ``--bench-sync on``; at full scale on ext4
+without a journal, a round starts a minute after the previous tree was deleted, see
+``_harness.settle_deletions``), and every case checks
 what it extracted (file count and bytes), so the smoke run is a correctness test too.
 """
 

@@ -142,3 +142,28 @@ def test_peer_formats_hold_the_same_samples(tmp_path: Path, fmt: str) -> None:
         ds = _peers.import_datasets().load_from_disk(str(path))
     assert len(ds) == len(want)
     assert [dict(ds[i]) for i in range(len(want))] == want
+
+
+def test_large_deletion_makes_the_next_round_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import _harness
+
+    monkeypatch.setattr(_harness, "_settle_until", 0.0)
+    small, large = tmp_path / "small", tmp_path / "large"
+    for root, n in ((small, 10), (large, _harness.LARGE_DELETION)):
+        root.mkdir()
+        for i in range(n):
+            (root / f"f{i}").touch()
+    _harness.remove_tree(small)
+    assert not small.exists() and _harness._settle_until == 0.0
+    no_journal = _harness._ext4_without_journal(tmp_path)
+    t0 = time.monotonic()
+    _harness.remove_tree(large)
+    assert not large.exists()
+    if no_journal:  # (this VM's root; elsewhere a deletion makes no round wait)
+        assert _harness._settle_until >= t0 + _harness.RECENTLY_DELETED_S
+    else:
+        assert _harness._settle_until == 0.0

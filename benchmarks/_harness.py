@@ -210,10 +210,12 @@ def remove_tree(path: Path) -> None:
     global _settle_until
     if not path.exists():
         return
-    files = sum(len(names) for _d, _s, names in os.walk(path))
-    no_journal = _ext4_without_journal(path)
+    # (the tree is counted only where a deletion can make anyone wait)
+    large = _ext4_without_journal(path) and (
+        sum(len(names) for _d, _s, names in os.walk(path)) >= LARGE_DELETION
+    )
     shutil.rmtree(path, ignore_errors=True)
-    if files >= LARGE_DELETION and no_journal:
+    if large:
         _settle_until = time.monotonic() + RECENTLY_DELETED_S
 
 

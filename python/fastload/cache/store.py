@@ -440,9 +440,6 @@ def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PAR
 
     def part(entry: CacheEntry, key: str, start: int, end: int,
              write: Callable[[int, Any], None]) -> None:  # fmt: skip
-        if end - start <= STREAM_CHUNK:
-            write(start, store.get_range(key, start, end, entry.etag))
-            return
         for piece in store.stream_range(key, start, end, entry.etag):
             write(start, piece)
             start += len(piece)

@@ -323,13 +323,17 @@ class ObjectStore:
         return got
 
     def stream_range(self, key: str, start: int, end: int, etag: str | None,
-                     chunk: int = STREAM_CHUNK) -> Iterator[bytes]:
+                     chunk: int = STREAM_CHUNK) -> Iterator[bytes | memoryview]:
         """Bytes ``[start, end)`` of the object (fewer at its end), which must still have
         ``etag``, in pieces of about ``chunk`` bytes as they arrive (never more bytes
         than asked: a longer reply raises OSError EIO): a writer puts each
         piece at its place while it is still in the CPU's cache, and no buffer the size
         of the range is ever allocated (a fresh 16 MiB one per part cost ~100,000 page
-        faults per GiB, s5cmd 5,000, and about twice s5cmd's system time)."""
+        faults per GiB, s5cmd 5,000, and about twice s5cmd's system time). A range of at
+        most ``chunk`` bytes comes in one piece (one ``get_range``)."""
+        if end - start <= chunk:
+            yield self.get_range(key, start, end, etag)
+            return
         full = self._full(key)
         opts: dict[str, Any] = {"range": (start, end)}
         if etag:
@@ -349,14 +353,9 @@ class ObjectStore:
 
     def read_into(self, key: str, start: int, view: memoryview, etag: str | None) -> int:
         """Reads ``len(view)`` bytes at ``start`` of the object into ``view`` (fewer at
-        its end); the object must still have ``etag``. Returns the bytes read. A range
-        over :data:`STREAM_CHUNK` is copied in as its pieces arrive: no buffer of the
-        range's size besides ``view`` (the blocks of a remote archive, the units of a
-        fan-out)."""
-        if len(view) <= STREAM_CHUNK:
-            got = self.get_range(key, start, start + len(view), etag)
-            view[:len(got)] = got
-            return len(got)
+        its end); the object must still have ``etag``. Returns the bytes read. They are
+        copied in as their pieces arrive (:meth:`stream_range`): no buffer of the range's
+        size besides ``view`` (the blocks of a remote archive, the units of a fan-out)."""
         n = 0
         for piece in self.stream_range(key, start, start + len(view), etag):
             view[n:n + len(piece)] = piece

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import pytest
 
 import fastload
+from fastload.staging.state import read_manifest
 from kit import procs, tars, trees
 
 pytestmark = pytest.mark.native
@@ -199,11 +200,10 @@ def test_repeated_kills_then_resume(engine: str, mixed_archive: Archive,
 
 
 def _complete(dst: Path) -> bool:
-    try:
-        fastload.verify(dst)
-    except fastload.StageError:
-        return False
-    return True
+    """Whether the stage finished (its manifest says so): the condition under which
+    verify() stops raising, read without re-reading every file."""
+    manifest = read_manifest(dst)
+    return bool(manifest and manifest.get("complete"))
 
 
 def test_ctrl_c_stops_and_resumes(engine: str, mixed_archive: Archive, tmp_path: Path) -> None:

@@ -231,8 +231,16 @@ def remote(store: Store, shape: Shape, tmp_path_factory: pytest.TempPathFactory)
     store.upload(f"{shape.label}/bare/", files)
     store.upload(f"{shape.label}/data/", files)
     # The index last, as pack uploads it: an index object older than a shard is stale
-    # (and the datasets would build their own).
-    store.upload(f"{shape.label}/data/", {"index.fidx": links / "index.fidx"})
+    # (and the datasets would build their own). With it, as pack does where libzstd is
+    # present, its compressed copy, which the datasets fetch instead
+    # (FASTLOAD_BENCH_INDEX_ZST=0 leaves it out: the plain index object is read).
+    index = {"index.fidx": links / "index.fidx"}
+    if fastload._core.zstd_available() and os.environ.get("FASTLOAD_BENCH_INDEX_ZST") != "0":
+        zst = links / "index.fidx.zst"
+        zst.write_bytes(fastload._core.zstd_compress(index["index.fidx"].read_bytes(), 3,
+                                                     str(zst)))
+        index["index.fidx.zst"] = zst
+    store.upload(f"{shape.label}/data/", index)
     return Remote(store, shape, shards, names)
 
 

@@ -21,6 +21,39 @@ struct ReadBlock {
 
 void register_extract(py::module_& m) {
   m.def("zstd_available", &copy::zstd_available, "True when libzstd.so.1 can be loaded.");
+  m.def(
+      "zstd_compress",
+      [](const py::buffer& data, int level, const std::string& name) {
+        py::buffer_info info = data.request();
+        std::span<const char> b = contiguous_bytes(info, "zstd_compress");
+        std::string out;
+        {
+          py::gil_scoped_release nogil;
+          out = copy::zstd_compress(b.data(), b.size(), level, name);
+        }
+        return py::bytes(out);
+      },
+      py::arg("data"), py::arg("level"), py::arg("name"),
+      "data as one zstd frame (libzstd.so.1 loaded at run time).");
+  m.def(
+      "decompress_to",
+      [](const py::buffer& data, const std::string& compression, int fd, uint64_t limit,
+         const std::string& name) {
+        copy::Compression c;
+        if (compression == "gzip")
+          c = copy::Compression::kGzip;
+        else if (compression == "zstd")
+          c = copy::Compression::kZstd;
+        else
+          throw py::value_error("unknown compression '" + compression + "'");
+        py::buffer_info info = data.request();
+        std::span<const char> b = contiguous_bytes(info, "decompress_to");
+        py::gil_scoped_release nogil;
+        return copy::decompress_to_fd(c, b.data(), b.size(), fd, limit, name);
+      },
+      py::arg("data"), py::arg("compression"), py::arg("fd"), py::arg("limit"), py::arg("name"),
+      "Decodes data (a whole gzip or zstd stream) into fd from offset 0, at most limit "
+      "bytes; returns the bytes written.");
 
   py::class_<ReadBlock>(m, "ReadBlock", py::buffer_protocol(),
                         "A buffer an ExtractJob lends for reading the archive into.")

@@ -4,6 +4,8 @@
 #include <pthread.h>
 #include <zlib.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -90,7 +92,10 @@ struct ZstdApi {
   size_t (*decompress)(void*, OutBuf*, InBuf*) = nullptr;
   unsigned (*is_error)(size_t) = nullptr;
   const char* (*error_name)(size_t) = nullptr;
-  bool ok = false;
+  size_t (*compress)(void*, size_t, const void*, size_t, int) = nullptr;
+  size_t (*compress_bound)(size_t) = nullptr;
+  bool ok = false;           // decoding
+  bool can_compress = false;
 };
 
 const ZstdApi& zstd() {
@@ -106,6 +111,10 @@ const ZstdApi& zstd() {
     api.is_error = reinterpret_cast<unsigned (*)(size_t)>(dlsym(h, "ZSTD_isError"));
     api.error_name = reinterpret_cast<const char* (*)(size_t)>(dlsym(h, "ZSTD_getErrorName"));
     api.ok = api.create && api.free && api.decompress && api.is_error && api.error_name;
+    api.compress = reinterpret_cast<size_t (*)(void*, size_t, const void*, size_t, int)>(
+        dlsym(h, "ZSTD_compress"));
+    api.compress_bound = reinterpret_cast<size_t (*)(size_t)>(dlsym(h, "ZSTD_compressBound"));
+    api.can_compress = api.ok && api.compress && api.compress_bound;
   });
   return api;
 }
@@ -161,6 +170,48 @@ std::unique_ptr<Decompressor> make_decompressor(Compression c, const std::string
 }
 
 bool zstd_available() { return zstd().ok; }
+
+std::string zstd_compress(const char* data, size_t n, int level, const std::string& name) {
+  const ZstdApi& api = zstd();
+  if (!api.can_compress)
+    throw Error(ErrorKind::kUnsupported, 0, "compress", name, "libzstd.so.1 is not available");
+  std::string out(api.compress_bound(n), '\0');
+  size_t r = api.compress(out.data(), out.size(), data, n, level);
+  if (api.is_error(r))
+    throw std::runtime_error(name + ": zstd compression failed (" + api.error_name(r) + ")");
+  out.resize(r);
+  return out;
+}
+
+uint64_t decompress_to_fd(Compression c, const char* in, size_t n, int fd, uint64_t limit,
+                          const std::string& name) {
+  std::unique_ptr<Decompressor> dec = make_decompressor(c, name);
+  if (!dec) throw std::invalid_argument("decompress_to_fd: no compression given");
+  constexpr size_t kOut = size_t(1) << 20;
+  std::unique_ptr<char[]> buf(new char[kOut]);
+  uint64_t written = 0;
+  size_t pos = 0;
+  for (;;) {
+    Decompressor::Step s = dec->step(in + pos, n - pos, buf.get(), kOut);
+    pos += s.used;
+    if (s.made > limit - written)
+      throw corrupt(name, "decompresses to more than " + std::to_string(limit) + " bytes");
+    for (size_t done = 0; done < s.made;) {
+      ssize_t w = ::pwrite(fd, buf.get() + done, s.made - done, off_t(written + done));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw Error::os(errno, "write", name);
+      }
+      done += size_t(w);
+    }
+    written += s.made;
+    // Everything decodable so far is out once the input is used up and the output was
+    // not filled.
+    if (pos == n && s.made < kOut) break;
+  }
+  dec->finish();
+  return written;
+}
 
 // ---- DecompressThread ---------------------------------------------------------------
 

@@ -49,6 +49,17 @@ std::unique_ptr<Decompressor> make_decompressor(Compression c, const std::string
 // True when libzstd.so.1 can be loaded here.
 bool zstd_available();
 
+// data[0, n) as one zstd frame at `level` (the content size recorded in it). Throws
+// Error(kUnsupported) when libzstd.so.1 cannot be loaded; `name` is what errors name.
+std::string zstd_compress(const char* data, size_t n, int level, const std::string& name);
+
+// Decodes the whole compressed stream in[0, n) and writes it to fd from offset 0.
+// Returns the bytes written. Throws Error(kFormat) naming `name` on corrupt or truncated
+// data, or when it would write more than `limit` bytes (a hostile stream cannot fill
+// the disk); Error with the errno when writing fails.
+uint64_t decompress_to_fd(Compression c, const char* in, size_t n, int fd, uint64_t limit,
+                          const std::string& name);
+
 // Runs a Decompressor on its own thread. Memory is bounded by the ring: `chunks`
 // buffers of `chunk` bytes of output. Used from one thread (the one that parses).
 class DecompressThread {

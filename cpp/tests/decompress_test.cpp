@@ -2,10 +2,14 @@
 // padding) and zstd (when libzstd.so.1 is here), whatever the block and chunk sizes;
 // corrupt and truncated streams throw naming the archive; an exception from the output
 // callback or from poll (a cancel) stops the thread, which no longer touches the
-// lent input (ASan checks); a thread abandoned mid-stream ends.
+// lent input (ASan checks); a thread abandoned mid-stream ends. zstd_compress and
+// decompress_to_fd (the index object's copy) round-trip, stop at their limit, and refuse
+// truncated input.
 #include "copy/decompress.hpp"
 
 #include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -15,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "common/error.hpp"
@@ -247,11 +252,51 @@ void test_stops() {
   { DecompressThread t(make_decompressor(Compression::kGzip, kName), 4096, 2); }
 }
 
+// The whole of fd's contents.
+std::string contents(int fd) {
+  std::string out(size_t(lseek(fd, 0, SEEK_END)), '\0');
+  CHECK_EQ(pread(fd, out.data(), out.size(), 0), ssize_t(out.size()));
+  return out;
+}
+
+void test_to_fd() {
+  using fastload::copy::decompress_to_fd;
+  std::string data = sample(5 << 20, 3);
+  // gzip always (zlib is linked); zstd through zstd_compress where libzstd is here.
+  std::vector<std::pair<Compression, std::string>> cases = {{Compression::kGzip, gzip(data)}};
+  if (fastload::copy::zstd_available())
+    cases.emplace_back(Compression::kZstd,
+                       fastload::copy::zstd_compress(data.data(), data.size(), 3, kName));
+  for (auto& [c, packed] : cases) {
+    int fd = memfd_create("decoded", MFD_CLOEXEC);
+    CHECK(fd >= 0);
+    CHECK_EQ(decompress_to_fd(c, packed.data(), packed.size(), fd, data.size(), kName),
+             uint64_t(data.size()));
+    CHECK(contents(fd) == data);
+    using Case = std::tuple<size_t, uint64_t, const char*>;  // bytes cut off, limit, error
+    for (auto [cut, limit, says] : {Case{0, data.size() - 1, "more than"},
+                                    Case{packed.size() / 2, data.size(), "truncated"}}) {
+      CHECK(ftruncate(fd, 0) == 0);
+      std::string what;
+      try {
+        decompress_to_fd(c, packed.data(), packed.size() - cut, fd, limit, kName);
+      } catch (const Error& e) {
+        what = e.what();
+        CHECK_EQ(e.kind(), ErrorKind::kFormat);
+      }
+      CHECK(what.find(kName) != std::string::npos);
+      CHECK(what.find(says) != std::string::npos);
+    }
+    close(fd);
+  }
+}
+
 }  // namespace
 
 int main() {
   test_gzip();
   test_zstd();
+  test_to_fd();
   test_corrupt_and_truncated();
   test_stops();
   return fastload::test::exit_code();

@@ -14,11 +14,17 @@ pytest.importorskip("torch")
 from remote_kit import plain
 
 import fastload
+from fastload import _core
 from fastload.cache import ShardCache
 from fastload.cli import main as cli
 from kit.shards import make_samples
 
 pytestmark = pytest.mark.native
+
+
+def zst_copy(key: str) -> list[str]:
+    """The compressed copy of an index, uploaded beside it where libzstd is present."""
+    return [key] if _core.zstd_available() else []
 
 
 def keys_in(s3: Any, bucket: str, prefix: str) -> list[str]:
@@ -36,7 +42,7 @@ def test_shard_writer_uploads_shards_then_index(tmp_path: Path, s3: Any, bucket:
                 w._uploader.wait()
                 assert keys_in(s3, bucket, "w/") == ["w/shard-000000.tar", "w/shard-000001.tar"]
     assert keys_in(s3, bucket, "w/") == [
-        "w/index.fidx", *[f"w/shard-{i:06d}.tar" for i in range(4)]
+        "w/index.fidx", *zst_copy("w/index.fidx.zst"), *[f"w/shard-{i:06d}.tar" for i in range(4)]
     ]
     assert not w.out_dir.exists()  # the local copies are gone
     ds = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c", fetch="range")
@@ -65,7 +71,8 @@ def test_cli_pack_to_bucket_reads_back(tmp_path: Path, s3: Any, bucket: str) -> 
     assert cli(["pack", str(src), str(tmp_path / "local"), "--max-count", "12"]) == 0
     assert cli(["pack", str(src), f"s3://{bucket}/p/", "--max-count", "12"]) == 0
     local = sorted(p.name for p in (tmp_path / "local").iterdir() if not p.name.startswith("."))
-    assert keys_in(s3, bucket, "p/") == [f"p/{n}" for n in local]
+    assert keys_in(s3, bucket, "p/") == sorted([f"p/{n}" for n in local]
+                                                + zst_copy("p/index.fidx.zst"))
     remote = fastload.ShardIterableDataset(f"s3://{bucket}/p/", cache_dir=tmp_path / "c", seed=3)
     here = fastload.ShardIterableDataset(str(tmp_path / "local" / "index.fidx"), seed=3)
     assert [plain(s) for s in remote] == [plain(s) for s in here]

@@ -32,7 +32,9 @@ from remote_kit import cache_bytes, plain, put_shards, write_shards  # noqa: E40
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import fastload  # noqa: E402
+from fastload import _core  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
+from fastload.packing.upload import Uploader  # noqa: E402
 from kit.procs import free_port, run_script, with_tests_on_path  # noqa: E402
 
 pytestmark = pytest.mark.native
@@ -290,6 +292,40 @@ def test_index_object_first_sample_without_shard_download(
                                       cache_dir=tmp_path / "c")
     assert len(part) == sum(SIZES[2:5])
     assert plain(part[0]) == plain(local[sum(SIZES[:2])])
+
+
+@pytest.mark.skipif(not _core.zstd_available(), reason="libzstd.so.1 is not installed")
+def test_compressed_index_object_is_read_first(tmp_path: Path, s3: Any, bucket: str,
+                                               proxy: Any) -> None:
+    """What pack uploads (the index, then its zstd copy): a reader GETs the compressed
+    copy alone; a corrupt copy is passed over for the plain index, never used."""
+    paths = write_shards(tmp_path / "local", SIZES)
+    index = tmp_path / "local" / "index.fidx"
+    fastload.ShardIndex.build(paths, index)
+    put_shards(s3, bucket, paths)
+    time.sleep(1.1)  # the index objects are newer than every shard (seconds resolution)
+    up = Uploader(f"s3://{bucket}/data/")
+    up.submit_index(index, "index.fidx")
+    up.wait()
+    up.close()
+    local = fastload.ShardIndexDataset([str(p) for p in paths])
+    want = plain(local.__getitems__(list(range(len(local)))))
+    proxy.reset_counts()
+    ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c0",
+                                    fetch="range")
+    assert proxy.get_paths == [f"/{bucket}/data/index.fidx.zst"]
+    assert plain(ds.__getitems__(list(range(len(ds))))) == want
+    good = s3.client().get_object(Bucket=bucket, Key="data/index.fidx.zst")["Body"].read()
+    for i, bad in enumerate([b"\x28\xb5\x2f\xfd" + b"not zstd" * 100, good[:len(good) // 2],
+                             _core.zstd_compress(b"\x89FLIDX\r\n" + bytes(300), 3, "x")]):
+        s3.client().put_object(Bucket=bucket, Key="data/index.fidx.zst", Body=bad)
+        proxy.reset_counts()
+        ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/",
+                                        cache_dir=tmp_path / f"c{i + 1}", fetch="range")
+        assert proxy.get_paths == [f"/{bucket}/data/index.fidx.zst",
+                                   f"/{bucket}/data/index.fidx"], i
+        assert plain(ds.__getitems__(list(range(len(ds))))) == want
+        assert not list((tmp_path / f"c{i + 1}" / "views").glob("*/.*.tmp")), i
 
 
 def test_stale_index_object_is_not_used(tmp_path: Path, s3: Any, bucket: str) -> None:

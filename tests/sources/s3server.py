@@ -152,6 +152,7 @@ class FaultProxy:
         self.truncate_at = 100
         self.reset_every = 0
         self.requests: Counter[str] = Counter()
+        self.get_paths: list[str] = []  # the path of each object GET, in order
         self.in_flight = 0  # object GETs being answered now
         self.max_in_flight = 0  # the most at once since reset_counts
         self.bytes_out = 0
@@ -170,6 +171,7 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.get_paths.clear()
             self.bytes_out = 0
             self.max_in_flight = self.in_flight
 
@@ -236,6 +238,8 @@ class FaultProxy:
                     self._n += 1
                     n = self._n
                     self.requests[kind] += 1
+                    if kind == "GET":
+                        self.get_paths.append(target.decode().split("?", 1)[0])
                     if kind == "GET" and not counted[0]:
                         counted[0] = True
                         self.in_flight += 1

@@ -3,10 +3,12 @@ through the node-local :class:`~fastload.cache.store.ShardCache`.
 
 The shards a source names (braces, globs, a prefix ending in ``/``, a list of URLs) are
 listed once (size and ETag of each). Their index is, in this order: an index object
-beside the shards (``index.fidx``, what ``pack`` writes) that describes exactly these
-shards and is newer than all of them; an index built earlier for the same ETags (kept
-in the cache's ``views/``); else one built now from the shards' tar headers (each shard
-passes through the cache once: a sparse copy of its headers is what gets indexed).
+beside the shards (``index.fidx``, what ``pack`` writes, or its zstd-compressed copy
+``index.fidx.zst``, a tenth of the bytes, read first where libzstd is present) that
+describes exactly these shards and is newer than all of them; an index built earlier for
+the same ETags (kept in the cache's ``views/``); else one built now from the shards' tar
+headers (each shard passes through the cache once: a sparse copy of its headers is what
+gets indexed).
 
 The index lives in a *view*: ``views/<hash of URLs and ETags>/`` holds the index file
 and, at the paths the index records, symbolic links to the cache entries of those
@@ -34,16 +36,19 @@ from typing import Any, cast
 
 from .. import _core
 from .._util import node_lock
-from ..errors import IndexFormatError, SourceChangedError, stage_error
+from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage_error
 from ..index import ShardIndex, expand_braces
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
 from . import _fetchd
 from .store import ByUrl, CacheEntry, Pin, ShardCache, store_fetcher
 
-__all__ = ["INDEX_OBJECT", "RemoteShards", "is_remote"]
+__all__ = ["INDEX_OBJECT", "INDEX_OBJECT_ZST", "RemoteShards", "is_remote"]
 
 #: The index object ``pack`` writes beside the shards.
 INDEX_OBJECT = "index.fidx"
+#: Its zstd-compressed copy, also written by ``pack`` to a bucket: an index is about ten
+#: times its compressed size, and the first sample waits for all of it.
+INDEX_OBJECT_ZST = INDEX_OBJECT + ".zst"
 _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz", ".tar.lz4")
 #: Shards indexed at once when there is no index object.
 _INDEX_IN_FLIGHT = 4
@@ -82,7 +87,7 @@ class RemoteShards:
         self.entries = [CacheEntry(u, i.etag, i.size) for u, i in listed]
         biggest = max(self.entries, key=lambda e: e.size)
         cache.check_fits(biggest.size, biggest.url)
-        self._index_info = self._listing_index(listed)
+        self._index_objects = self._listing_index(listed)
         # DataLoader workers forked from here on get their downloads served by this
         # process (no helper process to start in each).
         _fetchd.serve_forks()
@@ -149,17 +154,23 @@ class RemoteShards:
         self._listings = listings
         return out
 
-    def _listing_index(self, listed: list[tuple[str, ObjectInfo]]) -> ObjectInfo | None:
-        """The index object beside the shards, if they share a folder and it is newer
-        than every shard (an index written before a shard is stale)."""
+    def _listing_index(self, listed: list[tuple[str, ObjectInfo]]
+                       ) -> list[tuple[str, ObjectInfo]]:
+        """The index objects beside the shards (URL and listing), the compressed one
+        first where it can be decoded, if the shards share a folder and the object is
+        newer than every shard (an index written before a shard is stale)."""
         dirs = {_dir_of(u) for u, _ in listed}
         if len(dirs) != 1:
-            return None
+            return []
         d = dirs.pop()
-        info = self._listings.get(d, {}).get(d + INDEX_OBJECT)
-        if info is None or info.mtime_ns < max(i.mtime_ns for _, i in listed):
-            return None
-        return info
+        newest = max(i.mtime_ns for _, i in listed)
+        names = [INDEX_OBJECT_ZST, INDEX_OBJECT] if _core.zstd_available() else [INDEX_OBJECT]
+        out = []
+        for name in names:
+            info = self._listings.get(d, {}).get(d + name)
+            if info is not None and info.mtime_ns >= newest:
+                out.append((d + name, info))
+        return out
 
     # --- the index -----------------------------------------------------------------------
 
@@ -190,34 +201,50 @@ class RemoteShards:
         with node_lock(path):
             with contextlib.suppress(FileNotFoundError, IndexFormatError):
                 return ShardIndex.open(path, check=False)
-            if not (self._index_info is not None and self._fetch_index_object(path)):
+            if not any(self._fetch_index_object(url, info, path)
+                       for url, info in self._index_objects):
                 self._build(path, self._links)
             return ShardIndex.open(path, check=False)
 
-    def _fetch_index_object(self, dest: Path) -> bool:
-        """Downloads the index object to ``dest`` when it describes exactly these shards
-        (paths and sizes); False otherwise."""
-        url = _dir_of(self.urls[0]) + INDEX_OBJECT
-        info = self._index_info
-        assert info is not None
+    def _fetch_index_object(self, url: str, info: ObjectInfo, dest: Path) -> bool:
+        """Downloads the index object ``url`` (decoded, if it is the compressed one) to
+        ``dest`` when it describes exactly these shards (paths and sizes); False
+        otherwise (a bad or foreign object is not used: the caller tries the next)."""
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        # In parts, several in flight: an index of 200,000 samples is 28 MB (2.8 MB
+        # compressed), and the first sample waits for all of it.
+        fetch = store_fetcher(ByUrl(self.store), str, _INDEX_PART)
+        entry = CacheEntry(url, info.etag, info.size)
         try:
-            # In parts, several in flight: an index of 200,000 samples is 28 MB, and the
-            # first sample waits for all of it.
-            fetch = store_fetcher(ByUrl(self.store), str, _INDEX_PART)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                fetch(CacheEntry(url, info.etag, info.size),
-                      lambda at, data: _pwrite_all(fd, data, at, tmp))
+                if url.endswith(".zst"):
+                    packed = bytearray(info.size)
+                    got_bytes = 0
+
+                    def keep(at: int, data: Any) -> None:
+                        nonlocal got_bytes
+                        packed[at:at + len(data)] = data
+                        got_bytes += len(data)
+
+                    fetch(entry, keep)
+                    if got_bytes != info.size:
+                        raise stage_error(errno.EIO, f"'{url}': {got_bytes} bytes read, "
+                                          f"{info.size} listed", url)
+                    # An index is about ten times its compressed size; more than a
+                    # thousand times is not an index (and must not fill the disk).
+                    _core.decompress_to(packed, "zstd", fd, 1000 * info.size + (1 << 20), url)
+                else:
+                    fetch(entry, lambda at, data: _pwrite_all(fd, data, at, tmp))
+                    if os.fstat(fd).st_size != info.size:
+                        raise stage_error(errno.EIO, f"'{url}': {os.fstat(fd).st_size} "
+                                          f"bytes read, {info.size} listed", url)
             finally:
                 os.close(fd)
-            if os.path.getsize(tmp) != info.size:
-                raise stage_error(errno.EIO, f"'{url}': {os.path.getsize(tmp)} bytes read, "
-                                  f"{info.size} listed", url)
             native = _core.Index(os.fspath(tmp), check_shards=False)
             got = [native.shard(i) for i in range(native.shard_count)]
             del native
-        except (IndexFormatError, FileNotFoundError, SourceChangedError):
+        except (IndexFormatError, TarFormatError, FileNotFoundError, SourceChangedError):
             tmp.unlink(missing_ok=True)
             return False
         except BaseException:

@@ -348,7 +348,7 @@ class ShardWriter:
                 dest = self.out_dir / self._index_name
                 _upload.index_from_skeletons(self._skeletons, [p.name for p in self._shards],
                                              dest)
-                up.submit(dest, self._index_name)
+                up.submit_index(dest, self._index_name)
                 up.wait()
         finally:
             up.close()

@@ -221,11 +221,13 @@ class RemoteShards:
                 if url.endswith(".zst"):
                     packed = bytearray(info.size)
                     got_bytes = 0
+                    counting = threading.Lock()  # parts arrive on several threads
 
                     def keep(at: int, data: Any) -> None:
                         nonlocal got_bytes
                         packed[at:at + len(data)] = data
-                        got_bytes += len(data)
+                        with counting:
+                            got_bytes += len(data)
 
                     fetch(entry, keep)
                     if got_bytes != info.size:

@@ -1,12 +1,12 @@
 """Packing into an object store (``s3://bucket/prefix/``): shards are written locally
 (a temporary folder) and uploaded (several in flight, multipart for big ones: obstore's
 ``put`` of a file), the index last, once every shard is there, so a reader listing the
-prefix never finds an index describing shards that are not all uploaded. Beside the index
-goes its zstd-compressed copy (``NAME.zst``, about a tenth of the bytes), which a remote
-reader fetches first. ShardWriter
-uploads each shard as soon as it is complete and keeps only its headers (a sparse
-skeleton) for the index; ``pack(path)`` packs natively into the temporary folder, then
-uploads. Local copies are removed once uploaded."""
+prefix never finds an index describing shards that are not all uploaded. Beside the
+index goes its zstd-compressed copy (``NAME.zst``, about a tenth of the bytes), which a
+remote reader fetches first. ShardWriter uploads each shard as soon as it is complete
+and keeps only its headers (a sparse skeleton) for the index; ``pack(path)`` packs
+natively into the temporary folder, then uploads. Local copies are removed once
+uploaded."""
 
 from __future__ import annotations
 

@@ -237,8 +237,9 @@ def remote(store: Store, shape: Shape, tmp_path_factory: pytest.TempPathFactory)
     index = {"index.fidx": links / "index.fidx"}
     if fastload._core.zstd_available() and os.environ.get("FASTLOAD_BENCH_INDEX_ZST") != "0":
         zst = links / "index.fidx.zst"
-        zst.write_bytes(fastload._core.zstd_compress(index["index.fidx"].read_bytes(), 3,
-                                                     str(zst)))
+        from fastload.packing.upload import compress_index
+
+        zst.write_bytes(compress_index(index["index.fidx"].read_bytes(), str(zst)))
         index["index.fidx.zst"] = zst
     store.upload(f"{shape.label}/data/", index)
     return Remote(store, shape, shards, names)

@@ -17,6 +17,13 @@ struct ReadBlock {
   size_t size;
 };
 
+copy::Compression parse_compression(const std::string& name) {
+  if (name == "gzip") return copy::Compression::kGzip;
+  if (name == "zstd") return copy::Compression::kZstd;
+  if (name == "none") return copy::Compression::kNone;
+  throw py::value_error("unknown compression '" + name + "'");
+}
+
 }  // namespace
 
 void register_extract(py::module_& m) {
@@ -39,13 +46,7 @@ void register_extract(py::module_& m) {
       "decompress_to",
       [](const py::buffer& data, const std::string& compression, int fd, uint64_t limit,
          const std::string& name) {
-        copy::Compression c;
-        if (compression == "gzip")
-          c = copy::Compression::kGzip;
-        else if (compression == "zstd")
-          c = copy::Compression::kZstd;
-        else
-          throw py::value_error("unknown compression '" + compression + "'");
+        copy::Compression c = parse_compression(compression);
         py::buffer_info info = data.request();
         std::span<const char> b = contiguous_bytes(info, "decompress_to");
         py::gil_scoped_release nogil;
@@ -70,12 +71,7 @@ void register_extract(py::module_& m) {
                        uint64_t chunk_size, bool adopt_existing, size_t read_block_size,
                        unsigned read_blocks, uint64_t direct_write_min) {
              copy::ExtractOptions opt;
-             if (compression == "gzip")
-               opt.compression = copy::Compression::kGzip;
-             else if (compression == "zstd")
-               opt.compression = copy::Compression::kZstd;
-             else if (compression != "none")
-               throw py::value_error("unknown compression '" + compression + "'");
+             opt.compression = parse_compression(compression);
              if (!io::parse_kind(engine, &opt.engine.kind))
                throw py::value_error("unknown engine '" + engine + "'");
              opt.engine.threads = threads;

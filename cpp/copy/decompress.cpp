@@ -4,13 +4,12 @@
 #include <pthread.h>
 #include <zlib.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
 #include "common/error.hpp"
+#include "common/write.hpp"
 
 namespace fastload::copy {
 namespace {
@@ -196,14 +195,7 @@ uint64_t decompress_to_fd(Compression c, const char* in, size_t n, int fd, uint6
     pos += s.used;
     if (s.made > limit - written)
       throw corrupt(name, "decompresses to more than " + std::to_string(limit) + " bytes");
-    for (size_t done = 0; done < s.made;) {
-      ssize_t w = ::pwrite(fd, buf.get() + done, s.made - done, off_t(written + done));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        throw Error::os(errno, "write", name);
-      }
-      done += size_t(w);
-    }
+    write_all_at(fd, buf.get(), s.made, int64_t(written), name);
     written += s.made;
     // Everything decodable so far is out once the input is used up and the output was
     // not filled.

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/error.hpp"
+#include "common/write.hpp"
 #include "tar/reader.hpp"
 
 namespace fastload::pack {
@@ -130,20 +131,6 @@ void read_exact(int fd, char* dst, uint64_t n, uint64_t off, bool check_eof,
     while (r < 0 && errno == EINTR);
     if (r < 0) throw Error::os(errno, "read", what);
     if (r > 0) throw longer();
-  }
-}
-
-void write_all_at(int fd, const char* p, size_t n, int64_t at, const std::string& what) {
-  while (n > 0) {
-    const ssize_t r = at < 0 ? ::write(fd, p, n) : ::pwrite(fd, p, n, off_t(at));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw Error::os(errno, "write", what);
-    }
-    if (r == 0) throw Error::os(EIO, "write", what);
-    p += r;
-    n -= size_t(r);
-    if (at >= 0) at += r;
   }
 }
 

@@ -21,7 +21,7 @@ from .. import _core
 from ..cache.remote import header_skeleton
 from ..sources.objstore import ObjectStore, StorageOptions, is_object_url, split_url
 
-__all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "is_object_url", "pack_to_bucket"]
+__all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "compress_index", "is_object_url", "pack_to_bucket"]
 
 UPLOADS_IN_FLIGHT = 4
 #: Indexes up to this size also get a compressed copy (compressed in memory).
@@ -57,11 +57,8 @@ class Uploader:
         shard is uploaded (:meth:`wait`): the index must be the newest object."""
         if _core.zstd_available() and path.stat().st_size <= COMPRESS_INDEX_MAX:
             data = path.read_bytes()  # read now: the upload below removes the file
-
-            def compressed() -> None:
-                self.store.put(name + ".zst", _core.zstd_compress(data, 3, os.fspath(path)))
-
-            self._pending.append(self._pool.submit(compressed))
+            self._pending.append(self._pool.submit(
+                lambda: self.store.put(name + ".zst", compress_index(data, os.fspath(path)))))
         self.submit(path, name)
 
     def _raise_failed(self) -> None:
@@ -77,6 +74,12 @@ class Uploader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def compress_index(data: bytes, name: str) -> bytes:
+    """The zstd copy of an index's bytes, as :meth:`Uploader.submit_index` uploads it
+    (``name`` is what an error names). Needs libzstd (:func:`_core.zstd_available`)."""
+    return _core.zstd_compress(data, 3, name)
 
 
 def index_from_skeletons(skeletons: list[Path], names: list[str], dest: Path) -> None:

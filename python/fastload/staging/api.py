@@ -12,45 +12,29 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
 from .. import _core
-from .._util import node_lock, parse_checksum
 from ..errors import stage_error
 from ..sources.objstore import is_object_url
 from .archive import (
+    Archive,
     archive_compression,
-    extract,
     is_stream,
     not_an_archive,
-    stage_stream,
+    open_stream,
     suffix_kind,
 )
-from .job import (
-    DEFAULT_STRIPE,
-    Patterns,
-    Progress,
-    job_kwargs,
-    progress_callback,
-    run_job,
-    say_waiting,
-)
+from .destination import Destination, stage_into
+from .job import Patterns, Progress, job_kwargs, progress_callback, run_job
 from .readers import LocalArchive
-from .remote import stage_remote
+from .remote import open_remote
+from .request import Source, StageRequest
 from .result import StageResult, VerifyResult
-from .state import (
-    make_durable,
-    mark_damaged,
-    mkdir_parent,
-    named_os_errors,
-    previous_stage,
-    read_manifest,
-    trusted,
-)
-from .tree import check_file_checksum, stage_tree
+from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
+from .tree import LocalTree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
 
@@ -60,14 +44,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 def available_engines() -> list[str]:
     """The I/O backends that work here, best first."""
     return ["uring", "pread"] if _core.uring_available() else ["pread"]
-
-
-def _patterns(p: Patterns) -> list[str]:
-    if p is None:
-        return []
-    if isinstance(p, (str, os.PathLike)):
-        return [os.fspath(p)]
-    return [os.fspath(x) for x in p]
 
 
 def stage(
@@ -157,54 +133,44 @@ def stage(
         UnsupportedFileError: a special file or an escaping symlink, unless skipped.
         StageError: any other failure, naming the path; the destination stays resumable.
     """
-    t0 = time.monotonic()
-    if unpack not in (True, False, "auto", "nested"):
-        raise ValueError(f"unpack must be True, False, 'auto' or 'nested', not {unpack!r}")
-    algo_hex = parse_checksum(checksum)
-    if on_special not in ("error", "skip"):
-        raise ValueError(f"on_special must be 'error' or 'skip', not {on_special!r}")
-    stripe = int(stripe_size or DEFAULT_STRIPE)
-    if not 4096 <= stripe <= 1 << 30 or stripe % 4096:
-        raise ValueError(
-            f"stripe_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {stripe}"
-        )
+    req = StageRequest.make(
+        include=include, exclude=exclude, checksum=checksum, stripe_size=stripe_size,
+        engine=engine, progress=progress, workers=workers, on_special=on_special,
+        check_source=check_source, unpack=unpack, sync=sync,
+        storage_options=storage_options, fanout=fanout,
+    )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
+    with named_os_errors():
+        source, dest = open_source(src, dst, req)
+        return stage_into(dest, source)
+
+
+def open_source(
+    src: PathLike | BinaryIO | int, dst: PathLike, req: StageRequest
+) -> tuple[Source, Destination]:
+    """stage()'s source (a local tree or file, a local archive, a stream, an object store
+    URL) and its destination, both checked before anything is written."""
     if not isinstance(src, (str, os.PathLike)) or is_stream(src):
-        return stage_stream(
-            src,
-            dst,
-            include=_patterns(include),
-            exclude=_patterns(exclude),
-            engine=engine,
-            progress=progress,
-            workers=workers,
-            stripe=stripe,
-            unpack=unpack,
-            checksum=algo_hex,
-            sync=sync,
-            t0=t0,
-        )
+        archive = open_stream(src, dst, req)
+        return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and is_object_url(src):
-        return stage_remote(
-            src,
-            dst,
-            include=_patterns(include),
-            exclude=_patterns(exclude),
-            engine=engine,
-            progress=progress,
-            workers=workers,
-            stripe=stripe,
-            unpack=unpack,
-            checksum=algo_hex,
-            sync=sync,
-            check_source=check_source,
-            storage_options=storage_options,
-            t0=t0,
-            fanout=fanout,
+        return open_remote(src, dst, req)
+    return _open_local(Path(os.fspath(src)), Path(os.fspath(dst)), req)
+
+
+def _directory(dst: Path, req: StageRequest) -> Destination:
+    """A destination that is a directory (a tree, an archive's members)."""
+    if dst.exists() and not dst.is_dir():
+        raise stage_error(
+            errno.ENOTDIR, f"destination '{dst}' exists and is not a directory", str(dst)
         )
-    src_path = Path(os.fspath(src))
-    dst_path = Path(os.fspath(dst))
+    dest = Destination(Path(os.path.abspath(dst)), req)
+    mkdir_parent(dest.path.parent)
+    return dest
+
+
+def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Source, Destination]:
     if not os.path.lexists(src_path):
         raise stage_error(errno.ENOENT, f"source '{src_path}' does not exist", str(src_path))
     src_abs = Path(os.path.realpath(src_path))
@@ -213,6 +179,7 @@ def stage(
         raise stage_error(
             errno.EINVAL, f"source '{src_path}' is not a regular file or a directory", str(src_path)
         )
+    unpack = req.unpack
     compression = archive_compression(src_abs) if is_file and unpack is not False else None
     if compression is None and is_file and unpack is not False and suffix_kind(src_abs):
         with open(src_abs, "rb") as f:
@@ -224,9 +191,10 @@ def stage(
             "pass unpack=False to copy it as a file",
             str(src_path),
         )
-    if not is_file and algo_hex is not None:
+    if not is_file and req.checksum is not None:
         raise ValueError("checksum= applies to a file or an archive, not to a directory")
-    if is_file and compression is None and dst_path.is_dir():
+    single = is_file and compression is None
+    if single and dst_path.is_dir():
         dst_path = dst_path / src_abs.name
     dst_abs = Path(os.path.abspath(dst_path))
     dst_real = Path(os.path.realpath(dst_abs.parent)) / dst_abs.name
@@ -236,122 +204,17 @@ def stage(
             f"destination '{dst_path}' is inside the source '{src_path}'",
             str(dst_path),
         )
-    if (not is_file or compression) and dst_abs.exists() and not dst_abs.is_dir():
-        raise stage_error(
-            errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory", str(dst_path)
-        )
-    mkdir_parent(dst_abs.parent)
-    options: dict[str, Any] = {
-        "include": _patterns(include),
-        "exclude": _patterns(exclude),
-        "on_special": on_special,
-        "file": is_file,
-    }
-    if compression is not None:
-        options["unpack"] = "nested" if unpack == "nested" else True
-
-    def locked(
-        listing: list[tuple[Any, ...]] | None = None, source: LocalArchive | None = None
-    ) -> StageResult:
-        return _stage_locked(
-            src_abs, dst_abs, is_file, options, engine, progress, workers, stripe,
-            check_source, t0, compression, algo_hex, sync, listing, source,
-        )  # fmt: skip
-
-    def plain() -> StageResult:
-        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
-            return locked()
-
-    with named_os_errors():
-        if fanout is not False:
-            from .fanout import Request, stage_fanout
-
-            req = Request(
-                src_abs, dst_abs, is_file, options, compression, algo_hex, engine, progress,
-                workers, stripe, t0, locked, plain,
-            )  # fmt: skip
-            return stage_fanout(req, None if fanout is True else fanout)
-        return plain()
-
-
-def _stage_locked(
-    src_abs: Path,
-    dst_abs: Path,
-    is_file: bool,
-    options: dict[str, Any],
-    engine: str,
-    progress: Progress,
-    workers: int | None,
-    stripe: int,
-    check_source: bool,
-    t0: float,
-    compression: str | None,
-    checksum: tuple[str, str] | None,
-    sync: bool,
-    listing: list[tuple[Any, ...]] | None,
-    source: Any,
-) -> StageResult:
-    """The stage, under the node lock (held by the caller)."""
-    old = previous_stage(dst_abs)
-    same_request = (
-        old is not None
-        and old.get("complete")
-        and not old.get("damaged")
-        and old.get("source") == str(src_abs)
-        and old.get("options") == options
-        and os.path.lexists(dst_abs)
-        and trusted(old)
-    )
-    if same_request and not check_source:
-        assert old is not None
-        make_durable(dst_abs, old, sync)
-        return StageResult(
-            dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
-        )
-    if compression is not None:
-        return _stage_archive_locked(
-            source if source is not None else LocalArchive(src_abs),
-            dst_abs,
-            compression,
-            options,
-            old,
-            engine,
-            progress,
-            workers,
-            stripe,
-            checksum,
-            t0,
-            sync,
-        )
-    result = stage_tree(
-        src_abs, dst_abs, is_file, options, old, engine, progress, workers, stripe, t0, sync,
-        listing,
-    )  # fmt: skip
-    if checksum is not None:
-        check_file_checksum(result.path, src_abs, checksum)
-    return result
-
-
-def _stage_archive_locked(
-    source: Any,
-    dst_abs: Path,
-    compression: str,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    engine: str,
-    progress: Progress,
-    workers: int | None,
-    stripe: int,
-    checksum: tuple[str, str] | None,
-    t0: float,
-    sync: bool,
-) -> StageResult:
-    return extract(
-        source, dst_abs, label=f"extract {Path(source.name).name}", total=source.size,
-        compression=compression, nested=options.get("unpack") == "nested", options=options,
-        old=old, checksum=checksum, engine=engine, progress=progress, workers=workers,
-        stripe=stripe, sync=sync, t0=t0,
-    )  # fmt: skip
+    if single:
+        mkdir_parent(dst_abs.parent)
+        return LocalTree(src_abs, req, single=True), Destination(dst_abs, req, single=True)
+    dest = _directory(dst_path, req)
+    if compression is None:
+        return LocalTree(src_abs, req, single=False), dest
+    options = {
+        **req.selection(), "on_special": req.on_special, "file": True,
+        "unpack": req.unpack_option,
+    }  # fmt: skip
+    return Archive(LocalArchive(src_abs), compression, options), dest
 
 
 def verify(

@@ -22,28 +22,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
-from .._util import node_lock, write_json_atomic
 from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
+from .destination import Destination, Manifest
 from .engine import resolve_engine
-from .job import JOURNAL_EVERY, PROGRESS_EVERY, Progress, progress_callback, prove, say_waiting
+from .job import PROGRESS_EVERY, progress_callback
 from .readers import BLOCK, ArchiveSource, PyDecoder, StreamArchive
+from .request import StageRequest
 from .result import StageResult
-from .state import (
-    MANIFEST_VERSION,
-    Journal,
-    JournalFlusher,
-    Records,
-    boot_id,
-    check_space,
-    known_records,
-    make_durable,
-    mkdir_parent,
-    named_os_errors,
-    previous_stage,
-    quick_same,
-    reread,
-    state_dir,
-)
+from .state import JournalFlusher, Record, Records
 
 # Where GNU tar warns and goes on (a lone zero block, trailing garbage, an unknown type
 # extracted as a file, ...), a warning on this logger names the archive and the offset or
@@ -135,291 +121,251 @@ def python_decompressor(compression: str) -> Callable[[], Any] | None:
     return None
 
 
-def archive_fingerprint(identity: tuple[str, int, Any], options: dict[str, Any]) -> str:
-    """Changes with the archive (its name, size and time or ETag) and the options."""
-    h = hashlib.sha256()
-    h.update(
-        repr((*identity, sorted(options.items()))).encode(
-            "utf-8", "surrogateescape"
+class Archive:
+    """A tar archive extracted into the destination as it is read (:class:`Source`):
+    ``data`` gives its bytes (readers.LocalArchive, RemoteArchive, StreamArchive, or
+    fan-out's exchange) and its name, the path or URL the manifest records."""
+
+    def __init__(self, data: Any, compression: str, options: dict[str, Any]) -> None:
+        self.data: ArchiveSource = data
+        self.compression = compression
+        self.name: str = data.name
+        self.options = options
+        self.label = Path(data.name).name
+
+    def with_data(self, data: Any) -> Archive:
+        """The same archive, its bytes from ``data`` (fan-out's exchange)."""
+        return Archive(data, self.compression, self.options)
+
+    def fingerprint(self, req: StageRequest) -> str:
+        """Changes with the archive (its name, size and time or ETag) and the options."""
+        options = {**self.options, "chunk": req.stripe, "checksum": req.checksum}
+        h = hashlib.sha256()
+        h.update(
+            repr((*self.data.identity, sorted(options.items()))).encode(
+                "utf-8", "surrogateescape"
+            )
         )
-    )
-    return h.hexdigest()
+        return h.hexdigest()
+
+    def is_complete(self, req: StageRequest, dest: Destination) -> bool:
+        """Whether ``dest`` holds this archive extracted (a stream is never known to be:
+        nothing tells its content before it is read)."""
+        return (
+            not self.data.stream
+            and dest.is_complete(self.fingerprint(req))
+            and dest.path.is_dir()
+        )
+
+    def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
+        """Extracts the archive into ``dest`` (under its lock), with a progress bar or
+        callback over the archive's bytes (0 where unknown)."""
+        if self.is_complete(req, dest):
+            assert dest.old is not None
+            return dest.skipped(dest.old["files_count"], dest.old["bytes"])
+        on_progress, bar = progress_callback(
+            req.progress, f"extract {self.label}", self.data.size, 0
+        )
+        try:
+            return _Extraction(self, req, dest, on_progress).run()
+        finally:
+            if bar is not None:
+                bar.close()
 
 
-def extract(
-    source: ArchiveSource,
-    dst: Path,
-    *,
-    label: str,
-    total: int,
-    compression: str,
-    nested: bool,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    checksum: tuple[str, str] | None,
-    engine: str,
-    progress: Any,
-    workers: int | None,
-    stripe: int,
-    sync: bool,
-    t0: float,
-) -> StageResult:
-    """:func:`stage_archive` with a progress bar (``label``, ``total`` bytes of the
-    archive, 0 where unknown) or callback, as a StageResult (under the node lock)."""
-    on_progress, bar = progress_callback(progress, label, total, 0)
-    try:
-        r = stage_archive(
-            source, dst, compression=compression, nested=nested, options=options, old=old,
-            checksum=checksum, engine=engine, on_progress=on_progress, workers=workers,
-            stripe=stripe, sync=sync, t0=t0,
-        )  # fmt: skip
-    finally:
-        if bar is not None:
-            bar.close()
-    return StageResult(
-        dst, r["files"], r["bytes"], time.monotonic() - t0, r["engine"], r["skipped"],
-        r["copied_files"], r["copied_bytes"],
-    )  # fmt: skip
+class _Extraction:
+    """One run of the native extractor over an archive's bytes, journalled."""
 
+    def __init__(
+        self,
+        archive: Archive,
+        req: StageRequest,
+        dest: Destination,
+        on_progress: Callable[[int, int, int, int], None] | None,
+    ) -> None:
+        self.archive, self.req, self.dest, self.on_progress = archive, req, dest, on_progress
+        self.done: Records = dest.known()
+        self.before = set(self.done)  # complete before this run (hard links included)
+        self.reused: set[str] = set()
+        self.seen: set[str] = set()
+        self.written: set[str] = set()  # members this run wrote
+        self.copied_files = self.copied_bytes = 0
 
-def stage_archive(
-    source: ArchiveSource,
-    dst: Path,
-    *,
-    compression: str,
-    nested: bool,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    checksum: tuple[str, str] | None,
-    engine: str,
-    on_progress: Callable[[int, int, int, int], None] | None,
-    workers: int | None,
-    stripe: int,
-    sync: bool,
-    t0: float,
-) -> dict[str, Any]:
-    """Extracts the archive ``source`` (a file, or an object in a store) into ``dst``
-    (under the node lock). Returns the summary the caller turns into a StageResult."""
-
-    def proven(records: Records) -> Records:
-        return prove(dst, records, engine, workers, stripe)
-
-    src, size = source.name, source.size
-    fingerprint = archive_fingerprint(
-        source.identity, {**options, "chunk": stripe, "checksum": checksum}
-    )
-    # Written on an earlier boot without a flush: only what reads back whole counts.
-    old, whole = reread(dst, dst, old, fingerprint, proven)
-    if (
-        whole
-        and not source.stream  # nothing tells a stream's content before it is read
-        and old is not None
-        and old.get("complete")
-        and old.get("fingerprint") == fingerprint
-        and dst.is_dir()
-    ):
-        make_durable(dst, old, sync)
-        return {
-            "skipped": True,
-            "files": old["files_count"],
-            "bytes": old["bytes"],
-            "engine": "none",
-            "copied_files": 0,
-            "copied_bytes": 0,
-        }
-
-    journal = Journal(dst, stripe, durable=sync)
-    known = known_records(journal, old, stripe, proven)
-    done: dict[str, tuple[int, int, int, str]] = {
-        p: rec for p, rec in known.items() if quick_same(dst / p, rec[0], rec[1])
-    }
-    # The archive's size bounds what an uncompressed one can hold; compressed data is
-    # at least as large once extracted, so this check can only under-estimate.
-    check_space(dst.parent, max(0, size - sum(r[0] for r in done.values())), dst)
-    try:
-        dst.mkdir(exist_ok=True)
-    except OSError as e:
-        raise stage_error(
-            e.errno or errno.EIO, f"cannot create '{dst}': {e.strerror}", str(dst)
-        ) from None
-    journal.open(done)
-
-    new_pydecomp = python_decompressor(compression)
-    pydecomp = PyDecoder(new_pydecomp, compression, src) if new_pydecomp else None
-    hasher = hashlib.new(checksum[0]) if checksum else None
-    can_seek = compression == "none" and hasher is None and not source.stream
-    files_in_flight = max(1, workers or 64)
-    job = _core.ExtractJob(
-        str(dst),
-        src,
-        "none" if pydecomp else compression,
-        nested,
-        options["include"],
-        options["exclude"],
-        {p: (r[0], r[1]) for p, r in done.items()},
-        # The engine only writes the members (a prefetching thread reads the archive):
-        # chosen for the destination, so an archive on NFS or Lustre is still written
-        # through io_uring.
-        resolve_engine(engine, dst),
-        min(64, max(4, files_in_flight // 2)),
-        files_in_flight,
-        stripe,
-        journal.found and journal.same_boot,
-        direct_write_min=source.direct_write_min(dst),
-    )
-    already = len(done)
-    before = set(done)  # complete before this run (hard links included, as recorded)
-    reused: set[str] = set()
-    seen: set[str] = set()
-    written: set[str] = set()  # members this run wrote
-    copied = {"files": 0, "bytes": 0}
-    flusher = JournalFlusher(journal, str(dst), JOURNAL_EVERY)
-
-    def collect(final: bool) -> None:
+    def _collect(self, job: Any, flusher: JournalFlusher) -> None:
         for line in job.take_warnings():
             log.warning("%s", line)
-        reused.update(job.take_reused())
+        self.reused.update(job.take_reused())
         batch = []
         for path, size, mode, mtime, digests, adopted in job.take_done():
-            rec = (size, mtime, mode, digests.hex())
-            done[path] = rec
-            seen.add(path)
+            rec = Record(size, mtime, mode, digests.hex())
+            self.done[path] = rec
+            self.seen.add(path)
             batch.append((path, *rec))
             if not adopted:
-                written.add(path)
-                copied["files"] += 1
-                copied["bytes"] += size
+                self.written.add(path)
+                self.copied_files += 1
+                self.copied_bytes += size
         flusher.add(batch)
 
-    reader = source.reader(job, hasher, can_seek)
-    decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
-    ready = b""
-    last_report = 0.0
-    try:
-        for off, n, b, block in reader:
-            if block is None:  # mapped
-                job.feed_mapped(off, n)
-            elif pydecomp is not None:
-                # Block k decodes on a thread of its own while block k-1's output is parsed
-                # and written (both release the GIL), as the native decoder overlaps the
-                # parser; block k's buffer is reused once this iteration ends, so its
-                # decoding ends within it.
-                decoding = decode_pool.submit(pydecomp.decode, block)
-                if ready:
-                    job.feed(ready)
-                ready = decoding.result()
+    def run(self) -> StageResult:
+        archive, req, dest = self.archive, self.req, self.dest
+        data, compression = archive.data, archive.compression
+        # The archive's size bounds what an uncompressed one can hold; compressed data is
+        # at least as large once extracted, so this check can only under-estimate.
+        dest.check_space(max(0, data.size - sum(r.size for r in self.done.values())))
+        try:
+            dest.path.mkdir(exist_ok=True)
+        except OSError as e:
+            raise stage_error(
+                e.errno or errno.EIO, f"cannot create '{dest.path}': {e.strerror}", str(dest.path)
+            ) from None
+        flusher = dest.begin(self.done)
+        new_pydecomp = python_decompressor(compression)
+        pydecomp = PyDecoder(new_pydecomp, compression, data.name) if new_pydecomp else None
+        hasher = hashlib.new(req.checksum[0]) if req.checksum else None
+        can_seek = compression == "none" and hasher is None and not data.stream
+        files_in_flight = max(1, req.workers or 64)
+        journal = dest.journal
+        job = _core.ExtractJob(
+            str(dest.path),
+            data.name,
+            "none" if pydecomp else compression,
+            req.nested,
+            list(req.include),
+            list(req.exclude),
+            {p: (r.size, r.mtime_ns) for p, r in self.done.items()},
+            # The engine only writes the members (a prefetching thread reads the archive):
+            # chosen for the destination, so an archive on NFS or Lustre is still written
+            # through io_uring.
+            resolve_engine(req.engine, dest.path),
+            min(64, max(4, files_in_flight // 2)),
+            files_in_flight,
+            req.stripe,
+            journal.found and journal.same_boot,
+            direct_write_min=data.direct_write_min(dest.path),
+        )
+        reader = data.reader(job, hasher, can_seek)
+        try:
+            self._feed(job, reader, pydecomp, can_seek, flusher)
+        except BaseException as e:
+            job.abort()
+            with contextlib.suppress(Exception):
+                self._collect(job, flusher)
+            with contextlib.suppress(Exception):
+                flusher.close()
+            if compression != "none" and isinstance(e, TarFormatError):
+                # A corrupt compressed stream shows at the end of its gzip member or zstd
+                # frame (their checksums), or earlier as a tar error: what was extracted
+                # before may hold corrupt data, so a later run must not trust any of it.
+                journal.remove()
             else:
-                job.feed_block(b, n)
-            if can_seek:
-                skip = job.skippable()
-                if skip >= BLOCK:
-                    job.skipped(skip)
-                    reader.seek(off + n + skip)
-            collect(False)
-            now = time.monotonic()
-            if on_progress is not None and now - last_report >= PROGRESS_EVERY:
-                last_report = now
-                # Bytes of the archive read so far (what a Python decoder feeds the job
-                # is its output, larger than the archive).
-                on_progress(off + n, size, already + copied["files"], 0)
-        if ready:
-            job.feed(ready)
-        if pydecomp is not None:
-            tail = pydecomp.finish()
-            if tail:
-                job.feed(tail)
-        job.finish()
-        collect(True)
-        flusher.close()
-    except BaseException as e:
-        job.abort()
-        with contextlib.suppress(Exception):
-            collect(True)
-        with contextlib.suppress(Exception):
+                journal.close()
+            raise
+        finally:
+            reader.close()
+        self._check_source(hasher)
+        journal.close()
+        return self._commit(job)
+
+    def _feed(
+        self, job: Any, reader: Any, pydecomp: PyDecoder | None, can_seek: bool,
+        flusher: JournalFlusher,
+    ) -> None:  # fmt: skip
+        size = self.archive.data.size
+        already = len(self.done)
+        decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
+        ready = b""
+        last_report = 0.0
+        try:
+            for off, n, b, block in reader:
+                if block is None:  # mapped
+                    job.feed_mapped(off, n)
+                elif pydecomp is not None:
+                    # Block k decodes on a thread of its own while block k-1's output is
+                    # parsed and written (both release the GIL), as the native decoder
+                    # overlaps the parser; block k's buffer is reused once this iteration
+                    # ends, so its decoding ends within it.
+                    decoding = decode_pool.submit(pydecomp.decode, block)
+                    if ready:
+                        job.feed(ready)
+                    ready = decoding.result()
+                else:
+                    job.feed_block(b, n)
+                if can_seek:
+                    skip = job.skippable()
+                    if skip >= BLOCK:
+                        job.skipped(skip)
+                        reader.seek(off + n + skip)
+                self._collect(job, flusher)
+                now = time.monotonic()
+                if self.on_progress is not None and now - last_report >= PROGRESS_EVERY:
+                    last_report = now
+                    # Bytes of the archive read so far (what a Python decoder feeds the job
+                    # is its output, larger than the archive).
+                    self.on_progress(off + n, size, already + self.copied_files, 0)
+            if ready:
+                job.feed(ready)
+            if pydecomp is not None:
+                tail = pydecomp.finish()
+                if tail:
+                    job.feed(tail)
+            job.finish()
+            self._collect(job, flusher)
             flusher.close()
-        if compression != "none" and isinstance(e, TarFormatError):
-            # A corrupt compressed stream shows at the end of its gzip member or zstd frame
-            # (their checksums), or earlier as a tar error: what was extracted before may
-            # hold corrupt data, so a later run must not trust (or adopt) any of it.
+        finally:
+            decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
+
+    def _check_source(self, hasher: Any) -> None:
+        data, checksum, journal = self.archive.data, self.req.checksum, self.dest.journal
+        if data.changed():
             journal.remove()
-        else:
-            journal.close()
-        raise
-    finally:
-        decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
-        reader.close()
-    size = max(size, source.size)  # a stream's, known once read
-    if source.changed():
-        journal.remove()
-        raise SourceChangedError(
-            errno.EIO,
-            f"source file changed: '{src}' was modified while it was being "
-            "extracted; stage again to pick up the new content",
-        )
-    if hasher is not None and hasher.hexdigest() != checksum[1]:  # type: ignore[index]
-        journal.remove()  # nothing extracted from a corrupt archive may be trusted later
-        exc = ChecksumMismatchError(
-            errno.EIO,
-            f"checksum mismatch for '{src}': expected {checksum[0]}:{checksum[1]}, "  # type: ignore[index]
-            f"got {checksum[0]}:{hasher.hexdigest()}; the extracted data is not marked "  # type: ignore[index]
-            "complete",
-        )
-        exc.filename = src
-        raise exc
-    journal.close()
+            raise SourceChangedError(
+                errno.EIO,
+                f"source file changed: '{data.name}' was modified while it was being "
+                "extracted; stage again to pick up the new content",
+            )
+        if hasher is not None and checksum is not None and hasher.hexdigest() != checksum[1]:
+            journal.remove()  # nothing extracted from a corrupt archive may be trusted later
+            exc = ChecksumMismatchError(
+                errno.EIO,
+                f"checksum mismatch for '{data.name}': expected {checksum[0]}:{checksum[1]}, "
+                f"got {checksum[0]}:{hasher.hexdigest()}; the extracted data is not marked "
+                "complete",
+            )
+            exc.filename = data.name
+            raise exc
 
-    done = {p: r for p, r in done.items() if p in reused or p in seen}
-    links = job.links()
-    for path, target, hard in links:
-        if hard and target in done:
-            done[path] = done[target]
-            # Counted as the regular file it is: copied, unless it was already in place
-            # and its target was not rewritten (the link is made again either way).
-            if path not in before or target in written:
-                copied["files"] += 1
-                copied["bytes"] += done[path][0]
-    total_bytes = sum(r[0] for r in done.values())
-    if on_progress is not None:
-        on_progress(size, size, len(done), len(done))
-    if sync:
-        _core.syncfs(str(dst))
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "complete": True,
-        "source": src,
-        "options": options,
-        "fingerprint": fingerprint,
-        "kind": "tree",
-        "archive": {
-            "compression": compression,
-            "nested": nested,
-            "size": size,
-            "identity": str(source.identity[2]),
-            "checksum": f"{checksum[0]}:{checksum[1]}" if checksum else None,
-        },
-        "chunk_size": stripe,
-        "digest": "fl64",
-        "boot_id": boot_id(),
-        "durable": sync,
-        "files_count": len(done),
-        "bytes": total_bytes,
-        "engine": job.engine,
-        "created": time.time(),
-        "files": {p: list(done[p]) for p in sorted(done)},
-        "symlinks": {p: t for p, t, hard in links if not hard},
-        "dirs": job.dirs(),
-    }
-    write_json_atomic(state_dir(dst) / "manifest.json", manifest)
-    journal.remove()
-    return {
-        "skipped": False,
-        "files": len(done),
-        "bytes": total_bytes,
-        "engine": job.engine,
-        "copied_files": copied["files"],
-        "copied_bytes": copied["bytes"],
-    }
-
+    def _commit(self, job: Any) -> StageResult:
+        archive, req, dest = self.archive, self.req, self.dest
+        size = archive.data.size  # a stream's, known once read
+        done = {p: r for p, r in self.done.items() if p in self.reused or p in self.seen}
+        links = job.links()
+        for path, target, hard in links:
+            if hard and target in done:
+                done[path] = done[target]
+                # Counted as the regular file it is: copied, unless it was already in place
+                # and its target was not rewritten (the link is made again either way).
+                if path not in self.before or target in self.written:
+                    self.copied_files += 1
+                    self.copied_bytes += done[path].size
+        if self.on_progress is not None:
+            self.on_progress(size, size, len(done), len(done))
+        checksum = req.checksum
+        manifest = Manifest(
+            source=archive.data.name, options=archive.options,
+            fingerprint=archive.fingerprint(req), kind="tree", chunk_size=req.stripe,
+            durable=req.sync, engine=str(job.engine), files=done,
+            symlinks={p: t for p, t, hard in links if not hard}, dirs=job.dirs(),
+            archive={
+                "compression": archive.compression,
+                "nested": req.nested,
+                "size": size,
+                "identity": str(archive.data.identity[2]),
+                "checksum": f"{checksum[0]}:{checksum[1]}" if checksum else None,
+            },
+        )  # fmt: skip
+        dest.commit(manifest)
+        return dest.result(manifest, self.copied_files, self.copied_bytes)
 
 
 # Compressed formats a stream may be in that are not read here, by magic bytes.
@@ -455,57 +401,23 @@ def stream_compression(head: bytes, name: str) -> str:
     return "none"
 
 
-def stage_stream(
-    src: object,
-    dst: str | os.PathLike[str],
-    *,
-    include: list[str],
-    exclude: list[str],
-    engine: str,
-    progress: Progress,
-    workers: int | None,
-    stripe: int,
-    unpack: object,
-    checksum: tuple[str, str] | None,
-    sync: bool,
-    t0: float,
-) -> StageResult:
-    """stage() of a tar stream (:class:`StreamArchive`): stdin, a pipe, a file object;
-    plain, gzip or zstd by its first bytes; read once, in order, never seeked."""
-    if unpack is False:
+def open_stream(src: object, dst: str | os.PathLike[str], req: StageRequest) -> Archive:
+    """The source of a stage() of a tar stream (:class:`StreamArchive`): stdin, a pipe, a
+    file object; plain, gzip or zstd by its first bytes; read once, in order, never
+    seeked. Its destination is the directory ``dst``."""
+    if req.unpack is False:
         raise stage_error(
             errno.EINVAL,
             "a stream can only be extracted as a tar archive: unpack=False needs a file",
         )
-    dst_abs = Path(os.path.abspath(os.fspath(dst)))
-    if dst_abs.exists() and not dst_abs.is_dir():
+    data = StreamArchive(src)
+    if not data.head:
+        # GNU tar refuses it too: a download that failed (curl -f ... |) gives an
+        # empty stream, which must not pass for an empty archive.
         raise stage_error(
-            errno.ENOTDIR, f"destination '{dst}' exists and is not a directory", str(dst)
+            errno.EINVAL, f"'{data.name}' is empty: no tar archive came through it", data.name
         )
-    mkdir_parent(dst_abs.parent)
-    with named_os_errors():
-        source = StreamArchive(src)
-        if not source.head:
-            # GNU tar refuses it too: a download that failed (curl -f ... |) gives an
-            # empty stream, which must not pass for an empty archive.
-            raise stage_error(
-                errno.EINVAL,
-                f"'{source.name}' is empty: no tar archive came through it",
-                source.name,
-            )
-        compression = stream_compression(source.head, source.name)
-        options: dict[str, Any] = {
-            "include": include,
-            "exclude": exclude,
-            "file": True,
-            "stream": True,
-            "unpack": "nested" if unpack == "nested" else True,
-        }
-        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
-            old = previous_stage(dst_abs)
-            return extract(
-                source, dst_abs, label=f"extract {source.name}", total=0,
-                compression=compression, nested=unpack == "nested", options=options, old=old,
-                checksum=checksum, engine=engine, progress=progress, workers=workers,
-                stripe=stripe, sync=sync, t0=t0,
-            )  # fmt: skip
+    options: dict[str, Any] = {
+        **req.selection(), "file": True, "stream": True, "unpack": req.unpack_option,
+    }  # fmt: skip
+    return Archive(data, stream_compression(data.head, data.name), options)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 
 from .. import _core
 from .engine import resolve_engine
-from .state import quick_same
+from .state import Record, Records, quick_same
 
 Patterns = Union[str, Sequence[str], None]
 ProgressCallback = Callable[[int, int, int, int], None]
@@ -126,7 +126,7 @@ def job_kwargs(
 
 def digest_local(
     root: Path, entries: list[tuple[Any, ...]], engine: str, workers: int | None, stripe: int
-) -> dict[str, tuple[int, int, int, str]]:
+) -> Records:
     """Reads files already in the destination and returns their journal records."""
     job = _core.CopyJob(
         str(root),
@@ -139,12 +139,12 @@ def digest_local(
         [e[5] for e in entries],
         **job_kwargs(engine, workers, stripe),
     )
-    out: dict[str, tuple[int, int, int, str]] = {}
+    out: Records = {}
 
     def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
         for idx, digests in batch:
             e = entries[idx]
-            out[e[0]] = (e[2], e[5], e[4], digests.hex())
+            out[e[0]] = Record(e[2], e[5], e[4], digests.hex())
 
     job.start()
     run_job(
@@ -161,11 +161,11 @@ def digest_local(
 
 def prove(
     root: Path,
-    records: dict[str, tuple[int, int, int, str]],
+    records: Records,
     engine: str,
     workers: int | None,
     stripe: int,
-) -> dict[str, tuple[int, int, int, str]]:
+) -> Records:
     """The records (path -> size, mtime_ns, mode, digests) whose files, read back from
     ``root``, still have their size, time and digests: what a manifest or journal written
     on an earlier boot without a flush may take as done."""

@@ -30,36 +30,19 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from .. import _core
-from .._util import node_lock, write_json_atomic
 from ..errors import stage_error
 from ..sources.objstore import ObjectInfo, ObjectStore
-from .job import DIR, FILE, JOURNAL_EVERY, PROGRESS_EVERY, ProgressCallback, prove
+from .destination import Destination, Entry, recorded_kind
+from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
+from .request import Source, StageRequest
 from .result import StageResult
-from .state import (
-    MANIFEST_VERSION,
-    Journal,
-    JournalFlusher,
-    Records,
-    boot_id,
-    check_space,
-    known_records,
-    make_durable,
-    mkdir_parent,
-    named_os_errors,
-    previous_stage,
-    quick_same,
-    read_manifest,
-    reread,
-    state_dir,
-    trusted,
-)
-from .tree import TreePlan
+from .state import JournalFlusher, Record, Records, mkdir_parent
+from .tree import TreePlan, plan_against, run_plan
 
 # Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
 DEFAULT_OBJECTS_IN_FLIGHT = 64
@@ -124,7 +107,7 @@ class _Fetcher:
     def _eio(self, obj: ObjectInfo, what: str) -> OSError:
         return stage_error(errno.EIO, f"'{self.store.url.rstrip('/')}/{obj.key}': {what}", obj.key)
 
-    def fetch_small(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+    def fetch_small(self, obj: ObjectInfo, final: Path) -> Record:
         """One GET, one write, one rename (an object over :data:`_WHOLE_UP_TO`: written
         as it streams in, as the parts of a big one are)."""
         if self.cancelled:
@@ -151,9 +134,9 @@ class _Fetcher:
                                                                        self.stripe)]
         self._place(tmp, final, obj)
         self._count(obj.size)
-        return (obj.size, obj.mtime_ns, _MODE, _digests(chunks))
+        return Record(obj.size, obj.mtime_ns, _MODE, _digests(chunks))
 
-    def _fetch_streamed(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+    def _fetch_streamed(self, obj: ObjectInfo, final: Path) -> Record:
         tmp = final.with_name(f".{final.name}.fastload-tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
         try:
@@ -162,9 +145,9 @@ class _Fetcher:
             os.close(fd)
         self._place(tmp, final, obj)
         self._count(obj.size)
-        return (obj.size, obj.mtime_ns, _MODE, _digests([digest]))
+        return Record(obj.size, obj.mtime_ns, _MODE, _digests([digest]))
 
-    def fetch_big(self, obj: ObjectInfo, final: Path) -> tuple[int, int, int, str]:
+    def fetch_big(self, obj: ObjectInfo, final: Path) -> Record:
         """Ranged GETs of one part each, written at their offsets in a part file whose
         side record lists the finished parts (kept across a kill: a resume fetches only
         the others)."""
@@ -206,7 +189,7 @@ class _Fetcher:
         self._place(part, final, obj)
         with contextlib.suppress(FileNotFoundError):
             record.unlink()
-        return (obj.size, obj.mtime_ns, _MODE, _digests([have[k] for k in range(n_parts)]))
+        return Record(obj.size, obj.mtime_ns, _MODE, _digests([have[k] for k in range(n_parts)]))
 
     def _resume(self, part: Path, record: Path, obj: ObjectInfo) -> dict[int, int]:
         """The parts of an interrupted fetch of the same object whose bytes, read back,
@@ -239,257 +222,138 @@ class _Fetcher:
         self.parts.shutdown(wait=True, cancel_futures=True)
 
 
-def plan_objects(
-    store: ObjectStore,
-    objects: list[ObjectInfo],
-    dst_abs: Path,
-    *,
-    single: bool,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    engine: str,
-    workers: int | None,
-    stripe: int,
-) -> TreePlan:
-    """What staging ``objects`` into ``dst_abs`` has to do (under the node lock), in the
-    tree pipeline's terms: ``files`` are the objects (keys relative to the prefix, or the
-    destination's name for a single object), ``entries`` also their directories."""
-    root = dst_abs.parent if single else dst_abs
-    names = [dst_abs.name if single else o.key for o in objects]
-    fp = fingerprint(store.url, objects, {**options, "chunk": stripe})
-    files = [(n, FILE, o.size, (o.size + 511) // 512, _MODE, o.mtime_ns, "")
-             for n, o in zip(names, objects, strict=True)]  # fmt: skip
-    dirs = sorted({"/".join(n.split("/")[:k]) for n in names for k in range(1, n.count("/") + 1)})
-    entries = [(d, DIR, 0, 0, 0o755, 0, "") for d in dirs] + files
+class ObjectPrefix:
+    """Every object under a prefix of a store (a tree, keys split on ``/``), or one
+    object (``single``: stored under the destination's name) (:class:`Source`)."""
 
-    def proven(records: Records) -> Records:
-        return prove(root, records, engine, workers, stripe)
+    def __init__(
+        self, store: ObjectStore, objects: list[ObjectInfo], req: StageRequest, *, single: bool
+    ) -> None:
+        self.store, self.objects, self.single = store, objects, single
+        self.name = store.url
+        self.label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
+        self.options: dict[str, Any] = {**req.selection(), "file": single}
 
-    old, whole = reread(root, dst_abs, old, fp, proven)
-    journal = Journal(dst_abs, stripe)
-    if (
-        whole
-        and old is not None
-        and old.get("complete")
-        and old.get("fingerprint") == fp
-        and os.path.lexists(dst_abs)
-    ):
-        held = {n: tuple(old["files"][n]) for n in names if n in old["files"]}
-        return TreePlan(
-            Path(), root, entries, files, [o.key for o in objects], fp, old,
-            complete=True, done=held, todo=[], journal=journal,
-        )  # fmt: skip
+    def listing(self, req: StageRequest) -> list[ObjectInfo]:
+        return self.objects
 
-    known = known_records(journal, old, stripe, proven)
-    old_ids: dict[str, str] = (old or {}).get("objects", {}) if old is not None else {}
-    done: dict[str, tuple[int, int, int, str]] = {}
-    todo: list[int] = []
-    for i, (path, o) in enumerate(zip(names, objects, strict=True)):
-        rec = known.get(path)
-        same_id = path not in old_ids or old_ids[path] == o.identity
-        if (
-            rec is not None
-            and same_id
-            and rec[0] == o.size
-            and rec[1] == o.mtime_ns
-            and quick_same(root / path, o.size, o.mtime_ns)
-        ):
-            done[path] = rec
-        else:
-            todo.append(i)
-    return TreePlan(
-        Path(), root, entries, files, [o.key for o in objects], fp, old,
-        complete=False, done=done, todo=todo, journal=journal,
-    )  # fmt: skip
+    def _names(self, dest: Destination) -> list[str]:
+        return [dest.path.name if self.single else o.key for o in self.objects]
 
+    def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> TreePlan:
+        """What staging the objects into ``dest`` has to do (under its lock), in the tree
+        pipeline's terms: ``files`` are the objects (keys relative to the prefix, or the
+        destination's name for a single object), ``entries`` also their directories."""
+        if listing is not None:
+            self.objects = listing  # fan-out's node 0's: the units are numbered in it
+        names = self._names(dest)
+        fp = fingerprint(self.name, self.objects, {**self.options, "chunk": req.stripe})
+        files = [Entry(n, FILE, o.size, (o.size + 511) // 512, _MODE, o.mtime_ns, "")
+                 for n, o in zip(names, self.objects, strict=True)]  # fmt: skip
+        dirs = sorted({"/".join(n.split("/")[:k]) for n in names
+                       for k in range(1, n.count("/") + 1)})  # fmt: skip
+        entries = [Entry(d, DIR, 0, 0, 0o755, 0, "") for d in dirs] + files
+        ids = {n: o.identity for n, o in zip(names, self.objects, strict=True)}
+        old_ids: dict[str, str] = (dest.old or {}).get("objects", {})
+        return plan_against(
+            dest, entries, fp, lambda e, rec: old_ids.get(e.path, ids[e.path]) == ids[e.path]
+        )
 
-def stage_objects(
-    store: ObjectStore,
-    objects: list[ObjectInfo],
-    dst_abs: Path,
-    *,
-    single: bool,
-    options: dict[str, Any],
-    old: dict[str, Any] | None,
-    engine: str,
-    on_progress: ProgressCallback | None,
-    workers: int | None,
-    stripe: int,
-    sync: bool,
-    t0: float,
-) -> StageResult:
-    """Stages ``objects`` (keys relative to the store's prefix) into ``dst_abs`` (a tree),
-    or the one object into the file ``dst_abs`` when ``single``, under the node lock."""
-    root = dst_abs.parent if single else dst_abs
-    # A single object is stored under the destination's name.
-    name_of: Callable[[ObjectInfo], str] = (
-        (lambda o: dst_abs.name) if single else (lambda o: o.key)
-    )
-    total_bytes = sum(o.size for o in objects)
-    plan = plan_objects(
-        store, objects, dst_abs, single=single, options=options, old=old, engine=engine,
-        workers=workers, stripe=stripe,
-    )  # fmt: skip
-    fp, old = plan.fingerprint, plan.old
-    if plan.complete:
-        assert old is not None
-        make_durable(dst_abs, old, sync)
-        return StageResult(dst_abs, len(objects), total_bytes, time.monotonic() - t0, "none", True)
-    journal = plan.journal
-    journal.durable = sync
-    done = plan.done
-    todo = [objects[i] for i in plan.todo]
+    def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
+        plan = self.plan(req, dest, listing)
 
-    if old is not None and old.get("complete") and not single:
-        wanted = {o.key for o in objects}
-        for p in old.get("files", {}):
-            if p not in wanted:
-                with contextlib.suppress(OSError):
-                    (root / p).unlink()
+        def fetch(
+            plan: TreePlan, done: Records, flusher: JournalFlusher,
+            on_progress: ProgressCallback | None,
+        ) -> tuple[str, int, int]:  # fmt: skip
+            return self._fetch(req, dest, plan, done, flusher, on_progress)
 
-    check_space(dst_abs.parent, sum(o.size for o in todo), dst_abs)
-    with named_os_errors("cannot create directory: "):
-        root.mkdir(parents=True, exist_ok=True)
-        for d in sorted({os.path.dirname(name_of(o)) for o in todo} - {""}):
-            (root / d).mkdir(parents=True, exist_ok=True)
+        return run_plan(self, req, dest, plan, fetch)
 
-    journal.open(done)
-    flusher = JournalFlusher(journal, str(root), JOURNAL_EVERY)
-    fetcher = _Fetcher(store, root, stripe, max(1, workers or DEFAULT_OBJECTS_IN_FLIGHT))
-    done_before = sum(r[0] for r in done.values())
-    copied_files = copied_bytes = 0
-    pending: dict[Future[tuple[int, int, int, str]], ObjectInfo] = {}
-    finished_q: queue.SimpleQueue[Future[tuple[int, int, int, str]]] = queue.SimpleQueue()
-    last = 0.0
-    try:
-        # Big objects first: their parts keep the part pool busy while small ones stream.
-        for o in sorted(todo, key=lambda o: -o.size if o.size > stripe else 0):
-            fn = fetcher.fetch_big if o.size > stripe else fetcher.fetch_small
-            pool = fetcher.small
-            fut = pool.submit(fn, o, root / name_of(o))
-            pending[fut] = o
-            fut.add_done_callback(finished_q.put)
-        while pending:
-            # Finished futures come through a queue: wait() on every pending future at
-            # each wake-up would lock all of them each time (quadratic in the objects;
-            # it was most of the CPU of a 2,000-object stage).
-            finished = []
-            with contextlib.suppress(queue.Empty):
-                finished.append(finished_q.get(timeout=PROGRESS_EVERY))
-                while True:
-                    finished.append(finished_q.get_nowait())
-            batch = []
-            for f in finished:
-                o = pending.pop(f)
-                rec = f.result()
-                path = name_of(o)
-                done[path] = rec
-                batch.append((path, *rec))
-                copied_files += 1
-                copied_bytes += o.size
-            flusher.add(batch)
-            now = time.monotonic()
-            if on_progress is not None and now - last >= PROGRESS_EVERY:
-                last = now
-                on_progress(done_before + fetcher.bytes_done, total_bytes, len(done),
-                            len(objects))
-        flusher.close()
-        if sync:
-            _core.syncfs(str(root))
-    except BaseException:
-        fetcher.cancelled = True
-        for f in pending:
-            f.cancel()
-        with contextlib.suppress(Exception):
-            # Keep what finished before the error: a resume need not fetch it again.
-            for f, o in pending.items():
-                if f.done() and not f.cancelled() and f.exception() is None:
+    def _fetch(
+        self,
+        req: StageRequest,
+        dest: Destination,
+        plan: TreePlan,
+        done: Records,
+        flusher: JournalFlusher,
+        on_progress: ProgressCallback | None,
+    ) -> tuple[str, int, int]:
+        names = self._names(dest)
+        total_bytes, nfiles = plan.total_bytes, len(plan.files)
+        fetcher = _Fetcher(self.store, dest.root, req.stripe,
+                           max(1, req.workers or DEFAULT_OBJECTS_IN_FLIGHT))  # fmt: skip
+        done_before = sum(r.size for r in done.values())
+        copied_files = copied_bytes = 0
+        pending: dict[Future[Record], int] = {}
+        finished_q: queue.SimpleQueue[Future[Record]] = queue.SimpleQueue()
+        last = 0.0
+        try:
+            # Big objects first: their parts keep the part pool busy while small ones stream.
+            for i in sorted(plan.todo, key=lambda i: -self.objects[i].size
+                            if self.objects[i].size > req.stripe else 0):  # fmt: skip
+                o = self.objects[i]
+                fn = fetcher.fetch_big if o.size > req.stripe else fetcher.fetch_small
+                fut = fetcher.small.submit(fn, o, dest.root / names[i])
+                pending[fut] = i
+                fut.add_done_callback(finished_q.put)
+            while pending:
+                # Finished futures come through a queue: wait() on every pending future at
+                # each wake-up would lock all of them each time (quadratic in the objects;
+                # it was most of the CPU of a 2,000-object stage).
+                finished = []
+                with contextlib.suppress(queue.Empty):
+                    finished.append(finished_q.get(timeout=PROGRESS_EVERY))
+                    while True:
+                        finished.append(finished_q.get_nowait())
+                batch = []
+                for f in finished:
+                    i = pending.pop(f)
                     rec = f.result()
-                    flusher.add([(name_of(o), *rec)])
-        with contextlib.suppress(Exception):
-            flusher.close()
-        journal.close()
+                    done[names[i]] = rec
+                    batch.append((names[i], *rec))
+                    copied_files += 1
+                    copied_bytes += self.objects[i].size
+                flusher.add(batch)
+                now = time.monotonic()
+                if on_progress is not None and now - last >= PROGRESS_EVERY:
+                    last = now
+                    on_progress(done_before + fetcher.bytes_done, total_bytes, len(done), nfiles)
+        except BaseException:
+            fetcher.cancelled = True
+            for f in pending:
+                f.cancel()
+            with contextlib.suppress(Exception):
+                # Keep what finished before the error: a resume need not fetch it again.
+                for f, i in pending.items():
+                    if f.done() and not f.cancelled() and f.exception() is None:
+                        flusher.add([(names[i], *f.result())])
+            fetcher.close()
+            raise
         fetcher.close()
-        raise
-    fetcher.close()
-    journal.close()
-    if on_progress is not None:
-        on_progress(total_bytes, total_bytes, len(objects), len(objects))
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "complete": True,
-        "source": store.url,
-        "options": options,
-        "fingerprint": fp,
-        "kind": "file" if single else "tree",
-        "chunk_size": stripe,
-        "digest": "fl64",
-        "boot_id": boot_id(),
-        "durable": sync,
-        "files_count": len(objects),
-        "bytes": total_bytes,
-        "engine": "objstore",
-        "created": time.time(),
-        "files": {p: list(done[p]) for p in sorted(done)},
-        "objects": {name_of(o): o.identity for o in objects},
-        "symlinks": {},
-        "dirs": sorted({os.path.dirname(name_of(o)) for o in objects} - {""}),
-    }
-    write_json_atomic(state_dir(dst_abs) / "manifest.json", manifest)
-    journal.remove()
-    return StageResult(
-        dst_abs,
-        len(objects),
-        total_bytes,
-        time.monotonic() - t0,
-        "objstore",
-        False,
-        copied_files,
-        copied_bytes,
-    )
+        if on_progress is not None:
+            on_progress(total_bytes, total_bytes, nfiles, nfiles)
+        return "objstore", copied_files, copied_bytes
+
+    def finish(self, plan: TreePlan, dest: Destination) -> None:
+        pass
+
+    def extra(self, plan: TreePlan) -> dict[str, Any]:
+        return {"objects": {e.path: o.identity
+                            for e, o in zip(plan.files, self.objects, strict=True)}}  # fmt: skip
 
 
-def _known_kind(dst: Path, name: str, url: str, info: ObjectInfo) -> str | None:
-    """What a complete earlier stage of this very object (same URL and ETag) into ``dst``
-    found it to be: its compression (an archive), ``""`` (a file), or None (unknown)."""
-    for candidate in (dst, dst / name):
-        m = read_manifest(Path(os.path.abspath(candidate)))
-        if m is None or not m.get("complete") or m.get("damaged") or m.get("source") != url:
-            continue
-        archive = m.get("archive")
-        if archive is not None and archive.get("identity") == str(info.identity):
-            return str(archive["compression"])
-        if m.get("kind") == "file" and m.get("objects", {}).get(candidate.name) == info.identity:
-            return ""
-    return None
-
-
-def stage_remote(
-    url: str,
-    dst: str | os.PathLike[str],
-    *,
-    include: list[str],
-    exclude: list[str],
-    engine: str,
-    progress: Any,
-    workers: int | None,
-    stripe: int,
-    unpack: Any,
-    checksum: tuple[str, str] | None,
-    sync: bool,
-    check_source: bool,
-    storage_options: Mapping[str, Any] | None,
-    t0: float,
-    fanout: Any = False,
-) -> StageResult:
-    """stage() of an object store URL: a prefix (a tree), an object, or an archive object
-    extracted as it streams in; fanned out over the job's nodes with ``fanout``."""
-    from .archive import detect_compression, extract, not_an_archive, suffix_kind
-    from .job import progress_callback, say_waiting
+def open_remote(
+    url: str, dst: str | os.PathLike[str], req: StageRequest
+) -> tuple[Source, Destination]:
+    """The source and destination of a stage() of an object store URL: a prefix (a
+    tree), an object, or an archive object extracted as it streams in
+    """
+    from .archive import Archive, detect_compression, not_an_archive, suffix_kind
     from .readers import RemoteArchive
-    from .tree import check_file_checksum
 
-    store = ObjectStore(url, storage_options)
+    store = ObjectStore(url, req.storage_options)
+    include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
     objects: list[ObjectInfo] = []
     if url.endswith("/") or not store.prefix:
@@ -498,111 +362,49 @@ def stage_remote(
         try:
             info = store.head()
         except FileNotFoundError:
-            store = ObjectStore(url + "/", storage_options)
+            store = ObjectStore(url + "/", req.storage_options)
             objects = store.list(include, exclude)
             if not objects and not store.list():
                 raise stage_error(
                     errno.ENOENT, f"'{url}': no such object, and no objects under it", url
                 ) from None
+    if info is None:
+        if req.checksum is not None:
+            raise ValueError("checksum= applies to an object or an archive, not to a prefix")
+        return _destination(dst, req, ObjectPrefix(store, objects, req, single=False))
+    name = store.prefix.rsplit("/", 1)[-1]
     compression = None
-    if info is not None:
-        name = store.prefix.rsplit("/", 1)[-1]
-        known = _known_kind(Path(os.fspath(dst)), name, store.url, info)
-        if unpack is not False and known is not None:
-            compression = known or None  # staged before: no GET to look at its head
-        elif unpack is not False:
-            head = bytearray(min(512, info.size))
-            store.read_into("", 0, memoryview(head), info.etag)
-            compression = detect_compression(bytes(head), name)
-            if compression is None and suffix_kind(name):
-                raise not_an_archive(url, name, bytes(head))
-        if unpack in (True, "nested") and compression is None:
-            raise stage_error(errno.EINVAL, f"'{url}' is not a tar archive", url)
-        if (include or exclude) and compression is None:
-            raise ValueError("include/exclude select inside a prefix or an archive")
-        objects = [dataclasses.replace(info, key="")]
-    elif checksum is not None:
-        raise ValueError("checksum= applies to an object or an archive, not to a prefix")
+    known = recorded_kind(Path(os.fspath(dst)), name, store.url, info.identity)
+    if req.unpack is not False and known is not None:
+        compression = known or None  # staged before: no GET to look at its head
+    elif req.unpack is not False:
+        head = bytearray(min(512, info.size))
+        store.read_into("", 0, memoryview(head), info.etag)
+        compression = detect_compression(bytes(head), name)
+        if compression is None and suffix_kind(name):
+            raise not_an_archive(url, name, bytes(head))
+    if req.unpack in (True, "nested") and compression is None:
+        raise stage_error(errno.EINVAL, f"'{url}' is not a tar archive", url)
+    if (req.include or req.exclude) and compression is None:
+        raise ValueError("include/exclude select inside a prefix or an archive")
+    objects = [dataclasses.replace(info, key="")]
+    if compression is None:
+        return _destination(dst, req, ObjectPrefix(store, objects, req, single=True))
+    options = {**req.selection(), "file": False, "unpack": req.unpack_option}
+    return _destination(dst, req, Archive(RemoteArchive(store, info), compression, options))
 
+
+def _destination(
+    dst: str | os.PathLike[str], req: StageRequest, source: Any
+) -> tuple[Source, Destination]:
     dst_path = Path(os.fspath(dst))
-    single = info is not None and compression is None
+    single = isinstance(source, ObjectPrefix) and source.single
     if single and dst_path.is_dir():
-        dst_path = dst_path / store.prefix.rsplit("/", 1)[-1]
-    dst_abs = Path(os.path.abspath(dst_path))
-    if not single and dst_abs.exists() and not dst_abs.is_dir():
+        dst_path = dst_path / source.store.prefix.rsplit("/", 1)[-1]
+    dest = Destination(Path(os.path.abspath(dst_path)), req, single=single)
+    if not single and dest.path.exists() and not dest.path.is_dir():
         raise stage_error(
             errno.ENOTDIR, f"destination '{dst_path}' exists and is not a directory", str(dst_path)
         )
-    mkdir_parent(dst_abs.parent)
-    options: dict[str, Any] = {"include": include, "exclude": exclude, "file": single}
-    if compression is not None:
-        options["unpack"] = "nested" if unpack == "nested" else True
-
-    def locked(listing: Any = None, source: Any = None) -> StageResult:
-        """The stage, under the node lock (held by the caller)."""
-        old = previous_stage(dst_abs)
-        if (
-            not check_source
-            and old is not None
-            and old.get("complete")
-            and not old.get("damaged")
-            and old.get("source") == store.url
-            and old.get("options") == options
-            and os.path.lexists(dst_abs)
-            and trusted(old)
-        ):
-            make_durable(dst_abs, old, sync)
-            return StageResult(
-                dst_abs, old["files_count"], old["bytes"], time.monotonic() - t0, "none", True
-            )
-        total = info.size if info is not None else sum(o.size for o in objects)
-        verb = "extract" if compression is not None else "stage"
-        label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
-        if compression is not None:
-            assert info is not None
-            return extract(
-                source if source is not None else RemoteArchive(store, info), dst_abs,
-                label=f"{verb} {label}", total=total, compression=compression,
-                nested=options.get("unpack") == "nested", options=options, old=old,
-                checksum=checksum, engine=engine, progress=progress, workers=workers,
-                stripe=stripe, sync=sync, t0=t0,
-            )  # fmt: skip
-        on_progress, bar = progress_callback(progress, f"{verb} {label}", total, 0)
-        try:
-            result = stage_objects(
-                store, listing if listing is not None else objects, dst_abs, single=single,
-                options=options, old=old,
-                engine=engine, on_progress=on_progress, workers=workers, stripe=stripe,
-                sync=sync, t0=t0,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-        if checksum is not None:
-            check_file_checksum(result.path, store.url, checksum)
-        return result
-
-    def plain() -> StageResult:
-        with node_lock(dst_abs, on_wait=say_waiting if progress else None):
-            return locked()
-
-    with named_os_errors():
-        if fanout is not False:
-            from .fanout import Request, stage_fanout
-
-            if compression is not None:
-                assert info is not None
-                found = info
-                req = Request(
-                    store.url, dst_abs, False, options, compression, checksum, engine,
-                    progress, workers, stripe, t0, locked, plain,
-                    archive=lambda: RemoteArchive(store, found),
-                )  # fmt: skip
-            else:
-                req = Request(
-                    store.url, dst_abs, single, options, None, checksum, engine, progress,
-                    workers, stripe, t0, locked, plain,
-                    objects=(store, objects, single, plan_objects),
-                )  # fmt: skip
-            return stage_fanout(req, None if fanout is True else fanout)
-        return plain()
+    mkdir_parent(dest.path.parent)
+    return source, dest

@@ -16,7 +16,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .. import _core
 from .._util import human, node_lock, write_json_atomic
@@ -93,7 +93,16 @@ def trusted(record: dict[str, Any]) -> bool:
     return bool(record.get("boot_id")) and record.get("boot_id") == boot_id()
 
 
-Records = dict[str, tuple[int, int, int, str]]  # path -> size, mtime_ns, mode, digests
+class Record(NamedTuple):
+    """A file known to be complete at its final path (journal and manifest)."""
+
+    size: int
+    mtime_ns: int
+    mode: int
+    digests: str  # hex of the fl64 of each chunk
+
+
+Records = dict[str, Record]  # path -> its record
 
 
 def reread(
@@ -111,7 +120,7 @@ def reread(
     rewritten so (``dst``'s state). Any other manifest is returned as it is."""
     if manifest is None or not manifest.get("complete") or trusted(manifest):
         return manifest, True
-    files = {p: (r[0], r[1], r[2], r[3]) for p, r in manifest.get("files", {}).items()}
+    files = {p: Record(*r) for p, r in manifest.get("files", {}).items()}
     proven = prove(files)
     whole = len(proven) == len(files) and all(
         os.path.islink(root / p) and os.readlink(root / p) == t
@@ -144,9 +153,9 @@ class Journal:
         self.trusted = False  # ... and its records need not be read back
         self._f: Any | None = None
 
-    def load(self) -> dict[str, tuple[int, int, int, str]]:
+    def load(self) -> Records:
         """path -> (size, mtime_ns, mode, digests_hex) of the previous, interrupted run."""
-        out: dict[str, tuple[int, int, int, str]] = {}
+        out: Records = {}
         try:
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 lines = f.read().splitlines()
@@ -168,10 +177,10 @@ class Journal:
                 p, size, mtime, mode, digests = json.loads(line)
             except ValueError:
                 break  # a torn last line: everything before it is good
-            out[p] = (size, mtime, mode, digests)
+            out[p] = Record(size, mtime, mode, digests)
         return out
 
-    def open(self, keep: dict[str, tuple[int, int, int, str]]) -> None:
+    def open(self, keep: Records) -> None:
         """Starts a fresh journal holding ``keep`` (what is already known to be done)."""
         self.path.parent.mkdir(exist_ok=True)
         tmp = self.path.with_name("journal.jsonl.tmp")
@@ -215,7 +224,7 @@ def known_records(
     if known and not journal.trusted:
         known = prove(known)
     if old is not None and old.get("chunk_size") == chunk_size:
-        previous = {p: (r[0], r[1], r[2], r[3]) for p, r in old.get("files", {}).items()}
+        previous = {p: Record(*r) for p, r in old.get("files", {}).items()}
         if not trusted(old):
             previous = prove({p: r for p, r in previous.items() if p not in known})
         for p, r in previous.items():

@@ -25,8 +25,7 @@ Failure anywhere stops every leader within the round timeout, naming the node; w
 finished stays journalled, so a rerun fetches only what is missing.
 """
 
-from .common import Request
 from .exchange import FanoutError
 from .run import stage_fanout
 
-__all__ = ["FanoutError", "Request", "stage_fanout"]
+__all__ = ["FanoutError", "stage_fanout"]

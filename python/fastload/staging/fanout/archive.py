@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SourceChangedError, stage_error
+from ..destination import Destination, run_locked
 from ..readers import LocalArchive
 from ..result import StageResult
-from ..state import previous_stage
-from .common import PIECE, SUBREAD, U64, Request, Sender, digest
+from .common import PIECE, SUBREAD, U64, Sender, digest
 from .exchange import Exchange, fanout_error
 
 
@@ -187,39 +187,29 @@ class _ExchangeArchive:
         return bool(self._base.changed())
 
 
-def fan_archive(x: Exchange, req: Request) -> StageResult:
-    from ..archive import archive_fingerprint
-
-    base = req.archive() if req.archive is not None else LocalArchive(Path(req.src))
-    old = previous_stage(req.dst)
-    fingerprint = archive_fingerprint(
-        base.identity, {**req.options, "chunk": req.stripe, "checksum": req.checksum}
-    )
-    complete = bool(
-        old is not None
-        and old.get("complete")
-        and not old.get("damaged")
-        and old.get("fingerprint") == fingerprint
-        and req.dst.is_dir()
-    )
+def fan_archive(x: Exchange, archive: Any, dest: Destination) -> StageResult:
+    """``archive`` (an :class:`archive.Archive`) extracted on every node, its bytes read
+    once in total (under ``dest``'s lock)."""
+    base = archive.data
+    complete = archive.is_complete(dest.req, dest)
     x.sync("checked")
     sizes = x.all_gather_object((complete, base.size, base.identity))
     if len({(s, i) for _, s, i in sizes}) != 1:
         raise fanout_error(
-            f"the nodes see different versions of '{req.src}' (size and time): "
+            f"the nodes see different versions of '{archive.name}' (size and time): "
             + ", ".join(f"node {k}: {s} bytes" for k, (_, s, _) in enumerate(sizes)),
-            str(req.src),
+            archive.name,
         )
     if all(c for c, _, _ in sizes):
-        return req.locked(source=base)
+        return run_locked(dest, archive)
     pieces = _PieceReader(base, x.node, x.nodes)
     try:
         if complete:
             _ExchangeReader(x, pieces, base.size, base.name, None, None).pump()
-            result = req.locked(source=base)
+            result = run_locked(dest, archive)
         else:
             source = _ExchangeArchive(base, x, pieces)
-            result = req.locked(source=source)
+            result = run_locked(dest, archive.with_data(source))
             # Rounds left after the end of the tar stream (or all of them, where the
             # extraction found nothing to do).
             reader = source.reader_made or _ExchangeReader(
@@ -230,7 +220,7 @@ def fan_archive(x: Exchange, req: Request) -> StageResult:
         pieces.close()
     return dataclasses.replace(
         result,
-        seconds=time.monotonic() - req.t0,
+        seconds=time.monotonic() - dest.req.t0,
         nodes=x.nodes,
         read_bytes=pieces.store_bytes,
     )

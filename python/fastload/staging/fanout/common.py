@@ -1,21 +1,14 @@
-"""What the parts of fan-out share: its sizes, the request, parallel reads, digests,
+"""What the parts of fan-out share: its sizes, parallel reads, digests,
 and the read-ahead every leader's sender is built on."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import struct
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
 from ... import _core
-from ..job import Progress
-from ..result import StageResult
-from ..tree import TreePlan
 
 # Bytes a leader sends per round (every leader receives N times that); node 0's
 # FASTLOAD_FANOUT_ROUND overrides it (tests use small rounds to have many).
@@ -26,31 +19,6 @@ READERS = 32  # reads in flight on a leader
 WRITERS = 8  # writes in flight on a leader
 
 U64 = struct.Struct("<Q")
-
-
-@dataclasses.dataclass
-class Request:
-    """A stage() call, its arguments checked, as the fan-out needs it. ``locked(listing,
-    source)`` runs the ordinary stage under the node lock the caller already holds (with
-    the tree listing, or the archive source, to use instead of its own)."""
-
-    src: Path | str
-    dst: Path
-    is_file: bool
-    options: dict[str, Any]
-    compression: str | None
-    checksum: tuple[str, str] | None
-    engine: str
-    progress: Progress
-    workers: int | None
-    stripe: int
-    t0: float
-    locked: Callable[..., StageResult]
-    plain: Callable[[], StageResult]
-    archive: Callable[[], Any] | None = None
-    """The archive as a source (an object in a store); default: the file ``src``."""
-    objects: tuple[Any, list[Any], bool, Callable[..., TreePlan]] | None = None
-    """A prefix of a store: (the store, its objects, a single object?, plan_objects)."""
 
 
 def read_range(fd: int, view: memoryview, off: int, pool: ThreadPoolExecutor) -> int:

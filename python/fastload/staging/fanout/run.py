@@ -17,12 +17,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..._util import node_lock, write_json_atomic
-from ..job import say_waiting
+from ..._util import write_json_atomic
+from ..destination import Destination, run_locked
 from ..result import StageResult
 from ..state import state_dir
 from .archive import fan_archive
-from .common import Request
 from .exchange import Exchange, fanout_error, timeout_from_env
 from .tree import fan_tree
 
@@ -221,29 +220,34 @@ def open_world(fanout: Any, timeout: float) -> Any:
     return world
 
 
-def stage_fanout(req: Request, group: Any = None) -> StageResult:
-    """Stages ``req`` across the nodes of the job (see the module's description);
-    ``group`` picks the transport (see :func:`open_world`)."""
+def _plain(source: Any, dest: Destination) -> StageResult:
+    with dest.locked():
+        return run_locked(dest, source)
+
+
+def stage_fanout(source: Any, dest: Destination, group: Any = None) -> StageResult:
+    """Stages ``source`` into ``dest`` across the nodes of the job (see the module's
+    description); ``group`` picks the transport (see :func:`open_world`)."""
     timeout = timeout_from_env()
     world = open_world(group, timeout)
     if world is None:
-        return req.plain()
+        return _plain(source, dest)
     try:
         if world.size < 2:
-            return req.plain()
-        return _stage_in_group(world, req, timeout)
+            return _plain(source, dest)
+        return _stage_in_group(world, source, dest, timeout)
     finally:
         world.close()
 
 
-def _stage_in_group(world: Any, req: Request, timeout: float) -> StageResult:
+def _stage_in_group(world: Any, source: Any, dest: Destination, timeout: float) -> StageResult:
     # One leader per destination, not per node name: three "nodes" whose destination
     # is one directory of a shared file system are one copy (and one node lock).
-    me = (node_key(), destination_id(req.dst), socket.gethostname(), uuid.uuid4().hex)
+    me = (node_key(), destination_id(dest.path), socket.gethostname(), uuid.uuid4().hex)
     everyone = world.all_gather_object(me)
     leaders: dict[str, int] = {}
-    for r, (_, dest, _, _) in enumerate(everyone):
-        leaders.setdefault(dest, r)
+    for r, (_, dest_id, _, _) in enumerate(everyone):
+        leaders.setdefault(dest_id, r)
     order = sorted(leaders.values())
     token = everyone[0][3]
     hosts = [everyone[r][2] for r in order]
@@ -253,27 +257,26 @@ def _stage_in_group(world: Any, req: Request, timeout: float) -> StageResult:
         # One node: its processes share the node lock as in a plain stage.
         if transport is not None:
             transport.close(True)
-        return req.plain()
-    on_wait = say_waiting if req.progress else None
+        return _plain(source, dest)
     if not me_leader:
         world.barrier()  # the leaders hold their node locks from here on
-        with node_lock(req.dst, on_wait=on_wait):
-            failed = _read_failure(req.dst, token)
+        with dest.locked():
+            failed = _read_failure(dest.path, token)
         if failed is not None:
-            raise fanout_error(failed, str(req.src))
-        return req.plain()
-    with node_lock(req.dst, on_wait=on_wait):
+            raise fanout_error(failed, source.name)
+        return _plain(source, dest)
+    with dest.locked():
         world.barrier()
-        x = Exchange(transport, hosts, str(req.src), timeout)
+        x = Exchange(transport, hosts, source.name, timeout)
         ok = False
         try:
-            fan = fan_archive if req.compression is not None else fan_tree
-            result = fan(x, req)
+            fan = fan_archive if hasattr(source, "with_data") else fan_tree
+            result = fan(x, source, dest)
             ok = True
             return result
         except BaseException as e:
             x.abort(e)
-            _write_failure(req.dst, token, str(e))
+            _write_failure(dest.path, token, str(e))
             raise
         finally:
             x.close(ok)

@@ -19,16 +19,17 @@ from typing import Any
 from ... import _core
 from ..._util import parse_size
 from ...errors import SourceChangedError, StageError, stage_error
-from ..job import JOURNAL_EVERY, progress_callback
+from ..destination import Destination, run_locked
+from ..job import progress_callback
+from ..remote import ObjectPrefix
 from ..result import StageResult
-from ..state import JournalFlusher, check_space, previous_stage
-from ..tree import TreePlan, list_tree, make_dirs, plan_tree, space_needed
+from ..state import JournalFlusher, Record
+from ..tree import TreePlan, make_dirs, space_needed
 from .common import (
     ROUND,
     SUBREAD,
     U64,
     WRITERS,
-    Request,
     Sender,
     digest,
     read_range,
@@ -59,72 +60,32 @@ def _read_file(
         )
 
 
-class _TreeSource:
-    """A tree's source: a directory (or one file) on a file system."""
-
-    def __init__(self, req: Request) -> None:
-        self.req, self.src = req, Path(req.src)
-        self.label = self.src.name
-
-    def listing(self) -> Any:
-        return list_tree(self.src, self.req.is_file, self.req.options, self.req.workers)
-
-    def plan(self, listing: Any) -> TreePlan:
-        r = self.req
-        return plan_tree(
-            self.src, r.dst, r.is_file, r.options, previous_stage(r.dst), r.engine, r.workers,
-            r.stripe, listing,
-        )  # fmt: skip
-
-    def read(
-        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
-    ) -> None:
+def _read_source(
+    source: Any, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
+) -> None:
+    """``view`` from the source's file ``f`` of ``plan`` at ``off``: positional reads of a
+    local file, or ranged GETs (If-Match the listed ETag, several in flight for a big
+    unit) of an object."""
+    if not isinstance(source, ObjectPrefix):
         e = plan.files[f]
-        path = self.src if self.req.is_file else plan.src_root / e[0]
-        _read_file(path, e, off, view, pool)
-
-
-class _ObjectsSource(_TreeSource):
-    """A prefix (or one object) of an object store: ranged GETs, If-Match the listed
-    ETag, several in flight for a big unit."""
-
-    def __init__(self, req: Request) -> None:
-        super().__init__(req)
-        assert req.objects is not None
-        self.store, self.objects, self.single, self.plan_objects = req.objects
-        self.label = str(req.src).rstrip("/").rsplit("/", 1)[-1]
-
-    def listing(self) -> Any:
-        return self.objects
-
-    def plan(self, listing: Any) -> TreePlan:
-        r = self.req
-        self.objects = listing  # node 0's: the units are numbered in it
-        plan: TreePlan = self.plan_objects(
-            self.store, listing, r.dst, single=self.single, options=r.options,
-            old=previous_stage(r.dst), engine=r.engine, workers=r.workers, stripe=r.stripe,
-        )  # fmt: skip
-        return plan
-
-    def read(
-        self, plan: TreePlan, f: int, off: int, view: memoryview, pool: ThreadPoolExecutor
-    ) -> None:
-        o = self.objects[f]
-        step = 4 * SUBREAD
-        n = view.nbytes
-        parts = [(s, min(s + step, n)) for s in range(0, n, step)]
-        read = self.store.read_into
-        if len(parts) == 1:
-            got = read(o.key, off, view, o.etag)
-        else:
-            futures = [pool.submit(read, o.key, off + s, view[s:e], o.etag) for s, e in parts]
-            got = sum(fut.result() for fut in futures)
-        if got != n:
-            raise SourceChangedError(
-                errno.EIO,
-                f"source changed: '{self.store.url.rstrip('/')}/{o.key}' is shorter than "
-                "listed; stage again to pick up the new content",
-            )
+        _read_file(source.source_path(e), e, off, view, pool)
+        return
+    o = source.objects[f]
+    step = 4 * SUBREAD
+    n = view.nbytes
+    parts = [(s, min(s + step, n)) for s in range(0, n, step)]
+    read = source.store.read_into
+    if len(parts) == 1:
+        got = read(o.key, off, view, o.etag)
+    else:
+        futures = [pool.submit(read, o.key, off + s, view[s:e], o.etag) for s, e in parts]
+        got = sum(fut.result() for fut in futures)
+    if got != n:
+        raise SourceChangedError(
+            errno.EIO,
+            f"source changed: '{source.store.url.rstrip('/')}/{o.key}' is shorter than "
+            "listed; stage again to pick up the new content",
+        )
 
 
 @dataclasses.dataclass
@@ -201,10 +162,10 @@ class _TreeSender(Sender):
     """Reads this node's units, a round ahead of the exchange: payload = the units'
     digests (8 bytes each), then their bytes."""
 
-    def __init__(self, plan: TreePlan, units: _Units, node: int, source: _TreeSource):
+    def __init__(self, plan: TreePlan, units: _Units, node: int, source: Any, root: Path):
         super().__init__()
         self._plan, self._u, self._node = plan, units, node
-        self._source = source
+        self._source, self._root = source, root
         self._next = 0
         self._fill()
 
@@ -218,9 +179,9 @@ class _TreeSender(Sender):
         u, plan = self._u, self._plan
         f = u.file[j]
         if u.local[j]:
-            _read_file(plan.dst_root / plan.files[f][0], plan.files[f], u.off[j], view, self._sub)
+            _read_file(self._root / plan.files[f].path, plan.files[f], u.off[j], view, self._sub)
         else:
-            self._source.read(plan, f, u.off[j], view, self._sub)
+            _read_source(self._source, plan, f, u.off[j], view, self._sub)
         return digest(view)
 
     def _build(self, batch: list[int]) -> bytearray:
@@ -256,8 +217,10 @@ class _TreeWriter:
     """Writes the units this node lacks under temporary names; a file whole is chmod'ed,
     given its source time, renamed into place and journalled."""
 
-    def __init__(self, plan: TreePlan, units: _Units, mine: set[int], flusher: JournalFlusher):
-        self._plan, self._u, self._flusher = plan, units, flusher
+    def __init__(
+        self, plan: TreePlan, units: _Units, mine: set[int], flusher: JournalFlusher, root: Path
+    ) -> None:
+        self._plan, self._u, self._flusher, self._root = plan, units, flusher, root
         self._left: dict[int, int] = {}
         self._digests: dict[int, dict[int, int]] = {}
         self._fds: dict[int, int] = {}
@@ -272,7 +235,7 @@ class _TreeWriter:
         self.bytes = 0
 
     def _tmp(self, f: int) -> Path:
-        return self._plan.dst_root / _core.temp_name(self._plan.files[f][0])
+        return self._root / _core.temp_name(self._plan.files[f][0])
 
     def _write(self, j: int, data: memoryview, sent: int) -> None:
         u, plan = self._u, self._plan
@@ -282,7 +245,7 @@ class _TreeWriter:
             raise stage_error(
                 errno.EIO,
                 f"fan-out: '{e[0]}' arrived damaged (chunk at {u.off[j]} fails its digest)",
-                str(plan.dst_root / e[0]),
+                str(self._root / e[0]),
             )
         with self._lock:
             fd = self._fds.get(f)
@@ -319,9 +282,9 @@ class _TreeWriter:
         finally:
             os.close(fd)
         os.utime(tmp, ns=(e[5], e[5]))
-        os.replace(tmp, self._plan.dst_root / e[0])
+        os.replace(tmp, self._root / e[0])
         digests = b"".join(U64.pack(c) for c in chunks).hex()
-        rec = (e[2], e[5], e[4], digests)
+        rec = Record(e.size, e.mtime_ns, e.mode, digests)
         self._plan.done[e[0]] = rec
         self._flusher.add([(e[0], *rec)])
         with self._lock:
@@ -366,12 +329,14 @@ def _unbits(data: bytes, n: int) -> set[int]:
     return {i for i in range(n) if data[i >> 3] >> (i & 7) & 1}
 
 
-def fan_tree(x: Exchange, req: Request) -> StageResult:
-    source = _ObjectsSource(req) if req.objects is not None else _TreeSource(req)
+def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
+    """``source`` (a local tree or an object prefix) staged on every node, each unit
+    read once in total (under ``dest``'s lock)."""
+    req = dest.req
     listing: list[Any] = [None]
     if x.node == 0:
         try:
-            entries = source.listing()
+            entries = source.listing(req)
             listing = [
                 ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
             ]
@@ -382,37 +347,37 @@ def fan_tree(x: Exchange, req: Request) -> StageResult:
     status, entries, round_bytes = listing[0]
     if status != "ok":
         raise fanout_error(
-            f"node 0 ({x.hosts[0]}) could not list the source: {entries}", str(req.src)
+            f"node 0 ({x.hosts[0]}) could not list the source: {entries}", source.name
         )
-    plan = source.plan(entries)
+    plan = source.plan(req, dest, entries)
     nfiles = len(plan.files)
     need_me = [] if plan.complete else plan.todo
-    index = {e[0]: i for i, e in enumerate(plan.files)}
+    index = {e.path: i for i, e in enumerate(plan.files)}
     have_me = {index[p] for p in plan.done if p in index}
     if need_me:
-        check_space(req.dst.parent, space_needed(plan, req.dst.parent), req.dst)
+        dest.check_space(space_needed(plan, dest.path.parent))
     x.sync("planned")
     gathered = x.all_gather_object((_bits(need_me, nfiles), _bits(have_me, nfiles)))
     need = [_unbits(a, nfiles) for a, _ in gathered]
     have = [_unbits(b, nfiles) for _, b in gathered]
     if not any(need):
-        return req.locked(listing=entries)
+        return _finish(dest, source, entries)
     units = _deal(plan.files, need, have, req.stripe, round_bytes)
     mine = need[x.node]
+    flusher = None
     if mine:
-        make_dirs(plan, req.dst, req.is_file)
-        plan.journal.open(dict(plan.done))
-    flusher = JournalFlusher(plan.journal, str(plan.dst_root), JOURNAL_EVERY) if mine else None
+        make_dirs(plan, dest)
+        flusher = dest.begin(dict(plan.done))
 
-    total = sum(plan.files[f][2] for f in mine)
+    total = sum(plan.files[f].size for f in mine)
     on_progress, bar = progress_callback(req.progress, f"fan-out {source.label}", total, 0)
-    sender = _TreeSender(plan, units, x.node, source)
-    writer = _TreeWriter(plan, units, mine, flusher) if flusher is not None else None
+    sender = _TreeSender(plan, units, x.node, source, dest.root)
+    writer = _TreeWriter(plan, units, mine, flusher, dest.root) if flusher is not None else None
     rounds = max(len(r) for r in units.rounds)
     try:
         if writer is not None:
             for f in mine:
-                if plan.files[f][2] == 0:
+                if plan.files[f].size == 0:
                     writer.empty(f)
         for r in range(rounds):
             payload = sender.next()
@@ -433,10 +398,10 @@ def fan_tree(x: Exchange, req: Request) -> StageResult:
         if flusher is not None:
             with contextlib.suppress(Exception):
                 flusher.close()
-        plan.journal.close()
+        dest.journal.close()
         if bar is not None:
             bar.close()
-    result = req.locked(listing=entries)
+    result = _finish(dest, source, entries)
     return dataclasses.replace(
         result,
         seconds=time.monotonic() - req.t0,
@@ -447,3 +412,9 @@ def fan_tree(x: Exchange, req: Request) -> StageResult:
         nodes=x.nodes,
         read_bytes=sender.store_bytes,
     )
+
+
+def _finish(dest: Destination, source: Any, entries: Any) -> StageResult:
+    """The ordinary stage, which finds every file journalled and writes the manifest."""
+    dest.reload()
+    return run_locked(dest, source, entries)

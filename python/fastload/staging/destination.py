@@ -1,0 +1,250 @@
+"""The destination of a stage: one object owns the node lock, what an earlier stage left
+(its manifest, read back where it was not flushed), the journal of this one, free space,
+and the commit (the manifest written last, the journal dropped). Every source (a tree,
+an object prefix, an archive) and fan-out go through it; the files it keeps are in
+state.py."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .. import _core
+from .._util import node_lock, write_json_atomic
+from .job import JOURNAL_EVERY, prove, say_waiting
+from .request import StageRequest
+from .result import StageResult
+from .state import (
+    MANIFEST_VERSION,
+    Journal,
+    JournalFlusher,
+    Records,
+    boot_id,
+    check_space,
+    known_records,
+    make_durable,
+    previous_stage,
+    quick_same,
+    read_manifest,
+    reread,
+    state_dir,
+    trusted,
+)
+
+
+class Entry(NamedTuple):
+    """One entry of a source's listing (the native walk's tuple, named)."""
+
+    path: str
+    kind: int  # job.FILE, DIR or LINK
+    size: int
+    blocks: int
+    mode: int
+    mtime_ns: int
+    target: str  # a symbolic link's
+
+
+@dataclasses.dataclass
+class Manifest:
+    """What a complete stage writes beside its destination, last (``manifest.json``)."""
+
+    source: str
+    options: dict[str, Any]
+    fingerprint: str
+    kind: str  # "file" or "tree"
+    chunk_size: int
+    durable: bool
+    engine: str
+    files: Records
+    symlinks: dict[str, str] = dataclasses.field(default_factory=dict)
+    dirs: list[str] = dataclasses.field(default_factory=list)
+    archive: dict[str, Any] | None = None
+    objects: dict[str, str] | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(r[0] for r in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "complete": True,
+            "source": self.source,
+            "options": self.options,
+            "fingerprint": self.fingerprint,
+            "kind": self.kind,
+        }
+        if self.archive is not None:
+            out["archive"] = self.archive
+        out.update(
+            chunk_size=self.chunk_size,
+            digest="fl64",
+            boot_id=boot_id(),
+            durable=self.durable,
+            files_count=len(self.files),
+            bytes=self.bytes,
+            engine=self.engine,
+            created=time.time(),
+            files={p: list(self.files[p]) for p in sorted(self.files)},
+        )
+        if self.objects is not None:
+            out["objects"] = self.objects
+        out["symlinks"] = self.symlinks
+        out["dirs"] = self.dirs
+        return out
+
+
+class Destination:
+    """``path`` (a directory, or a file's final path when ``single``) and what fastload
+    keeps beside it. Use :meth:`locked` around everything a stage does; it reads the
+    earlier manifest (:attr:`old`). A source then asks :meth:`is_complete` for its
+    fingerprint, :meth:`resume` for what is already in place, checks space, and
+    :meth:`begin` / :meth:`commit` the journal and the manifest."""
+
+    def __init__(self, path: Path, req: StageRequest, *, single: bool = False) -> None:
+        self.path = path
+        self.root = path.parent if single else path  # where the files are
+        self.single = single
+        self.req = req
+        self.old: dict[str, Any] | None = None
+        self.journal = Journal(path, req.stripe, durable=req.sync)
+
+    # --- the lock and the earlier stage -----------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Destination]:
+        """The node lock (other processes of the node wait, saying so when progress is
+        shown); :attr:`old` is the earlier manifest as a stage may use it."""
+        with node_lock(self.path, on_wait=say_waiting if self.req.progress else None):
+            self.reload()
+            yield self
+
+    def reload(self) -> None:
+        """Reads what an earlier (or fan-out's) run left: the manifest, and the journal
+        anew."""
+        self.old = previous_stage(self.path)
+        self.journal = Journal(self.path, self.req.stripe, durable=self.req.sync)
+
+    def holds(self, source: str, options: dict[str, Any]) -> bool:
+        """Whether a complete, trusted stage of this very request is here (what
+        ``check_source=False`` returns without looking at the source)."""
+        old = self.old
+        return bool(
+            old is not None
+            and old.get("complete")
+            and not old.get("damaged")
+            and old.get("source") == source
+            and old.get("options") == options
+            and os.path.lexists(self.path)
+            and trusted(old)
+        )
+
+    def prove(self, records: Records) -> Records:
+        """The records whose files read back whole (see :func:`job.prove`)."""
+        r = self.req
+        return prove(self.root, records, r.engine, r.workers, r.stripe)
+
+    def is_complete(self, fingerprint: str) -> bool:
+        """Whether the earlier stage is complete for ``fingerprint``. An earlier stage
+        written on another boot without a flush keeps only what reads back whole."""
+        self.old, whole = reread(self.root, self.path, self.old, fingerprint, self.prove)
+        old = self.old
+        return bool(
+            whole
+            and old is not None
+            and old.get("complete")
+            and old.get("fingerprint") == fingerprint
+            and os.path.lexists(self.path)
+        )
+
+    def known(self) -> Records:
+        """Files already whole at their final paths with their recorded size and time:
+        from the interrupted run's journal, then the earlier complete manifest (a stage
+        after the source changed redoes only the changes)."""
+        found = known_records(self.journal, self.old, self.req.stripe, self.prove)
+        return {p: r for p, r in found.items() if quick_same(self.root / p, r.size, r.mtime_ns)}
+
+    def skipped(self, files: int, nbytes: int) -> StageResult:
+        """The result of a stage that had nothing to do (flushed now with ``sync``)."""
+        assert self.old is not None
+        make_durable(self.path, self.old, self.req.sync)
+        return StageResult(self.path, files, nbytes, time.monotonic() - self.req.t0, "none", True)
+
+    # --- writing ---------------------------------------------------------------------
+
+    def check_space(self, needed: int) -> None:
+        check_space(self.path.parent, needed, self.path)
+
+    def drop_stale(self, wanted: Iterable[str]) -> None:
+        """Removes the files an earlier complete stage put here that the source no longer
+        has."""
+        if self.old is None or not self.old.get("complete") or self.single:
+            return
+        keep = set(wanted)
+        for p in self.old.get("files", {}):
+            if p not in keep:
+                with contextlib.suppress(OSError):
+                    (self.root / p).unlink()
+
+    def begin(self, done: Records) -> JournalFlusher:
+        """Starts this run's journal holding ``done``; finished files go to the flusher
+        returned (closed by the caller)."""
+        self.journal.open(done)
+        return JournalFlusher(self.journal, str(self.root), JOURNAL_EVERY)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Marks the stage complete: flushes with ``sync``, writes the manifest, drops the
+        journal."""
+        if self.req.sync:
+            _core.syncfs(str(self.root))
+        write_json_atomic(state_dir(self.path) / "manifest.json", manifest.to_json())
+        self.journal.remove()
+
+    def result(self, m: Manifest, copied_files: int, copied_bytes: int) -> StageResult:
+        return StageResult(
+            self.path, len(m.files), m.bytes, time.monotonic() - self.req.t0, m.engine, False,
+            copied_files, copied_bytes,
+        )  # fmt: skip
+
+
+def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResult:
+    """The stage under the lock (held by the caller): what ``check_source=False`` trusts
+    returns at once, everything else is the source's."""
+    req = dest.req
+    if not req.check_source and dest.holds(source.name, source.options):
+        assert dest.old is not None
+        return dest.skipped(dest.old["files_count"], dest.old["bytes"])
+    result: StageResult = source.run(req, dest, listing)
+    return result
+
+
+def stage_into(dest: Destination, source: Any) -> StageResult:
+    """Open the destination, lock, run the source (or fan out over the job's nodes)."""
+    if dest.req.fanout is not False:
+        from .fanout import stage_fanout
+
+        fanout = dest.req.fanout
+        return stage_fanout(source, dest, None if fanout is True else fanout)
+    with dest.locked():
+        return run_locked(dest, source)
+
+
+def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:
+    """What a complete earlier stage of this very object (same URL and ETag) into ``dst``
+    (or ``dst/name``) found it to be: its compression (an archive), ``""`` (a file), or
+    None (unknown): an unchanged object is not fetched again to look at its head."""
+    for candidate in (dst, dst / name):
+        m = read_manifest(Path(os.path.abspath(candidate)))
+        if m is None or not m.get("complete") or m.get("damaged") or m.get("source") != url:
+            continue
+        archive = m.get("archive")
+        if archive is not None and archive.get("identity") == str(identity):
+            return str(archive["compression"])
+        if m.get("kind") == "file" and m.get("objects", {}).get(candidate.name) == identity:
+            return ""
+    return None

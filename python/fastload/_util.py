@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
-from .errors import stage_error
+from .errors import NotEnoughSpaceError, stage_error
 
 Size = Union[int, float, str]
 
@@ -89,6 +89,21 @@ def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
 def lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.fastload.lock"
 
+
+
+def check_space(where: Path, needed: int, doing: str, path: Path) -> None:
+    """Raises NotEnoughSpaceError unless ``where``'s file system has ``needed`` bytes free
+    (``doing``: "to stage into '...'", what the message says)."""
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise NotEnoughSpaceError(
+            f"not enough space {doing}: need {human(needed)}, {human(free)} free on its "
+            "file system",
+            path=str(path),
+            needed=needed,
+            free=free,
+        )
 
 @contextlib.contextmanager
 def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:

@@ -26,8 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core
-from .._util import Size, human
-from ..errors import NotEnoughSpaceError
+from .._util import Size, check_space
 from ..index import ShardIndex
 from ..staging import archive_compression
 from ..staging.engine import network_fs
@@ -121,19 +120,6 @@ def _open_files_for(shards: int) -> int:
             pass
     limit = 1 << 16 if soft == resource.RLIM_INFINITY else soft
     return max(16, min(shards, limit - 64))
-
-
-def _check_space(out: Path, needed: int) -> None:
-    st = os.statvfs(out)
-    free = st.f_bavail * st.f_frsize
-    if needed > free:
-        raise NotEnoughSpaceError(
-            f"not enough space to pack into '{out}': the shards need {human(needed)}, "
-            f"{human(free)} free on its file system",
-            path=str(out),
-            needed=needed,
-            free=free,
-        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -269,7 +255,8 @@ def pack_path(
         np.cumsum(per_shard_members[: len(mine)], out=shard_first[1:])
         finals = [out / names[s] for s in mine]
         tmps = [temp_path(p) for p in finals]
-        _check_space(out, int(per_sample[samples_out].sum()) + 1024 * len(mine))
+        check_space(out, int(per_sample[samples_out].sum()) + 1024 * len(mine),
+                    f"to pack into '{out}'", out)  # fmt: skip
 
         if listing.kind == "tree":
             root: str | None = os.fspath(source)

@@ -22,9 +22,7 @@ from ..sources.objstore import is_object_url
 from .archive import (
     Archive,
     archive_compression,
-    is_stream,
     not_an_archive,
-    open_stream,
     suffix_kind,
 )
 from .destination import Destination, stage_into
@@ -34,6 +32,7 @@ from .remote import open_remote
 from .request import Source, StageRequest
 from .result import StageResult, VerifyResult
 from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
+from .stream import is_stream, open_stream
 from .tree import LocalTree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]

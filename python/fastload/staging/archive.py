@@ -15,7 +15,6 @@ import contextlib
 import errno
 import hashlib
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, 
 from .destination import Destination, Manifest
 from .engine import resolve_engine
 from .job import PROGRESS_EVERY, progress_callback
-from .readers import BLOCK, ArchiveSource, PyDecoder, StreamArchive
+from .readers import BLOCK, ArchiveSource, PyDecoder
 from .request import StageRequest
 from .result import StageResult
 from .state import JournalFlusher, Record, Records
@@ -366,58 +365,3 @@ class _Extraction:
         )  # fmt: skip
         dest.commit(manifest)
         return dest.result(manifest, self.copied_files, self.copied_bytes)
-
-
-# Compressed formats a stream may be in that are not read here, by magic bytes.
-_OTHER_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x04\x22\x4d\x18": "lz4"}
-
-
-def is_stream(src: object) -> bool:
-    """Whether stage()'s ``src`` is a stream: ``"-"`` (stdin), a file descriptor, or a
-    binary file object."""
-    return (
-        (isinstance(src, str) and src == "-")
-        or (isinstance(src, int) and not isinstance(src, bool))
-        or callable(getattr(src, "readinto", None))
-        or callable(getattr(src, "read", None))
-    )
-
-
-def stream_compression(head: bytes, name: str) -> str:
-    """'gzip', 'zstd' or 'none' for a stream starting with ``head``, by its magic bytes
-    alone (a stream has no file name); the tar parser judges what is not compressed."""
-    if head[:2] == b"\x1f\x8b":
-        return "gzip"
-    if head[:4] == b"\x28\xb5\x2f\xfd":
-        return "zstd"
-    for magic, kind in _OTHER_MAGIC.items():
-        if head.startswith(magic):
-            raise stage_error(
-                errno.EINVAL,
-                f"'{name}' is {kind}-compressed: only gzip and zstd streams are read; "
-                f"decompress it first (... | {kind} -dc | fastload stage - DST)",
-                name,
-            )
-    return "none"
-
-
-def open_stream(src: object, dst: str | os.PathLike[str], req: StageRequest) -> Archive:
-    """The source of a stage() of a tar stream (:class:`StreamArchive`): stdin, a pipe, a
-    file object; plain, gzip or zstd by its first bytes; read once, in order, never
-    seeked. Its destination is the directory ``dst``."""
-    if req.unpack is False:
-        raise stage_error(
-            errno.EINVAL,
-            "a stream can only be extracted as a tar archive: unpack=False needs a file",
-        )
-    data = StreamArchive(src)
-    if not data.head:
-        # GNU tar refuses it too: a download that failed (curl -f ... |) gives an
-        # empty stream, which must not pass for an empty archive.
-        raise stage_error(
-            errno.EINVAL, f"'{data.name}' is empty: no tar archive came through it", data.name
-        )
-    options: dict[str, Any] = {
-        **req.selection(), "file": True, "stream": True, "unpack": req.unpack_option,
-    }  # fmt: skip
-    return Archive(data, stream_compression(data.head, data.name), options)

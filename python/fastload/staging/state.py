@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from .. import _core
-from .._util import human, node_lock, write_json_atomic
-from ..errors import NotEnoughSpaceError, StageError, stage_error
+from .._util import check_space as _check_space
+from .._util import node_lock, write_json_atomic
+from ..errors import StageError, stage_error
 
 MANIFEST_VERSION = 1
 
@@ -318,16 +319,7 @@ def mkdir_parent(path: Path) -> None:
 
 
 def check_space(dst_parent: Path, needed: int, target: Path) -> None:
-    st = os.statvfs(dst_parent)
-    free = st.f_bavail * st.f_frsize
-    if needed > free:
-        raise NotEnoughSpaceError(
-            f"not enough space to stage into '{target}': need {human(needed)}, "
-            f"{human(free)} free on its file system",
-            path=str(target),
-            needed=needed,
-            free=free,
-        )
+    _check_space(dst_parent, needed, f"to stage into '{target}'", target)
 
 
 def ensure_writable(d: Path) -> None:

@@ -260,17 +260,9 @@ class ObjectPrefix:
         )
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
-        plan = self.plan(req, dest, listing)
+        return run_plan(self, req, dest, self.plan(req, dest, listing))
 
-        def fetch(
-            plan: TreePlan, done: Records, flusher: JournalFlusher,
-            on_progress: ProgressCallback | None,
-        ) -> tuple[str, int, int]:  # fmt: skip
-            return self._fetch(req, dest, plan, done, flusher, on_progress)
-
-        return run_plan(self, req, dest, plan, fetch)
-
-    def _fetch(
+    def transfer(
         self,
         req: StageRequest,
         dest: Destination,

@@ -125,30 +125,21 @@ def plan_against(
     return TreePlan(entries, files, fingerprint, False, done, todo)
 
 
-Transfer = Callable[
-    [TreePlan, Records, JournalFlusher, "ProgressCallback | None"], tuple[str, int, int]
-]
-
-
-def run_plan(
-    source: Any, req: StageRequest, dest: Destination, plan: TreePlan, transfer: Transfer
-) -> StageResult:
+def run_plan(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
     """The tree pipeline after planning: drop what the source no longer has, check
-    space, make the directories, ``transfer`` the files to do (it adds each finished
-    one's record to ``done`` and the journal, and returns the engine's name and the
-    files and bytes it copied), finish (links, directory times) and commit."""
+    space, make the directories, ``source.transfer`` the files to do (it adds each
+    finished one's record to ``done`` and the journal, and returns the engine's name and
+    the files and bytes it copied), ``source.finish`` (links, directory times), commit."""
     if plan.complete:
         result = dest.skipped(len(plan.files), plan.total_bytes)
     else:
-        result = _run(source, req, dest, plan, transfer)
+        result = _run(source, req, dest, plan)
     if req.checksum is not None:
         check_file_checksum(result.path, source.name, req.checksum)
     return result
 
 
-def _run(
-    source: Any, req: StageRequest, dest: Destination, plan: TreePlan, transfer: Transfer
-) -> StageResult:
+def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
     dest.drop_stale(e.path for e in plan.entries)
     dest.check_space(space_needed(plan, dest.path.parent))
     make_dirs(plan, dest)
@@ -159,7 +150,9 @@ def _run(
     )
     flusher = dest.begin(done)
     try:
-        engine, copied_files, copied_bytes = transfer(plan, done, flusher, on_progress)
+        engine, copied_files, copied_bytes = source.transfer(
+            req, dest, plan, done, flusher, on_progress
+        )
         flusher.close()
         source.finish(plan, dest)
     finally:
@@ -237,17 +230,9 @@ class LocalTree:
         return plan
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
-        plan = self.plan(req, dest, listing)
+        return run_plan(self, req, dest, self.plan(req, dest, listing))
 
-        def copy(
-            plan: TreePlan, done: Records, flusher: JournalFlusher,
-            on_progress: ProgressCallback | None,
-        ) -> tuple[str, int, int]:  # fmt: skip
-            return self._copy(req, dest, plan, done, flusher, on_progress)
-
-        return run_plan(self, req, dest, plan, copy)
-
-    def _copy(
+    def transfer(
         self,
         req: StageRequest,
         dest: Destination,

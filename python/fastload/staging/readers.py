@@ -436,7 +436,7 @@ class PyDecoder:
 
 
 class LocalArchive:
-    """An archive file on a local or network file system, as stage_archive() reads it."""
+    """An archive file on a local or network file system, as the extraction reads it."""
 
     stream = False
 

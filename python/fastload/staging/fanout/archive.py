@@ -100,7 +100,7 @@ def _pieces_of_round(
 
 
 class _ExchangeReader:
-    """An archive reader (as stage_archive iterates it) whose blocks come from the
+    """An archive reader (as the extraction iterates it) whose blocks come from the
     exchange: each round, this node's next piece goes out and ``N`` pieces come in, in
     order; they are copied into the extraction job's blocks."""
 
@@ -166,7 +166,7 @@ class _ExchangeReader:
 
 
 class _ExchangeArchive:
-    """The archive as stage_archive() sees it: the local one's name, size and identity
+    """The archive as the extraction sees it: the local one's name, size and identity
     (so the manifest is the one a plain stage writes), its bytes from the exchange."""
 
     def __init__(self, base: Any, x: Exchange, pieces: _PieceReader) -> None:

@@ -110,7 +110,9 @@ size_t utf8_len(std::string_view s, size_t i) {
 // announce when it is a well-known one.
 std::string describe_start(const char* b) {
   const std::string_view s(b, kBlockSize);
-  std::string out = "it starts with \"" + printable(s.substr(0, 16), 16) + "\"";
+  // Bytes of unknown data: random ones can form valid UTF-8, which would put stray
+  // characters (or terminal controls' look-alikes) on the user's screen.
+  std::string out = "it starts with \"" + printable(s.substr(0, 16), 16, true) + "\"";
   static const struct {
     std::string_view magic;
     const char* what;
@@ -236,7 +238,7 @@ std::optional<int64_t> parse_pax_time(std::string_view v) {
   return static_cast<int64_t>(0 - ns);
 }
 
-std::string printable(std::string_view s, size_t max_shown) {
+std::string printable(std::string_view s, size_t max_shown, bool ascii_only) {
   std::string out;
   out.reserve(std::min(s.size(), max_shown) + 8);
   size_t i = 0;
@@ -245,7 +247,7 @@ std::string printable(std::string_view s, size_t max_shown) {
     size_t n = 1;
     if (c >= 0x20 && c < 0x7f && c != '\\') {
       out += static_cast<char>(c);
-    } else if (c >= 0x80 && (n = utf8_len(s, i)) != 0) {
+    } else if (c >= 0x80 && !ascii_only && (n = utf8_len(s, i)) != 0) {
       out.append(s.substr(i, n));
     } else {
       static const char kHex[] = "0123456789abcdef";

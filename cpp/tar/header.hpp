@@ -81,8 +81,9 @@ bool header_like(const char* block);
 std::optional<int64_t> parse_pax_time(std::string_view v);
 
 // Escapes a name for an error message: control bytes and invalid UTF-8 become \xNN, and
-// long names are shortened, so a hostile name cannot forge or flood a message.
-std::string printable(std::string_view s, size_t max_shown = 120);
+// long names are shortened, so a hostile name cannot forge or flood a message;
+// ascii_only escapes every byte outside printable ASCII (data that is not a name).
+std::string printable(std::string_view s, size_t max_shown = 120, bool ascii_only = false);
 
 class HeaderDecoder {
  public:

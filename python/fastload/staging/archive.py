@@ -67,6 +67,8 @@ def detect_compression(head: bytes, name: str) -> str | None:
         return "zstd" if kind is not None else None
     if len(head) == 512 and head[257:262] == b"ustar":
         return "none"
+    if not head:
+        return None  # an empty file is no archive (GNU tar: "does not look like a tar archive")
     if kind == "none" and (len(head) == 512 or not head.strip(b"\0")):
         return "none"  # a v7 tar, or an empty archive: let the parser judge
     return None
@@ -339,6 +341,10 @@ class _Extraction:
         size = archive.data.size  # a stream's, known once read
         done = {p: r for p, r in self.done.items() if p in self.reused or p in self.seen}
         links = job.links()
+        dirs = job.dirs()
+        if req.include and not (done or links or dirs) and not req.allow_empty:
+            dest.journal.remove()
+            raise req.nothing_selected(archive.name)
         for path, target, hard in links:
             if hard and target in done:
                 done[path] = done[target]
@@ -354,7 +360,7 @@ class _Extraction:
             source=archive.data.name, options=archive.options,
             fingerprint=archive.fingerprint(req), kind="tree", chunk_size=req.stripe,
             durable=req.sync, engine=str(job.engine), files=done,
-            symlinks={p: t for p, t, hard in links if not hard}, dirs=job.dirs(),
+            symlinks={p: t for p, t, hard in links if not hard}, dirs=dirs,
             archive={
                 "compression": archive.compression,
                 "nested": req.nested,

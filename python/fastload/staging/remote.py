@@ -356,10 +356,16 @@ def open_remote(
         except FileNotFoundError:
             store = ObjectStore(url + "/", req.storage_options)
             objects = store.list(include, exclude)
-            if not objects and not store.list():
-                raise stage_error(
-                    errno.ENOENT, f"'{url}': no such object, and no objects under it", url
-                ) from None
+    if info is None and not objects and not req.allow_empty:
+        if (req.include or req.exclude) and store.list():
+            raise req.nothing_selected(store.url)
+        what = "no objects under it" if store.url == url else "no such object, and none under it"
+        raise stage_error(
+            errno.ENOENT,
+            f"'{url}': {what} at {store.endpoint} (check the bucket and the prefix: keys "
+            "are case-sensitive); pass allow_empty=True (--allow-empty) to stage nothing",
+            url,
+        )
     if info is None:
         if req.checksum is not None:
             raise ValueError("checksum= applies to an object or an archive, not to a prefix")

@@ -4,12 +4,14 @@ kind of source implements (:class:`Source`)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._util import parse_checksum
+from ..errors import stage_error
 from .job import DEFAULT_STRIPE, Patterns, Progress
 
 if TYPE_CHECKING:
@@ -37,12 +39,13 @@ class StageRequest:
     workers: int | None = None
     stripe: int = DEFAULT_STRIPE
     on_special: Literal["error", "skip"] = "error"
-    check_source: bool = True
+    check_source: bool | Literal["strict"] = True
     unpack: bool | Literal["auto", "nested"] = "auto"
     checksum: tuple[str, str] | None = None
     sync: bool = False
     storage_options: Mapping[str, Any] | None = None
     fanout: Any = False
+    allow_empty: bool = False
     t0: float = dataclasses.field(default_factory=time.monotonic)
 
     @classmethod
@@ -61,6 +64,10 @@ class StageRequest:
         on_special = kw.get("on_special", "error")
         if on_special not in ("error", "skip"):
             raise ValueError(f"on_special must be 'error' or 'skip', not {on_special!r}")
+        if kw.get("check_source", True) not in (True, False, "strict"):
+            raise ValueError(
+                f"check_source must be True, False or 'strict', not {kw['check_source']!r}"
+            )
         stripe = int(stripe_size or DEFAULT_STRIPE)
         if not 4096 <= stripe <= 1 << 30 or stripe % 4096:
             raise ValueError(
@@ -82,6 +89,21 @@ class StageRequest:
     def unpack_option(self) -> bool | str:
         """How an archive source records ``unpack`` in its manifest options."""
         return "nested" if self.nested else True
+
+    def nothing_selected(self, where: str) -> OSError:
+        """The error for a selection that takes nothing from ``where`` (as GNU tar's
+        "Not found in archive"); ``allow_empty`` makes it a stage of nothing."""
+        what = (
+            "the include pattern" + ("s " if len(self.include) > 1 else " ")
+            + ", ".join(repr(p) for p in self.include) + " matched nothing"
+            if self.include
+            else "everything is excluded"
+        )
+        return stage_error(
+            errno.ENOENT,
+            f"{what} in '{where}'; pass allow_empty=True (--allow-empty) to stage nothing",
+            where,
+        )
 
     def selection(self) -> dict[str, Any]:
         """The subset options every source records in its manifest."""

@@ -202,6 +202,8 @@ class LocalTree:
                     parts = e.path.split("/")[:-1]
                     keep.update("/".join(parts[: k + 1]) for k in range(len(parts)))
             entries = [e for e in entries if e.kind != DIR or e.path in keep]
+            if not entries and not req.allow_empty:
+                raise req.nothing_selected(self.name)
         return entries
 
     def source_path(self, e: Entry) -> Path:

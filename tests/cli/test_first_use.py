@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import fastload
+from kit.tools import missing
 
 
 def cli(*args: str, check: bool = False, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -150,7 +151,7 @@ def test_permission_error_names_the_destination(tmp_path: Path) -> None:
     parent.mkdir()
     # An immutable directory refuses new files even to root (who ignores modes).
     if subprocess.run(["chattr", "+i", str(parent)], capture_output=True).returncode:
-        pytest.skip("chattr +i is not available here")
+        missing("chattr +i is not available here (apt-get install e2fsprogs)")
     try:
         r = cli("stage", str(src), str(parent / "data"))
     finally:

@@ -15,12 +15,13 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def missing(reason: str) -> NoReturn:
-    """Skips the test (``reason`` in the summary), or fails it under CI."""
+def missing(reason: str, *, module: bool = False) -> NoReturn:
+    """Skips the test (``reason`` in the summary), or fails it under CI; ``module``: called
+    at a test module's top level."""
     if in_ci():
         pytest.fail(f"{reason} (CI=true: scripts/test.sh installs every tool the tests use)",
                     pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=module)
 
 
 def require_tool(name: str, package: str) -> str:

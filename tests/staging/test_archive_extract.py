@@ -21,6 +21,7 @@ import pytest
 
 import fastload
 from kit import netsim, procs, tars, trees
+from kit.tools import require_tool
 
 pytestmark = pytest.mark.native
 
@@ -91,8 +92,7 @@ def compress_archive(plain: Path, how: str, src: Path, fmt: str) -> Path:
     if how == "gzip-tgz":
         return tars.gzip_file(plain, stem.with_name(stem.name + ".tgz"))
     if how == "pigz":
-        if shutil.which("pigz") is None:
-            pytest.skip("pigz is not installed")
+        require_tool("pigz", "pigz")
         out = stem.with_name(stem.name + "-pigz.tar.gz")
         out.write_bytes(tars.run(["pigz", "-c", "-p", "2", str(plain)]).stdout)
         return out

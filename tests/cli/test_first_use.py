@@ -183,7 +183,10 @@ def test_pack_accepts_a_tar_gz_like_a_tar(tmp_path: Path) -> None:
 
 
 def test_dataloader_default_collate(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    """A DataLoader with no collate_fn batches fastload's samples (map-style and
+    iterable, two workers): fields are raw bytes (decoding is the user's), which default
+    collation keeps as lists, in sample order; each sample once and whole."""
+    pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
     samples = ({"__key__": f"k{i:04d}", "jpg": bytes([i % 256]) * 50, "cls": i % 5}
@@ -192,8 +195,11 @@ def test_dataloader_default_collate(tmp_path: Path) -> None:
     index = str(tmp_path / "shards/index.fidx")
     ds = fastload.ShardIndexDataset(index, fields=["jpg", "cls"])
     batch = next(iter(DataLoader(ds, batch_size=8, num_workers=2)))
-    assert len(batch["jpg"]) == 8 and bytes(batch["jpg"][0]) == bytes([0]) * 50
+    assert isinstance(batch["jpg"], list) and isinstance(batch["cls"], list)
+    assert [bytes(b) for b in batch["jpg"]] == [bytes([i]) * 50 for i in range(8)]
+    assert [bytes(c) for c in batch["cls"]] == [b"%d" % (i % 5) for i in range(8)]
     it = fastload.ShardIterableDataset(index, fields=["jpg", "cls"])
     got = [b for b in DataLoader(it, batch_size=16, num_workers=2)]
-    assert sum(len(b["jpg"]) for b in got) == 64
-    assert isinstance(torch.__version__, str)
+    assert [len(b["jpg"]) for b in got] == [16] * 4
+    pairs = sorted((bytes(j), bytes(c)) for b in got for j, c in zip(b["jpg"], b["cls"], strict=True))
+    assert pairs == sorted((bytes([i]) * 50, b"%d" % (i % 5)) for i in range(64))

@@ -151,6 +151,10 @@ class FaultProxy:
         self.truncate_every = 0
         self.truncate_at = 100
         self.reset_every = 0
+        # Stop listening once this many object GETs have been answered in full (0: never):
+        # the server is gone after a known amount of progress.
+        self.close_after_gets = 0
+        self.gets_answered = 0
         self.requests: Counter[str] = Counter()
         self.get_paths: list[str] = []  # the path of each object GET, in order
         self.in_flight = 0  # object GETs being answered now
@@ -287,6 +291,11 @@ class FaultProxy:
                         conn.sendall(pending)
                     with self._lock:
                         self.bytes_out += sent
+                        if kind == "GET":
+                            self.gets_answered += 1
+                        stop = 0 < self.close_after_gets <= self.gets_answered
+                    if stop:
+                        self.close()
                 return  # Connection: close: the client opens a new one
 
 

@@ -201,5 +201,6 @@ def test_dataloader_default_collate(tmp_path: Path) -> None:
     it = fastload.ShardIterableDataset(index, fields=["jpg", "cls"])
     got = [b for b in DataLoader(it, batch_size=16, num_workers=2)]
     assert [len(b["jpg"]) for b in got] == [16] * 4
-    pairs = sorted((bytes(j), bytes(c)) for b in got for j, c in zip(b["jpg"], b["cls"], strict=True))
+    pairs = sorted((bytes(j), bytes(c))
+                   for b in got for j, c in zip(b["jpg"], b["cls"], strict=True))
     assert pairs == sorted((bytes([i]) * 50, b"%d" % (i % 5)) for i in range(64))

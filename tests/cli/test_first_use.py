@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
 
 import fastload
+from kit import procs
 from kit.tools import missing
 
 
@@ -120,7 +120,7 @@ from pathlib import Path
 from fastload._util import node_lock
 with node_lock(Path(sys.argv[1])):
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    sys.stdin.readline()  # until the test lets go
 """
 
 
@@ -128,20 +128,34 @@ def test_a_waiting_process_says_for_whom(tmp_path: Path) -> None:
     src = tmp_path / "src"
     _tree(src, 3)
     dst = tmp_path / "out"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(dst), "1.5"], stdout=subprocess.PIPE, text=True
-    )
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(dst)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    stager = None
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
-        r = cli("stage", str(src), str(dst), "--progress", check=True)
-        assert time.monotonic() - t0 >= 0.5
-        assert f"waiting for process {holder.pid} on {os.uname().nodename}" in r.stderr
-        assert str(dst) in r.stderr
+        assert holder.stdout.readline().strip() == "held"
+        stager = subprocess.Popen(
+            [sys.executable, "-m", "fastload", "stage", str(src), str(dst), "--progress"],
+            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert stager.stderr is not None
+        said = stager.stderr.readline()  # its first line: why it does not start
+        assert f"waiting for process {holder.pid} on {os.uname().nodename}" in said, said
+        assert str(dst) in said
+        # It waits (blocked on the lock) until the holder lets go, then stages.
+        procs.wait_blocked_on_lock(stager.pid)
+        assert stager.poll() is None and not dst.exists()
+        holder.stdin.write("go\n")
+        holder.stdin.close()
+        out, err = stager.communicate(timeout=120)
+        assert stager.returncode == 0, err
+        assert "staged" in out
     finally:
+        holder.kill()
         holder.wait()
-        if holder.stdout is not None:
-            holder.stdout.close()
+        holder.stdout.close()
+        if stager is not None and stager.poll() is None:
+            stager.kill()
+            stager.communicate()
 
 
 def test_permission_error_names_the_destination(tmp_path: Path) -> None:

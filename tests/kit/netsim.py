@@ -1,7 +1,8 @@
-"""netsim (../shared/tools/netsim): a read-only FUSE mount that adds a fixed latency to
-every request, like NFS or Lustre; with ``direct``, no page cache is shared between the
+"""netsim (tests/kit/netsim.c): a read-only FUSE mount that adds a fixed latency to every
+request, like NFS or Lustre; with ``direct``, no page cache is shared between the
 processes reading it (like separate nodes), and ``stats`` counts what it served (read
-when it is unmounted)."""
+when it is unmounted). Built on first use into build/netsim/ (``cc`` and libfuse3);
+the benchmarks load this module by path and use the same build."""
 
 from __future__ import annotations
 
@@ -13,27 +14,71 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
+SOURCE = Path(__file__).resolve().with_name("netsim.c")
+BUILD = SOURCE.parents[2] / "build" / "netsim"
+BINARY = BUILD / "netsim"
+_PACKAGES = "apt-get install fuse3 libfuse3-dev pkg-config gcc"
+_built: dict[str, str | None] = {}
 
-NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
+
+def _build() -> str | None:
+    """Compiles netsim.c when the binary is missing or older; why it cannot, or None."""
+    if BINARY.exists() and BINARY.stat().st_mtime >= SOURCE.stat().st_mtime:
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which("pkg-config") is None:
+        return f"netsim needs a C compiler and pkg-config ({_PACKAGES})"
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"],
+                           capture_output=True, text=True, check=False)
+    if flags.returncode != 0:
+        return f"netsim needs libfuse3 ({_PACKAGES}): {flags.stderr.strip()}"
+    BUILD.mkdir(parents=True, exist_ok=True)
+    tmp = BUILD / f"netsim.{os.getpid()}"
+    r = subprocess.run(
+        [cc, "-O2", "-Wall", "-Wextra", "-Werror", str(SOURCE), "-o", str(tmp),
+         *flags.stdout.split()],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return f"netsim did not compile: {r.stderr.strip()[-2000:]}"
+    tmp.replace(BINARY)  # atomic: a concurrent session sees the old binary or this one
+    return None
 
 
 def netsim_unavailable() -> str | None:
+    """Why netsim cannot run here, or None (building it on first use)."""
     if os.geteuid() != 0:
         return "netsim needs root"
     if not Path("/dev/fuse").exists():
         return "netsim needs /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "netsim needs fusermount3 (apt-get install fuse3)"
-    if not NETSIM.exists():
-        return f"netsim not found at {NETSIM}"
-    return None
+    if "why" not in _built:
+        _built["why"] = _build()
+    return _built["why"]
+
+
+def binary() -> Path:
+    """The built netsim; skips the test where it cannot be built (fails under CI)."""
+    from kit.tools import missing
+
+    why = netsim_unavailable()
+    if why:
+        missing(why)
+    return BINARY
+
+
+def unmount(path: Path) -> None:
+    r = subprocess.run([str(BINARY), "umount", str(path)], capture_output=True, check=False)
+    if r.returncode != 0 and os.path.ismount(path):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 class Mount:
     """``src`` served at ``path``; :meth:`unmount` returns what was served."""
 
     def __init__(self, src: Path, path: Path, meta_us: int, read_us: int, direct: bool) -> None:
+        from kit.tools import missing
+
         self.path = path
         self._stats = path.with_name(path.name + ".stats")
         self._stats.unlink(missing_ok=True)
@@ -41,47 +86,40 @@ class Mount:
         if direct:
             env["NETSIM_DIRECT"] = "1"
         r = subprocess.run(
-            [str(NETSIM), "mount", str(src), str(path), str(meta_us), str(read_us)],
+            [str(binary()), "mount", str(src), str(path), str(meta_us), str(read_us)],
             capture_output=True, text=True, timeout=300, check=False, env=env,
         )  # fmt: skip
         if r.returncode != 0:
-            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
-        deadline = time.monotonic() + 10
-        while not os.path.ismount(path):
-            assert time.monotonic() < deadline, "netsim mount did not appear"
-            time.sleep(0.05)
+            missing(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+        # netsim returns once the kernel has the mount.
+        assert os.path.ismount(path), f"netsim returned without a mount at {path}"
         self.mounted = True
 
     def unmount(self) -> dict[str, int]:
-        """Unmounts; the counts netsim wrote (``read_bytes``, ``reads``, ``opens``,
+        """Unmounts; the counts netsim wrote (``opens``, ``reads``, ``read_bytes``,
         ``meta``)."""
         if self.mounted:
             self.mounted = False
-            r = subprocess.run([str(NETSIM), "umount", str(self.path)], capture_output=True)
-            if r.returncode != 0 and os.path.ismount(self.path):
-                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
-        # netsim writes the file as it exits: wait for its last line ("meta").
-        deadline = time.monotonic() + 30
-        while True:
-            text = self._stats.read_text() if self._stats.exists() else ""
-            if "meta" in text or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert "meta" in text, f"netsim wrote no counts for {self.path}"
+            unmount(self.path)
+        # The server writes the file whole (by rename) as it exits.
+        deadline = time.monotonic() + 60
+        while not self._stats.exists():
+            assert time.monotonic() < deadline, f"netsim wrote no counts for {self.path}"
+            time.sleep(0.02)
         out = {}
-        for line in text.splitlines():
+        for line in self._stats.read_text().splitlines():
             key, value = line.split()
             out[key] = int(value)
+        assert set(out) == {"opens", "reads", "read_bytes", "meta"}, out
         return out
 
 
 @contextlib.contextmanager
 def mounts(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
     """For a fixture: gives ``mount(src, meta_us, read_us, direct=False) -> Mount``;
-    unmounts what is left at the end (skips the test where netsim cannot run)."""
-    why = netsim_unavailable()
-    if why:
-        pytest.skip(why)
+    unmounts what is left at the end (skips the test where netsim cannot run, fails it
+    under CI)."""
+    binary()
     made: list[Mount] = []
 
     def mount(src: Path, meta_us: int, read_us: int, direct: bool = False) -> Mount:

@@ -59,6 +59,7 @@ class Child:
         )
         self._cond = threading.Condition()
         self._eof = False
+        self._err_eof = False
         self._err_parts: list[str] = []
         self._t_out = threading.Thread(target=self._read_out, daemon=True)
         self._t_err = threading.Thread(target=self._read_err, daemon=True)
@@ -77,8 +78,28 @@ class Child:
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
-        for chunk in iter(lambda: self.proc.stderr.read(4096), ""):  # type: ignore[union-attr]
-            self._err_parts.append(chunk)
+        # read1: what has arrived, without waiting for 4096 characters.
+        for chunk in iter(lambda: self.proc.stderr.buffer.read1(4096), b""):  # type: ignore[union-attr]
+            with self._cond:
+                self._err_parts.append(chunk.decode("utf-8", "replace"))
+                self._cond.notify_all()
+        with self._cond:
+            self._err_eof = True
+            self._cond.notify_all()
+
+    def wait_stderr(self, text: str, timeout: float = 120.0) -> bool:
+        """Waits until ``text`` appears on the child's stderr; False if stderr closed (it
+        exited) first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while text not in "".join(self._err_parts):
+                if self._err_eof:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"child wrote no {text!r} on stderr in {timeout} s")
+                self._cond.wait(left)
+            return True
 
     def wait_line(self, prefix: str, timeout: float = 120.0) -> str | None:
         """Waits for a stdout line starting with ``prefix``; None if the child's stdout
@@ -304,3 +325,16 @@ def run_script(script: Path, mode: str, args: Sequence[dict[str, Any]],
                 p.wait()
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, f"{mode} child failed:\n{out[-4000:]}"
+
+
+def wait_blocked_on_lock(pid: int, timeout: float = 120.0) -> None:
+    """Waits until process ``pid`` is blocked waiting for a file lock (flock, fcntl), as
+    the kernel shows in /proc/locks ("->" before a waiter's entry)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "->" and fields[5] == str(pid):
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not wait for a lock in {timeout} s"
+        time.sleep(0.01)

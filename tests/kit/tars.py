@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kit import trees
+from kit.tools import missing
 
 # --------------------------------------------------------------------------------------
 # Tools
@@ -50,13 +49,14 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 def need_gnu_tar() -> str:
     if GNU_TAR is None:
-        pytest.skip("GNU tar is not installed")
+        missing("GNU tar is not installed (apt-get install tar)")
     return GNU_TAR
 
 
 def need_zstd() -> None:
     if not HAVE_ZSTD:
-        pytest.skip("neither the zstd CLI nor the zstandard package is available")
+        missing("neither the zstd CLI nor the zstandard package is available "
+                "(apt-get install zstd)")
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:

@@ -111,3 +111,13 @@ def test_mentions_size() -> None:
     assert fs.mentions_size("need 12.0 MiB, 7.9 MiB free", 12 * MiB)
     assert fs.mentions_size("need 12582912 bytes", 12582912)
     assert not fs.mentions_size("not enough space", 12 * MiB)
+    assert fs.mentions_size("need 12,582,912 bytes; 8 MB free", 12582912)
+    assert fs.mentions_size("need 12,582,912 bytes; 8 MB free", 8 * 1000**2)
+    # Not a size: part of a path, of a longer number, of a word, or without a unit.
+    assert not fs.mentions_size("no space in '/tmp/pytest-12.0 MiB/x'", 12 * MiB)
+    assert not fs.mentions_size("no space in /tmp/12.0/x", 12 * MiB)
+    assert not fs.mentions_size("need 112.0 MiB", 12 * MiB)
+    assert not fs.mentions_size("need 12.05 MiB", 12 * MiB)
+    assert not fs.mentions_size("need 12.0 MiB", 12 * 1000**2)
+    assert not fs.mentions_size("disk12582912 is full", 12582912)
+    assert not fs.mentions_size("12.0 of them", 12 * MiB)

@@ -115,8 +115,8 @@ def test_sources_in_key_order_give_the_same_shards(src: dict[str, Any], tmp_path
     assert runs["tree"] == runs["tar"] == runs["tar_of_tars"]
 
 
-@pytest.mark.skipif(tars.GNU_TAR is None, reason="GNU tar is not installed")
 def test_gnu_tar_extracts_the_shards(src: dict[str, Any], tmp_path: Path) -> None:
+    tars.need_gnu_tar()
     r = fastload.pack(src["tree"], tmp_path / "out", shuffle=True, max_size="100KB")
     assert read_gnu_tar(r.shards, tmp_path / "x") == src["want"]
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kit import tools
 from kit.slurm import BINARIES, NODES, SCRIPT, Cluster
 
 
@@ -28,7 +29,7 @@ def _missing() -> list[str]:
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     missing = _missing()
     if missing:
-        pytest.skip(
+        tools.missing(
             f"SLURM is not installed here ({', '.join(missing)} not found; Debian: "
             "apt-get install slurmctld slurmd slurm-client, as scripts/test.sh does)"
         )

@@ -151,6 +151,13 @@ class FaultProxy:
         self.truncate_every = 0
         self.truncate_at = 100
         self.reset_every = 0
+        # Stop listening once this many object GETs have been answered in full (0: never):
+        # the server is gone after a known amount of progress.
+        self.close_after_gets = 0
+        self.gets_answered = 0
+        # While cleared, object GETs wait (counted in flight) before they are answered.
+        self.gate = threading.Event()
+        self.gate.set()
         self.requests: Counter[str] = Counter()
         self.get_paths: list[str] = []  # the path of each object GET, in order
         self.in_flight = 0  # object GETs being answered now
@@ -174,6 +181,13 @@ class FaultProxy:
             self.get_paths.clear()
             self.bytes_out = 0
             self.max_in_flight = self.in_flight
+
+    def wait_in_flight(self, n: int, timeout: float = 120.0) -> None:
+        """Until ``n`` object GETs are in flight (held at a closed gate, say)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight < n:
+            assert time.monotonic() < deadline, f"{self.in_flight} GETs in flight, not {n}"
+            time.sleep(0.01)
 
     def gets(self) -> int:
         """GET requests of objects (listings are GETs with ``list-type`` in the query)."""
@@ -244,6 +258,8 @@ class FaultProxy:
                         counted[0] = True
                         self.in_flight += 1
                         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                if kind == "GET":
+                    self.gate.wait(120)
                 if self.latency:
                     time.sleep(self.latency)
                 if self.reset_every and n % self.reset_every == 0:
@@ -287,6 +303,11 @@ class FaultProxy:
                         conn.sendall(pending)
                     with self._lock:
                         self.bytes_out += sent
+                        if kind == "GET":
+                            self.gets_answered += 1
+                        stop = 0 < self.close_after_gets <= self.gets_answered
+                    if stop:
+                        self.close()
                 return  # Connection: close: the client opens a new one
 
 

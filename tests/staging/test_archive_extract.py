@@ -20,7 +20,8 @@ from typing import Any, Callable
 import pytest
 
 import fastload
-from kit import procs, tars, trees
+from kit import netsim, procs, tars, trees
+from kit.tools import require_tool
 
 pytestmark = pytest.mark.native
 
@@ -91,8 +92,7 @@ def compress_archive(plain: Path, how: str, src: Path, fmt: str) -> Path:
     if how == "gzip-tgz":
         return tars.gzip_file(plain, stem.with_name(stem.name + ".tgz"))
     if how == "pigz":
-        if shutil.which("pigz") is None:
-            pytest.skip("pigz is not installed")
+        require_tool("pigz", "pigz")
         out = stem.with_name(stem.name + "-pigz.tar.gz")
         out.write_bytes(tars.run(["pigz", "-c", "-p", "2", str(plain)]).stdout)
         return out
@@ -678,9 +678,6 @@ def test_unprivileged_extraction(engine: str, world_dir: Path,
     _check_replaced(dst, want)
 
 
-NETSIM = Path(os.environ.get("FASTLOAD_NETSIM", "/work/shared/tools/netsim/netsim"))
-
-
 def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              ) -> None:
@@ -688,10 +685,6 @@ def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
     go through the engine) but not for an archive there: the archive is read by a
     prefetching thread and the engine only writes members to the local destination.
     The source is a real FUSE mount adding 200 us per request (netsim)."""
-    import subprocess
-
-    if os.geteuid() != 0 or not Path("/dev/fuse").exists() or not NETSIM.exists():
-        pytest.skip("needs root, /dev/fuse and the netsim tool")
     if "uring" not in fastload.available_engines():
         pytest.skip("io_uring is not available here")
     monkeypatch.delenv("FASTLOAD_ENGINE", raising=False)
@@ -701,17 +694,10 @@ def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
         (remote / "tree" / f"f{i}").write_bytes(bytes([i]) * 3000)
     T = tars.tinfo
     tars.members_archive(remote / "a.tar", [(T(f"f{i}"), bytes([i]) * 3000) for i in range(5)])
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run([str(NETSIM), "mount", str(remote), str(mnt), "200", "200"],
-                       capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
-    try:
+    with netsim.mounts(tmp_path) as mount:
+        mnt = mount(remote, 200, 200).path
         res = fastload.stage(mnt / "a.tar", tmp_path / "x")
         assert res.engine == "uring" and res.files == 5, res
         assert (tmp_path / "x" / "f4").read_bytes() == b"\4" * 3000
         res = fastload.stage(mnt / "tree", tmp_path / "t")
         assert res.engine == "pread" and res.files == 5, res
-    finally:
-        subprocess.run([str(NETSIM), "umount", str(mnt)], capture_output=True, check=False)

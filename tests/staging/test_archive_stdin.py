@@ -24,6 +24,7 @@ import pytest
 
 import fastload
 from kit import procs, tars, trees
+from kit.tools import require_tool
 
 pytestmark = pytest.mark.native
 
@@ -71,8 +72,8 @@ def pipeline(producer: list[str], *args: str) -> tuple[int, str]:
 @pytest.mark.parametrize("tool", ["cat", "gzip", "zstd"])
 def test_cli_reads_a_pipe(archive: tuple[Path, Path], tmp_path: Path, tool: str) -> None:
     a, ref = archive
-    if tool == "zstd" and tars.ZSTD_CLI is None:
-        pytest.skip("the zstd CLI is not installed")
+    if tool == "zstd":
+        require_tool("zstd", "zstd")
     producer = {"cat": ["cat", str(a)], "gzip": ["gzip", "-c", str(a)],
                 "zstd": ["zstd", "-q", "-c", str(a)]}[tool]
     rc, err = pipeline(producer, "-", str(tmp_path / "out"))

@@ -25,11 +25,12 @@ from fastload.staging.fanout import run
 from kit.netsim import Mount, mounts
 from kit.nodes import data_bytes, fanout_tree, mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
 from kit.procs import child_env
+from kit.tools import missing
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
 pytest.importorskip("mpi4py")
 if mpiexec() is None:
-    pytest.skip("no mpiexec beside this Python (pip install mpich)", allow_module_level=True)
+    missing("no mpiexec beside this Python (pip install mpich)", module=True)
 
 MiB = 1 << 20
 

@@ -16,20 +16,18 @@ from typing import Any, Callable
 import pytest
 
 from kit import tars, trees
+from kit.tools import require_tool
 
 pytestmark = pytest.mark.native
 
 Stage = Callable[..., Any]
-BSDTAR = shutil.which("bsdtar")
 BLOCK = tars.BLOCK
 FAR_FUTURE = 2**33 + 5  # past what 11 octal digits hold (year 2242)
 BEFORE_1970 = -400 * 86400
 
 
 def need_bsdtar() -> str:
-    if BSDTAR is None:
-        pytest.skip("bsdtar (Debian libarchive-tools) is not installed")
-    return BSDTAR
+    return require_tool("bsdtar", "libarchive-tools")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ import fnmatch
 import importlib
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -116,10 +117,41 @@ def _profile(name: str | None) -> dict[str, str]:
     return out
 
 
+def check_endpoint(value: Any, origin: str) -> str:
+    """``value`` as an endpoint URL (``http://HOST[:PORT]`` or ``https://...``), or a
+    ValueError in one line naming where it came from and what a valid one looks like
+    (before any request: obstore panics on some malformed ones)."""
+    if not isinstance(value, str):
+        raise ValueError(
+            f"endpoint_url from {origin} must be a string such as 'http://127.0.0.1:9000', "
+            f"not {type(value).__name__}"
+        )
+    try:
+        parts = urllib.parse.urlsplit(value.strip())
+        _ = parts.port  # a port that is not a number, or out of range, raises
+        port_ok = True
+    except ValueError:
+        port_ok = False
+        parts = urllib.parse.urlsplit("")
+    if parts.scheme.lower() in ("http", "https") and parts.hostname and port_ok:
+        return value.strip()
+    hint = ""
+    if "://" not in value and value.strip():
+        hint = f" (did you mean 'http://{value.strip()}'?)"
+    elif parts.scheme and parts.scheme.lower() not in ("http", "https"):
+        hint = f" (the scheme '{parts.scheme}' is neither http nor https)"
+    raise ValueError(
+        f"endpoint {value!r} from {origin} is not a valid endpoint URL{hint}: give one like "
+        "'http://127.0.0.1:9000' or 'https://s3.example.org'"
+    )
+
+
 def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
-    """The S3 settings in force: site < profile < environment < ``options``."""
+    """The S3 settings in force: site < profile < environment < ``options``; the endpoint
+    checked (:func:`check_endpoint`)."""
     opts = dict(options or {})
     s: dict[str, Any] = site_options("s3")
+    origin = "the configuration file's [storage.s3]"
     prof = _profile(opts.pop("profile", None))
     for key, to in (
         ("aws_access_key_id", "access_key_id"),
@@ -130,6 +162,8 @@ def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     ):
         if key in prof:
             s[to] = prof[key]
+            if to == "endpoint_url":
+                origin = "the AWS profile"
     env = os.environ
     for var, to in (
         ("AWS_ACCESS_KEY_ID", "access_key_id"),
@@ -142,7 +176,13 @@ def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     ):
         if env.get(var):
             s[to] = env[var]
+            if to == "endpoint_url":
+                origin = var
+    if "endpoint_url" in opts:
+        origin = "storage_options (or --endpoint-url)"
     s.update(opts)
+    if s.get("endpoint_url") is not None:
+        s["endpoint_url"] = check_endpoint(s["endpoint_url"], origin)
     return s
 
 
@@ -219,9 +259,16 @@ class ObjectStore:
 
         url = f"{self.scheme}://{self.bucket}/{key}"
         text = str(e).split("\n", 1)[0]
-        if isinstance(e, ox.NotFoundError) or "NoSuchBucket" in str(e):
-            what = "bucket" if "NoSuchBucket" in str(e) else "object"
-            return stage_error(errno.ENOENT, f"'{url}': no such {what}", url)
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or "NoSuchBucket" in str(e):
+            if "NoSuchBucket" in str(e):
+                check = f"check the bucket's name, and that {self.endpoint} is the endpoint"
+                what = "bucket"
+            else:
+                check = "check the key: names are case-sensitive, and a prefix ends in /"
+                what = "object"
+            return stage_error(
+                errno.ENOENT, f"'{url}': no such {what} at {self.endpoint} ({check})", url
+            )
         if isinstance(e, ox.PreconditionError):
             return stage_error(
                 errno.EIO,
@@ -245,7 +292,7 @@ class ObjectStore:
                                   "tcp connect", "connect error", "timed out")):
             return stage_error(
                 errno.EHOSTUNREACH,
-                f"cannot reach {self.endpoint} for '{url}': {text}",
+                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low)}",
                 url,
             )
         if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
@@ -387,6 +434,20 @@ class ObjectStore:
             self._ob.put(self._store, full, data)
         except Exception as e:
             raise self.error(e, full) from None
+
+
+def _unreachable(low: str) -> str:
+    """Why a request found no server, in a few words (obstore's text runs to a line of
+    retry settings and a nested cause)."""
+    m = re.search(r"after (\d+) retries", low)
+    tries = f" (after {m.group(1)} retries)" if m else ""
+    if "connection refused" in low:
+        return "connection refused" + tries
+    if "dns error" in low or "failed to lookup" in low or "name or service" in low:
+        return "the host name does not resolve" + tries
+    if "timed out" in low or "timeout" in low:
+        return "timed out" + tries
+    return "no answer" + tries
 
 
 def _info(rel: str, meta: Mapping[str, Any]) -> ObjectInfo:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,13 +57,14 @@ def stage(
     workers: int | None = None,
     stripe_size: int | None = None,
     on_special: Literal["error", "skip"] = "error",
-    check_source: bool = True,
+    check_source: bool | Literal["strict"] = True,
     unpack: bool | Literal["auto", "nested"] = "auto",
     checksum: str | None = None,
     sync: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     repair: bool = False,
     fanout: bool | Any = False,
+    allow_empty: bool = False,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -93,7 +95,13 @@ def stage(
         on_special: what to do with devices, FIFOs, sockets and symlinks leaving the
             tree: ``"error"`` (default) or ``"skip"``.
         check_source: list the source again to see whether it changed since the last
-            complete stage (default). ``False`` trusts a complete manifest for this source.
+            complete stage (default); where an object store cannot be reached, a complete
+            copy staged before is used as it is, with a one-line warning. ``False`` trusts
+            a complete manifest for this source; ``"strict"`` fails where the source
+            cannot be checked.
+        allow_empty: stage nothing without an error where the source holds nothing to
+            stage (a prefix with no objects, include patterns that match nothing);
+            by default that is a FileNotFoundError naming the URL or the patterns.
         repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
             and re-copy whatever differs or is missing (a stage after a failed verify
             does that too).
@@ -136,7 +144,7 @@ def stage(
         include=include, exclude=exclude, checksum=checksum, stripe_size=stripe_size,
         engine=engine, progress=progress, workers=workers, on_special=on_special,
         check_source=check_source, unpack=unpack, sync=sync,
-        storage_options=storage_options, fanout=fanout,
+        storage_options=storage_options, fanout=fanout, allow_empty=allow_empty,
     )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
@@ -155,7 +163,20 @@ def open_source(
         return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and is_object_url(src):
         return open_remote(src, dst, req)
+    if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
+        raise stage_error(
+            errno.ENOENT, f"source '{src}' does not exist; did you mean {url}?", src
+        )
     return _open_local(Path(os.fspath(src)), Path(os.fspath(dst)), req)
+
+
+def _meant_url(src: str) -> str | None:
+    """The object store URL a missing local path was probably meant to be: ``s3:/b/k``,
+    ``S3://b/k``, ``s3:b/k`` -> ``s3://b/k``."""
+    m = re.match(r"^(s3|gs|az):/*(.+)$", src, re.IGNORECASE)
+    if m is None:
+        return None
+    return f"{m.group(1).lower()}://{m.group(2)}"
 
 
 def _directory(dst: Path, req: StageRequest) -> Destination:

@@ -205,6 +205,21 @@ class Destination:
         write_json_atomic(state_dir(self.path) / "manifest.json", manifest.to_json())
         self.journal.remove()
 
+    def remove_if_empty(self) -> None:
+        """Removes the destination directory this stage created if nothing is in it, and
+        its state beside it unless a journal records finished files (a resume's)."""
+        with node_lock(self.path):
+            with contextlib.suppress(OSError):
+                if not self.single and self.path.is_dir() and not any(self.path.iterdir()):
+                    self.path.rmdir()
+            if os.path.lexists(self.path) or self.journal.load():
+                return
+            state = state_dir(self.path)
+            with contextlib.suppress(OSError):
+                (state / "journal.jsonl").unlink()
+            with contextlib.suppress(OSError):
+                state.rmdir()
+
     def result(self, m: Manifest, copied_files: int, copied_bytes: int) -> StageResult:
         return StageResult(
             self.path, len(m.files), m.bytes, time.monotonic() - self.req.t0, m.engine, False,
@@ -224,14 +239,21 @@ def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResu
 
 
 def stage_into(dest: Destination, source: Any) -> StageResult:
-    """Open the destination, lock, run the source (or fan out over the job's nodes)."""
-    if dest.req.fanout is not False:
-        from .fanout import stage_fanout
+    """Open the destination, lock, run the source (or fan out over the job's nodes). A
+    stage that fails before it wrote anything leaves no empty destination behind."""
+    existed = os.path.lexists(dest.path)
+    try:
+        if dest.req.fanout is not False:
+            from .fanout import stage_fanout
 
-        fanout = dest.req.fanout
-        return stage_fanout(source, dest, None if fanout is True else fanout)
-    with dest.locked():
-        return run_locked(dest, source)
+            fanout = dest.req.fanout
+            return stage_fanout(source, dest, None if fanout is True else fanout)
+        with dest.locked():
+            return run_locked(dest, source)
+    except BaseException:
+        if not existed:
+            dest.remove_if_empty()
+        raise
 
 
 def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:

@@ -53,7 +53,9 @@ class Bar:
         self, bytes_done: int, bytes_total: int, files_done: int, files_total: int
     ) -> None:
         self._bar.n = bytes_done
-        self._bar.set_postfix_str(f"{files_done}/{files_total} files", refresh=False)
+        # An archive's member count is known only at its end (files_total 0 till then).
+        files = f"{files_done}/{files_total}" if files_total else f"{files_done}"
+        self._bar.set_postfix_str(f"{files} files", refresh=False)
         self._bar.refresh()
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -41,8 +42,10 @@ from .destination import Destination, Entry, recorded_kind
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
 from .request import Source, StageRequest
 from .result import StageResult
-from .state import JournalFlusher, Record, Records, mkdir_parent
+from .state import JournalFlusher, Record, Records, mkdir_parent, previous_stage, trusted
 from .tree import TreePlan, plan_against, run_plan
+
+log = logging.getLogger(__name__)
 
 # Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
 DEFAULT_OBJECTS_IN_FLIGHT = 64
@@ -348,14 +351,22 @@ def open_remote(
     include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
     objects: list[ObjectInfo] = []
-    if url.endswith("/") or not store.prefix:
-        objects = store.list(include, exclude)
-    else:
-        try:
-            info = store.head()
-        except FileNotFoundError:
-            store = ObjectStore(url + "/", req.storage_options)
+    try:
+        if url.endswith("/") or not store.prefix:
             objects = store.list(include, exclude)
+        else:
+            try:
+                info = store.head()
+            except FileNotFoundError:
+                store = ObjectStore(url + "/", req.storage_options)
+                objects = store.list(include, exclude)
+    except OSError as e:
+        if e.errno != errno.EHOSTUNREACH or req.check_source == "strict":
+            raise
+        held = HeldCopy.find(url, Path(os.fspath(dst)), req, e)
+        if held is None:
+            raise
+        return held
     if info is None and not objects and not req.allow_empty:
         if (req.include or req.exclude) and store.list():
             raise req.nothing_selected(store.url)
@@ -406,3 +417,49 @@ def _destination(
         )
     mkdir_parent(dest.path.parent)
     return source, dest
+
+
+class HeldCopy:
+    """A complete copy of an object-store source whose store cannot be reached now: used
+    as it is, with a one-line warning (``check_source="strict"`` raises instead)."""
+
+    def __init__(self, manifest: dict[str, Any], error: OSError) -> None:
+        self.name: str = manifest["source"]
+        self.options: dict[str, Any] = manifest["options"]
+        self.label = self.name
+        self._error = error
+
+    @classmethod
+    def find(
+        cls, url: str, dst: Path, req: StageRequest, error: OSError
+    ) -> tuple[Source, Destination] | None:
+        """The source and destination of a complete, trusted earlier stage of ``url``
+        into ``dst`` (or, for one object, ``dst/NAME``), if there is one."""
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        for candidate in (dst, dst / name):
+            path = Path(os.path.abspath(candidate))
+            m = previous_stage(path)
+            if m is None or not cls._usable(m, url):
+                continue
+            return cls(m, error), Destination(path, req, single=m.get("kind") == "file")
+        return None
+
+    @staticmethod
+    def _usable(m: dict[str, Any], url: str) -> bool:
+        return bool(
+            m.get("complete")
+            and not m.get("damaged")
+            and m.get("source") in (url, url.rstrip("/") + "/", url.rstrip("/"))
+            and trusted(m)
+        )
+
+    def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
+        old = dest.old
+        if old is None or not self._usable(old, self.name) or not os.path.lexists(dest.path):
+            raise self._error
+        log.warning(
+            "fastload: %s; using the complete copy in '%s' staged before, unchecked "
+            "(check_source='strict' or --strict-source makes this an error)",
+            self._error.args[-1] if self._error.args else self._error, dest.path,
+        )
+        return dest.skipped(old["files_count"], old["bytes"])

@@ -230,11 +230,11 @@ def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
 
                 set_site_loader(functools.partial(dict, site))
             if req[0] == "download":
-                _, root, limit, (url, etag, size), wait, options = req
+                _, root, limit, (url, etag, size), wait, keep_free, options = req
                 cache = ShardCache(root, limit)
                 entry = CacheEntry(url, etag, size)
                 by_url = ByUrl(functools.partial(store, options=options))
-                out: Any = cache._download(entry, store_fetcher(by_url, str), wait)
+                out: Any = cache._download(entry, store_fetcher(by_url, str), wait, keep_free)
             elif req[0] == "range":
                 _, url, start, end, etag, options = req
                 by_url = ByUrl(functools.partial(store, options=options))

@@ -87,6 +87,8 @@ class RemoteShards:
         self.entries = [CacheEntry(u, i.etag, i.size) for u, i in listed]
         biggest = max(self.entries, key=lambda e: e.size)
         cache.check_fits(biggest.size, biggest.url)
+        #: The size of the largest shard.
+        self.largest = biggest.size
         self._index_objects = self._listing_index(listed)
         # DataLoader workers forked from here on get their downloads served by this
         # process (no helper process to start in each).
@@ -310,10 +312,10 @@ class RemoteShards:
             return None
         cache, options = self.cache, self.storage_options
 
-        def download(entry: CacheEntry, wait: bool) -> bool | None:
+        def download(entry: CacheEntry, wait: bool, keep_free: int | None) -> bool | None:
             return cast("bool | None", _fetchd.helper().call(
                 "download", os.fspath(cache.root), cache.limit,
-                (entry.url, entry.etag, entry.size), wait, options,
+                (entry.url, entry.etag, entry.size), wait, keep_free, options,
             ))
 
         return download
@@ -344,14 +346,24 @@ class RemoteShards:
             raise
         return pin
 
+    def min_limit(self, readers: int) -> int:
+        """The smallest cache limit ``readers`` readers of these shards can share: each
+        keeps the shard it reads pinned (until it moves on to the next), and one more
+        needs room for its next shard, so the cache must hold the ``readers`` largest
+        shards at once."""
+        sizes = sorted((e.size for e in self.entries), reverse=True)
+        return sum(sizes[:max(1, readers)])
+
     def prefetch(self, shard: int) -> bool | None:
-        """Downloads shard ``shard`` if the cache has room now: True once it is cached,
-        False when there is no room, None when another process or thread downloads it."""
+        """Downloads shard ``shard`` if the cache has room now, keeping the room of the
+        largest shard free for a reader, and no reader waits for room: True once it is
+        cached, False when there is no room, None when another process or thread
+        downloads it."""
         entry = self.entries[shard]
         if self.cache._valid(entry):
             return True
         try:
-            return self.cache.prefetch(entry, self.fetcher(), self._via())
+            return self.cache.prefetch(entry, self.fetcher(), self._via(), self.largest)
         except SourceChangedError:
             self.cache.drop(entry.url)
             return False  # the reader gets the error when it reaches the shard

@@ -10,6 +10,8 @@ Layout under ``root``::
     state/<entry>.pin       readers hold a shared flock while they read <entry>
     state/<entry>.dl        the downloader of <entry> holds an exclusive flock
     state/lock              the cache lock: taken (briefly) to reserve room and evict
+    state/waiting           readers waiting for room hold a shared flock (prefetching
+                            stands back meanwhile)
 
 ``<entry>`` is ``<hash of the URL>-<hash of the ETag>-<base name>``: another version of
 an object is another entry, and an entry is only ever whole (renamed into place after
@@ -21,6 +23,11 @@ Contracts:
   reserved before a download starts; when there is none, the least recently used
   entries that no process has pinned are removed; if that is not enough the caller
   waits (or, for prefetching, gives up).
+- Prefetching never takes room a reader needs: a prefetch reserves room only while no
+  reader waits for room (a waiting reader holds a shared ``flock`` on ``state/waiting``;
+  a prefetch tries it exclusively, under the cache lock) and only if ``keep_free``
+  bytes stay free beside it (the room of the next shard a reader asks for). What a
+  prefetch downloaded is unpinned as soon as it is in place: evictable like any entry.
 - A pin is a shared ``flock`` on the entry's pin file: eviction takes it exclusively and
   without waiting, so a pinned entry is never removed. The kernel drops flocks when their
   holder dies (``kill -9`` included): nothing stale stays behind, there is no shared
@@ -87,6 +94,9 @@ class CacheEntry:
 #: ``fetch(entry, write)``: reads the object (which must still have ``entry.etag``) and
 #: calls ``write(offset, bytes)`` for its parts; raises SourceChangedError otherwise.
 Fetcher = Callable[[CacheEntry, Callable[[int, Any], None]], None]
+#: ``via(entry, wait, keep_free)``: downloads ``entry`` in another process, as
+#: :meth:`ShardCache._download` would here.
+Via = Callable[[CacheEntry, bool, "int | None"], "bool | None"]
 
 
 class Pin:
@@ -242,19 +252,56 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def _reserve(self, entry: CacheEntry) -> int | None:
+    def _evict(self, bytes_: int, entries: list[tuple[int, str, int]]) -> bool:
+        """Removes unpinned entries, least recently used first, until ``bytes_`` are
+        freed; removes none (and returns False) if the unpinned ones cannot free that
+        much. Cache lock held."""
+        taken: list[tuple[int, str, int]] = []  # (pin descriptor locked, name, size)
+        freed = 0
+        try:
+            for _, name, size in sorted(entries):
+                if freed >= bytes_:
+                    break
+                fd = self._open(self.state / f"{name}.pin")
+                if not _try_lock(fd, fcntl.LOCK_EX):  # pinned
+                    os.close(fd)
+                    continue
+                taken.append((fd, name, size))
+                freed += size
+            if freed < bytes_:
+                return False
+            for _, name, size in taken:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.shards / name)
+                    self._log("evict", name, size)
+            return True
+        finally:
+            for fd, _, _ in taken:
+                os.close(fd)
+
+    def _readers_waiting(self) -> bool:
+        """Whether a reader waits for room now (holds ``state/waiting`` shared)."""
+        fd = self._open(self.state / "waiting")
+        try:
+            return not _try_lock(fd, fcntl.LOCK_EX)
+        finally:
+            os.close(fd)  # drops the exclusive flock, if taken
+
+    def _reserve(self, entry: CacheEntry, keep_free: int | None = None) -> int | None:
         """Makes room for ``entry`` (evicting unpinned entries, least recently used
         first) and creates its ``.part`` at full size, flock-ed; returns its descriptor,
-        or None when the pinned entries leave no room. Cache lock held."""
-        used, entries = self._scan()
-        if self.limit is not None and used + entry.size > self.limit:
-            for _, name, size in sorted(entries):
-                if self._evict_one(name):
-                    used -= size
-                    if used + entry.size <= self.limit:
-                        break
-            if used + entry.size > self.limit:
+        or None when the pinned entries leave no room. ``keep_free`` (prefetching): None
+        also while a reader waits for room, or unless ``keep_free`` bytes stay free
+        beside ``entry``. Cache lock held."""
+        need = entry.size
+        if keep_free is not None and self.limit is not None:
+            if self._readers_waiting():
                 return None
+            need += keep_free
+        used, entries = self._scan()
+        if self.limit is not None and used + need > self.limit \
+                and not self._evict(used + need - self.limit, entries):
+            return None
         part = self.shards / f"{entry.name}.part"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)  # a dead downloader's (we hold the entry's download lock)
@@ -280,13 +327,13 @@ class ShardCache:
         fetch: Fetcher,
         *,
         wait: bool = True,
-        via: Callable[[CacheEntry, bool], bool | None] | None = None,
+        via: Via | None = None,
     ) -> Pin | None:
         """Pins ``entry``, downloading it first if it is not cached (one process per node
-        downloads; the others wait for it). ``wait=False`` (prefetching): returns None
-        instead of waiting for room or for another process's download. ``via(entry,
-        wait)``: another process downloads (see :mod:`fastload.cache._fetchd`)."""
-        pin_fd, ok = self._pinned(entry, fetch, wait, via)
+        downloads; the others wait for it). ``wait=False``: returns None instead of
+        waiting for room or for another process's download. ``via(entry, wait,
+        keep_free)``: another process downloads (see :mod:`fastload.cache._fetchd`)."""
+        pin_fd, ok = self._pinned(entry, fetch, wait, None, via)
         if not ok:
             os.close(pin_fd)
             return None
@@ -294,18 +341,18 @@ class ShardCache:
             os.utime(self.path(entry))  # least recently used = oldest mtime
         return Pin(pin_fd, self.path(entry))
 
-    def prefetch(self, entry: CacheEntry, fetch: Fetcher,
-                 via: Callable[[CacheEntry, bool], bool | None] | None = None) -> bool | None:
-        """Downloads ``entry`` if there is room, without waiting: True once it is cached,
-        False when there is no room now, None when another process or thread is
-        downloading it."""
-        pin_fd, ok = self._pinned(entry, fetch, False, via)
+    def prefetch(self, entry: CacheEntry, fetch: Fetcher, via: Via | None = None,
+                 keep_free: int = 0) -> bool | None:  # fmt: skip
+        """Downloads ``entry`` without waiting, if there is room for it with
+        ``keep_free`` bytes to spare and no reader waits for room: True once it is
+        cached, False when there is no such room now, None when another process or
+        thread is downloading it."""
+        pin_fd, ok = self._pinned(entry, fetch, False, keep_free, via)
         os.close(pin_fd)
         return ok
 
-    def _pinned(self, entry: CacheEntry, fetch: Fetcher, wait: bool,
-                via: Callable[[CacheEntry, bool], bool | None] | None
-                ) -> tuple[int, bool | None]:  # fmt: skip
+    def _pinned(self, entry: CacheEntry, fetch: Fetcher, wait: bool, keep_free: int | None,
+                via: Via | None) -> tuple[int, bool | None]:
         """Takes a pin of ``entry`` (its descriptor, for the caller to close) and
         downloads it unless it is cached: True once it is in place, False without room,
         None while another downloader has it (``wait`` False)."""
@@ -315,17 +362,20 @@ class ShardCache:
             fcntl.flock(pin_fd, fcntl.LOCK_SH)
             if self._valid(entry):
                 return pin_fd, True
-            ok = self._download(entry, fetch, wait) if via is None else via(entry, wait)
+            ok = self._download(entry, fetch, wait, keep_free) if via is None \
+                else via(entry, wait, keep_free)
             return pin_fd, None if ok is None else bool(ok) and self._valid(entry)
         except BaseException:
             os.close(pin_fd)
             raise
 
-    def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool) -> bool | None:
+    def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool,
+                  keep_free: int | None = None) -> bool | None:
         """Downloads ``entry`` into place, with its pin held by the caller: True once it
         is in place; with ``wait`` False, False when there is no room and None when
-        another downloader has it."""
+        another downloader has it. ``keep_free`` (a prefetch): see :meth:`prefetch`."""
         dl_fd = self._open(self.state / f"{entry.name}.dl")
+        waiting = -1  # state/waiting, held shared while this reader waits for room
         try:
             if wait:
                 fcntl.flock(dl_fd, fcntl.LOCK_EX)  # another process's download: wait
@@ -336,20 +386,27 @@ class ShardCache:
             deadline = time.monotonic() + WAIT_FOR_ROOM
             while True:
                 with self._locked():
-                    part_fd = self._reserve(entry)
+                    part_fd = self._reserve(entry, keep_free)
                 if part_fd is not None:
                     break
                 if not wait:
                     return False
+                if waiting < 0:  # from now on no prefetch takes the room that frees
+                    waiting = self._open(self.state / "waiting")
+                    fcntl.flock(waiting, fcntl.LOCK_SH)
                 if time.monotonic() > deadline:
                     raise stage_error(
                         errno.ENOSPC,
                         f"cache '{self.root}' (limit {human(self.limit or 0)}) stayed full of "
                         f"shards other readers hold for {WAIT_FOR_ROOM:.0f} s: cannot fetch "
-                        f"'{entry.url}'; raise cache_limit",
+                        f"'{entry.url}'; raise cache_limit (every process reading through "
+                        "this cache keeps one shard pinned)",
                         entry.url,
                     )
                 time.sleep(_POLL)
+            if waiting >= 0:
+                os.close(waiting)
+                waiting = -1
             part = self.shards / f"{entry.name}.part"
             try:
                 self._fill(entry, part_fd, fetch)
@@ -367,6 +424,8 @@ class ShardCache:
             self._log("download", entry.name, entry.size)
             return True
         finally:
+            if waiting >= 0:
+                os.close(waiting)
             os.close(dl_fd)
 
     def _fill(self, entry: CacheEntry, fd: int, fetch: Fetcher) -> None:

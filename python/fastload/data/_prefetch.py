@@ -3,8 +3,10 @@ room: the reader says which shard it is reading; the threads keep the shards of 
 order from that one to ``depth`` after it cached, all of them downloading at once (one
 download per thread: an object store serves several requests in flight much faster
 than one after another, and the first batch needs several shards). They never wait for
-room: a full cache makes a thread wait for the reader to move on, and the reader then
-downloads what it needs itself."""
+room and never take room a reader needs (:meth:`RemoteShards.prefetch` keeps the room
+of the largest shard free, and stands back while a reader waits for room): a full cache
+makes a thread wait for the reader to move on, and the reader then downloads what it
+needs itself."""
 
 from __future__ import annotations
 

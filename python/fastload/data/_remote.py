@@ -3,12 +3,14 @@ each shard it touches pinned in the node-local cache (downloaded on a miss), or 
 ranged GET per sample (``fetch="range"``).
 
 Pins follow one rule: a reader holds at most one pin, and never while it waits for
-another (it lets go of the shard it holds first), so readers sharing a small cache
-cannot wait on each other for ever. The shard last read stays pinned until the reader
-moves on (most batches of a stream fall in one shard). A shard let go of may be evicted;
-the native index's mappings of it are dropped by reopening the index (one mmap and a
-checksum) at the start of the next batch (with no ``cache_limit`` nothing is evicted, and
-the index stays open).
+another (it lets go of the shard it holds first). The shard last read stays pinned until
+the reader moves on (most batches of a stream fall in one shard), also while the reader
+is idle: ``k`` readers can pin the ``k`` largest shards at once, and a cache that cannot
+hold them would leave a reader waiting for one an idle reader holds
+(:meth:`RemoteReader.check_room` says so before anything is read). A shard let go of may
+be evicted; the native index's mappings of it are dropped by reopening the index (one
+mmap and a checksum) at the start of the next batch (with no ``cache_limit`` nothing is
+evicted, and the index stays open).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._util import parse_size
+from .._util import human, parse_size
 from ..cache import Pin, RemoteShards, ShardCache
 from ..env import current
 from ..index import ShardIndex
@@ -84,6 +86,23 @@ class RemoteReader:
             self._index = ShardIndex.open(self.path, check=False)
             self._stale = False
         return self._index
+
+    def check_room(self, readers: int, prefetch: int, shuffle_block: int) -> None:
+        """Raises ValueError if the cache limit cannot hold what ``readers`` readers
+        (DataLoader workers) pin at once: each keeps one shard pinned, so the cache must
+        hold the ``readers`` largest shards (with less, a reader would wait for ever on
+        a worker the DataLoader does not ask for anything until it is done). Prefetching
+        and the shuffle block need no more room."""
+        limit = self.shards.cache.limit
+        need = self.shards.min_limit(readers)
+        if limit is not None and limit < need:
+            raise ValueError(
+                f"cache_limit {human(limit)} ({limit} bytes) cannot hold the {readers} "
+                f"largest shards that {readers} DataLoader workers keep pinned at once: "
+                f"for num_workers={readers} the minimum cache_limit is {human(need)} "
+                f"({need} bytes), whatever prefetch ({prefetch}) and shuffle_block "
+                f"({shuffle_block}); raise cache_limit or use fewer workers"
+            )
 
     def shard_of(self, ids: np.ndarray) -> np.ndarray:
         out: np.ndarray = np.searchsorted(self._first, ids, side="right") - 1

@@ -2,18 +2,18 @@
 number of samples of a shuffled epoch of indexed tar shards, and an interrupted epoch
 resumes where it stopped.
 
-Over 500 lines on purpose: the module is one class (plus three small helpers), and a
+Over 500 lines on purpose: the module is one class (plus two small helpers), and a
 fifth of it is the class's docstring, the user's reference. Its epoch plan, iteration and
 resumable state all read and write the same few fields; split, one object would be spread
-over several files.
+over several files. How an epoch's ids are read (chunks, packed batches, remote shards
+with pins and prefetching) is in :mod:`fastload.data._reading`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Union
 
 import numpy as np
@@ -25,17 +25,13 @@ from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
 from . import partition
 from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
-from ._prefetch import Prefetcher
+from ._reading import CHUNK, packed_fetch, rechunk, remote_epoch
 from ._remote import RemoteReader, open_remote
-from .collate import collate as _collate
-from .collate import fetch_packed, finish
 from .partition import Intervals
 from .shuffle import DEFAULT_BLOCK, EpochOrder
 
 __all__ = ["ShardIterableDataset"]
 
-#: Samples fetched per native call when the dataset yields single samples.
-_CHUNK = 256
 #: Marks a state dict as this dataset's (see ``state_dict``).
 _FORMAT = "fastload.ShardIterableDataset"
 _VERSION = 1
@@ -59,24 +55,6 @@ class _Run:
 
 def _payload_bytes(sample: Mapping[str, Any]) -> int:
     return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
-
-
-def _rechunk(pieces: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
-    """The concatenation of ``pieces`` cut into arrays of ``size`` (the last shorter)."""
-    buf: list[np.ndarray] = []
-    have = 0
-    for piece in pieces:
-        p = piece
-        while len(p):
-            part = p[: size - have]
-            buf.append(part)
-            have += len(part)
-            p = p[len(part) :]
-            if have == size:
-                yield buf[0] if len(buf) == 1 else np.concatenate(buf)
-                buf, have = [], 0
-    if have:
-        yield np.concatenate(buf)
 
 
 def _find_states(obj: Any) -> Iterator[dict[str, Any]]:
@@ -188,10 +166,20 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
     {000000..000999}.tar"``, globs, a prefix ending in ``/``, a list of URLs), read
     through the node-local cache (``cache_dir``, ``cache_limit``, ``storage_options``: as
     for :class:`~fastload.ShardIndexDataset`). Each reader knows its shards in the order
-    it will read them, and downloads the next ones ahead in a background thread while
-    the cache has room (``prefetch`` shards at most; 0: none). Samples, order, split and
-    resume are those of the same shards read locally. Pick ``shuffle_block`` so that a
-    block's shards fit the cache: a block mixes ``shuffle_block / samples per shard``
+    it will read them, and downloads the next ones ahead in background threads while
+    the cache has room no reader needs (``prefetch`` shards at most; 0: none). Samples,
+    order, split and resume are those of the same shards read locally.
+
+    A reader keeps the shard it reads pinned (one at a time, until it moves on to the
+    next), also while the DataLoader waits on another worker, so ``cache_limit`` must
+    hold the ``k`` largest shards at once for ``k`` readers (``num_workers``, or 1 in
+    the main process): a smaller limit is a ``ValueError`` naming that minimum when the
+    dataset is made (with ``num_workers`` given) or the loader starts, before any shard
+    is fetched. ``prefetch`` and ``shuffle_block`` add nothing to it (prefetching only
+    takes room beyond that of the largest shard, and none while a reader waits for
+    room; a block's shards are read one at a time). Readers of other processes sharing
+    the cache folder need their room too. Pick ``shuffle_block`` so that a block's
+    shards fit the cache: a block mixes ``shuffle_block / samples per shard``
     consecutive shards of the epoch's shard order, and a reader needs all of them in turn
     (the default block, 65,536 samples, spans 64 shards of 1,000; with a cache of fewer,
     shards are fetched again as the block's batches come back to them).
@@ -247,6 +235,8 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         if is_remote(source):
             assert isinstance(source, (str, list, tuple))
             self._remote = open_remote(source, cache_dir, cache_limit, storage_options)
+            if num_workers is not None:
+                self._remote.check_room(max(1, num_workers), prefetch, shuffle_block)
             index = self._remote.get()
         else:
             index = index_of(source)
@@ -381,6 +371,10 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
 
     def __iter__(self) -> Iterator[Any]:
         self._check_workers()
+        if self._remote is not None:  # before any shard is fetched, in every worker
+            info = get_worker_info()
+            readers = 1 if info is None else int(info.num_workers)
+            self._remote.check_room(readers, self.prefetch, self.shuffle_block)
         w = self._reader()
         epoch, positions = self._plan(w)
         run = _Run(epoch, w, positions)
@@ -399,10 +393,10 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         )
         fields, copy, access, transform = self.fields, self.copy, self.access, self.transform
         unit = self._unit
-        chunks = _rechunk(order.take(run.positions), unit if unit > 1 else _CHUNK)
+        chunks = rechunk(order.take(run.positions), unit if unit > 1 else CHUNK)
         remote = self._remote
         if remote is not None:
-            yield from self._generate_remote(run, remote, order)
+            yield from remote_epoch(self, run, remote, order)
             return
         index = self._index.get()
 
@@ -417,7 +411,7 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                     yield s if transform is None else transform(s)
         elif self.batch_by is None:
             collate = self.collate_fn
-            packed = _packed_fetch(collate, fields, access) if transform is None else None
+            packed = packed_fetch(collate, fields, access) if transform is None else None
             if packed is not None:
                 # fastload.collate over untransformed samples: read the batch straight
                 # into its packed block, no dict or Payload per sample.
@@ -434,55 +428,6 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                 yield batch if collate is None else collate(batch)
         else:
             yield from self._sized_batches(run, chunks, read)
-
-    def _generate_remote(self, run: _Run, remote: RemoteReader, order: EpochOrder
-                         ) -> Iterator[Any]:
-        """The epoch over remote shards: as for local ones, each read with its shard
-        pinned, the next shards of this reader downloaded ahead meanwhile."""
-        fields, copy, access, transform = self.fields, self.copy, self.access, self.transform
-        unit = self._unit
-        ids_all = [ids for ids in order.take(run.positions)]
-        flat = np.concatenate(ids_all) if ids_all else np.empty(0, dtype=np.int64)
-        seq = remote.shard_of(flat)
-        # This reader's shards in the order it reads them (first appearance).
-        shard_order = list(dict.fromkeys(seq.tolist())) if len(seq) else []
-        ahead = Prefetcher(remote.shards, shard_order, self.prefetch)
-        chunks = _rechunk(iter(ids_all), unit if unit > 1 else _CHUNK)
-
-        def read(ids: np.ndarray) -> list[Any]:
-            ahead.reading(int(remote.shard_of(ids[-1:])[0]))
-            return remote.read(ids.tolist(), lambda ix, part: fetch(ix, part, fields, copy,
-                                                                    access))
-
-        try:
-            if self.batch_size is None:
-                for ids in chunks:
-                    for s in read(ids):
-                        run.done += 1
-                        yield s if transform is None else transform(s)
-            elif self.batch_by is None:
-                collate = self.collate_fn
-                packed = _packed_fetch(collate, fields, access) if transform is None else None
-                for ids in chunks:
-                    if packed is not None:
-                        ahead.reading(int(remote.shard_of(ids[-1:])[0]))
-                        out = remote.read_one_shard(ids.tolist(), packed)
-                        if out is None:  # the batch spans shards: pack what was read
-                            assert collate is not None
-                            out = collate(read(ids))
-                        run.done += len(out)
-                        yield out
-                        continue
-                    batch = read(ids)
-                    if transform is not None:
-                        batch = [transform(s) for s in batch]
-                    run.done += len(batch)
-                    yield batch if collate is None else collate(batch)
-            else:
-                yield from self._sized_batches(run, chunks, read)
-        finally:
-            ahead.stop()
-            remote.release()
 
     def _sized_batches(
         self, run: _Run, chunks: Iterator[np.ndarray], read: Callable[[np.ndarray], list[Any]]
@@ -630,27 +575,3 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
             f"drop_last={self.drop_last}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, epoch={self._epoch})"
         )
-
-
-def _packed_fetch(
-    collate_fn: Callable[[list[Any]], Any] | None, fields: Sequence[str] | None, access: str
-) -> Callable[[ShardIndex, list[int]], Any] | None:
-    """A fetch that makes what ``collate_fn`` would make of a batch of untransformed
-    samples, straight from the index (:func:`~fastload.data.collate.fetch_packed`), when
-    ``collate_fn`` is ``fastload.collate`` or a ``functools.partial`` of it setting
-    ``allow_missing``, ``stack`` or ``ints``; else ``None``."""
-    options: dict[str, Any] = {}
-    if isinstance(collate_fn, functools.partial) and collate_fn.func is _collate:
-        if collate_fn.args or set(collate_fn.keywords) - {"allow_missing", "stack", "ints"}:
-            return None
-        options = dict(collate_fn.keywords)
-    elif collate_fn is not _collate:
-        return None
-    allow_missing = bool(options.get("allow_missing", False))
-    stack, ints = options.get("stack", ()), options.get("ints", ())
-
-    def fetch_batch(index: ShardIndex, ids: list[int]) -> Any:
-        batch = fetch_packed(index, ids, fields, access, allow_missing=allow_missing)
-        return finish(batch, stack, ints)
-
-    return fetch_batch

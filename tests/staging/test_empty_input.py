@@ -17,7 +17,7 @@ from kit.tools import require_tool
 
 
 def _gnu_tar(src: Path, out: Path, *args: str) -> Path:
-    require_tool("tar")
+    require_tool("tar", "tar")
     subprocess.run(["tar", "-cf", str(out), *args, "-C", str(src), "."], check=True)
     return out
 
@@ -35,7 +35,7 @@ def test_zero_byte_tar_is_not_an_archive(tmp_path: Path) -> None:
     empty = tmp_path / "data.tar"
     empty.touch()
     # GNU tar refuses it as well.
-    require_tool("tar")
+    require_tool("tar", "tar")
     gnu = subprocess.run(["tar", "-tf", str(empty)], capture_output=True, text=True)
     assert gnu.returncode != 0 and "does not look like a tar archive" in gnu.stderr
     with pytest.raises(OSError, match="named like a tar archive but is not one: empty") as e:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .. import _core
 from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
+from ..sources.objstore import selected
 from .destination import Destination, Manifest
 from .engine import resolve_engine
 from .job import PROGRESS_EVERY, progress_callback
@@ -342,7 +343,9 @@ class _Extraction:
         done = {p: r for p, r in self.done.items() if p in self.reused or p in self.seen}
         links = job.links()
         dirs = job.dirs()
-        if req.include and not (done or links or dirs) and not req.allow_empty:
+        if req.include and not req.allow_empty and not (done or links) and not any(
+            selected(d, list(req.include), []) for d in dirs if d.strip("./")
+        ):
             dest.journal.remove()
             raise req.nothing_selected(archive.name)
         for path, target, hard in links:

@@ -411,13 +411,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             import json
 
-            from .probing import format_table, probe
+            from .probing import ProbeEvent, format_table, probe
+
+            def show(event: ProbeEvent) -> None:
+                print(f"probe: {event.line}", file=sys.stderr, flush=True)
 
             found = probe(
                 args.path,
                 dest=args.dest,
                 seconds=args.seconds,
                 storage_options=_storage_options(args),
+                on_event=None if args.json else show,
             )
             print(json.dumps(found.to_dict(), indent=2) if args.json else format_table(found))
             return 0

@@ -48,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         "src", help="a file, a directory, an archive, s3://..., or - for a tar stream on "
         "stdin (plain, gzip or zstd: curl URL | fastload stage - DST)"
     )
-    s.add_argument("dst")
+    s.add_argument(
+        "dst", help="the node-local directory (or file, for a file not unpacked) to write; "
+        "made if missing, e.g. $SLURM_TMPDIR/data"
+    )
     s.add_argument(
         "--include",
         action="append",
@@ -63,8 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="GLOB",
         help="leave out paths matching GLOB (repeatable)",
     )
-    s.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
-    s.add_argument("--workers", type=int, default=None, help="files in flight (default 64)")
+    s.add_argument(
+        "--engine", choices=["auto", "uring", "pread"], default="auto",
+        help="how files are read and written: io_uring, or pread/pwrite in threads "
+        "(default auto: io_uring where the kernel allows it, pread for a source on a "
+        "network file system)",
+    )  # fmt: skip
+    s.add_argument("--workers", type=int, default=None,
+                   help="files (or objects) in flight (default 64; 'fastload probe SRC' "
+                   "measures what pays off)")
     s.add_argument("--stripe-size", type=int, default=None, help="bytes per stripe of big files")
     s.add_argument(
         "--nested",
@@ -141,7 +151,8 @@ def _parser() -> argparse.ArgumentParser:
         "next 'fastload stage SRC DST' then re-copies exactly those files.",
     )
     v.add_argument("dst", help="a destination written by 'fastload stage'")
-    v.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto")
+    v.add_argument("--engine", choices=["auto", "uring", "pread"], default="auto",
+                   help="how files are read: io_uring or pread (default auto)")
     _progress_flags(v)
 
     ix = sub.add_parser(
@@ -150,7 +161,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Scan the tar headers of SHARDS (paths, globs, webdataset brace "
         "ranges or directories) and write a shard index; or, with --info, describe one.",
     )
-    ix.add_argument("shards", nargs="*", metavar="SHARDS")
+    ix.add_argument(
+        "shards", nargs="*", metavar="SHARDS",
+        help="tar shards: files, globs ('shard-*.tar'), brace ranges "
+        "('shard-{000000..000099}.tar') or the folder 'fastload pack' wrote",
+    )  # fmt: skip
     ix.add_argument("-o", "--output", metavar="INDEX", help="the index file to write")
     ix.add_argument("--info", metavar="INDEX", help="describe this index instead")
     ix.add_argument(
@@ -168,14 +183,23 @@ def _parser() -> argparse.ArgumentParser:
         "folders giving a 'cls' field; a tar; or a tar of tars such as ImageNet's train "
         "tar, read in one pass) into tar shards in OUT, with an index.",
     )
-    pk.add_argument("src")
-    pk.add_argument("out")
+    pk.add_argument("src", help="a directory tree, a tar (.tar, .tar.gz, .tar.zst) or a "
+                    "tar of tars")
+    pk.add_argument(
+        "out", help="the folder to write the shards and index.fidx in, or an object "
+        "store prefix (s3://bucket/prefix/: written locally, then uploaded, the index last)"
+    )
     pk.add_argument("--shuffle", action="store_true", help="a full random permutation")
     pk.add_argument("--seed", type=int, default=0, help="of the permutation (default 0)")
     pk.add_argument("--max-size", default="1GB", help="bytes per shard (default 1GB)")
     pk.add_argument("--max-count", type=int, default=None, help="samples per shard")
     pk.add_argument("--workers", type=int, default=None, help="threads reading and writing")
-    pk.add_argument("--pattern", default="shard-{:06d}.tar", help="shard file names")
+    pk.add_argument(
+        "--pattern", default="shard-{:06d}.tar",
+        help="the name of each shard file, a Python format string given the shard's "
+        "number: shard-{:06d}.tar (default) names them shard-000000.tar, "
+        "shard-000001.tar, ...; it must end in .tar",
+    )  # fmt: skip
     pk.add_argument(
         "--task-index", type=int, default=None,
         help="this task (default: in a SLURM job array, this array task's place, else 0)",
@@ -206,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
         "and parallel throughput, the best number of requests in flight, io_uring, and "
         "the node-local destination's free space and file system.",
     )
-    pr.add_argument("path")
+    pr.add_argument("path", help="a directory, a file or s3://bucket/prefix/ to measure")
     pr.add_argument("--dest", default=None, help="node-local destination (default: tmpdir)")
     pr.add_argument("--seconds", type=float, default=20.0, help="time to spend (default 20)")
     pr.add_argument("--json", action="store_true", help="print it as JSON (versioned)")
@@ -217,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _index_command(args: argparse.Namespace) -> int:
+    import glob
     import time
 
     from .index import ShardIndex, expand_shards
@@ -242,6 +267,15 @@ def _index_command(args: argparse.Namespace) -> int:
             return 1
         print("  shards unchanged since indexing")
         return 0
+    for s in args.shards:  # a plain path (no glob, no braces) that is not there
+        if not glob.has_magic(s) and "{" not in s and not os.path.lexists(s):
+            what = "directory" if len(args.shards) == 1 and not args.output else "file"
+            print(
+                f"fastload: error: no such {what}: '{s}' (give the folder 'fastload pack' "
+                "wrote, or shard files with -o INDEX)",
+                file=sys.stderr,
+            )
+            return 1
     if not args.output and len(args.shards) == 1 and os.path.isdir(args.shards[0]):
         args.output = os.path.join(args.shards[0], "index.fidx")  # a pack's folder
     if not args.shards or not args.output:
@@ -263,6 +297,7 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     """``fastload pack SRC OUT ...``."""
     from .packing.folder import pack_path
     from .packing.listing import CLS_FIELD
+    from .packing.upload import is_object_url
     from .packing.writer import DEFAULT_INDEX
 
     if args.task_index is None:  # in a job array: its task (issue 23)
@@ -291,8 +326,11 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     rate = r.samples / r.seconds if r.seconds > 0 else 0.0
     mbs = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
     who = f"task {args.task_index} of {args.num_tasks}: " if args.num_tasks > 1 else ""
+    # Into a bucket, r names the temporary folder the shards were uploaded from (gone).
+    remote = is_object_url(args.out)
+    where = (args.out if args.out.endswith("/") else args.out + "/") if remote else r.out_dir
     print(
-        f"{r.out_dir}: {who}{r.samples} samples in {len(r.shards)} of {r.total_shards} shards "
+        f"{where}: {who}{r.samples} samples in {len(r.shards)} of {r.total_shards} shards "
         f"({human(r.bytes)}) in {r.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:,.0f} MB/s)"
     )
     if r.classes is not None:
@@ -300,7 +338,10 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     if r.skipped:
         print(f"  left out {r.skipped} files without KEY.FIELD names, e.g. {r.skipped_examples[0]}")
     if r.index is not None:
-        print(f"  index {r.index}")
+        print(f"  index {f'{where}{r.index.name}' if remote else r.index}")
+    elif args.num_tasks > 1 and remote:
+        print("  no index: tasks packing into a bucket write none; pack with one task "
+              "(--num-tasks 1) for shards with an index")
     elif args.num_tasks > 1:
         print(f"  when every task is done: fastload index {r.out_dir}")
     return 0
@@ -411,13 +452,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             import json
 
-            from .probing import format_table, probe
+            from .probing import ProbeEvent, format_table, probe
+
+            def show(event: ProbeEvent) -> None:
+                print(f"probe: {event.line}", file=sys.stderr, flush=True)
 
             found = probe(
                 args.path,
                 dest=args.dest,
                 seconds=args.seconds,
                 storage_options=_storage_options(args),
+                on_event=None if args.json else show,
             )
             print(json.dumps(found.to_dict(), indent=2) if args.json else format_table(found))
             return 0

@@ -9,11 +9,34 @@ flight that reach nearly the best rate; whether io_uring is allowed in this proc
 free space and file system type of the node-local destination. The plan (engine, files
 in flight, stripe size) comes from the staging code itself (``job_kwargs``,
 ``resolve_engine``), not from a copy of its rules.
+
+Each measurement is reported as it is made (``on_event``: a :class:`ProbeEvent`; the
+command line prints their lines to stderr). Objects and files smaller than a read are
+read whole (``min(size, read)`` bytes); empty objects are listed but never read.
+
+The ``--json`` schema (:data:`SCHEMA_VERSION`), ``ProbeResult.to_dict()``::
+
+    version                 2 (1 had no plan.reason)
+    path, kind, fs_type     what was probed: kind "local", "network" or "object"
+    files_sampled           files (objects) listed, empty ones included
+    latency_ms              {stat, open, read}: lower quartiles, null where not measured
+    throughput_mb_per_s     {single_stream, parallel}
+    parallel_requests_per_s the top rate of the in-flight steps
+    best_in_flight          the fewest in flight within 10% of that rate (null: none ran)
+    in_flight_steps         [{in_flight, requests_per_s, mb_per_s}] in the order run
+    io_uring                whether io_uring is allowed in this process
+    destination             {path, fs_type, free_bytes, network}
+    plan                    {engine, in_flight, threads, stripe_size, reason}: what
+                            stage() does here by default; reason is null when
+                            in_flight is best_in_flight, else why they differ and the
+                            flag that follows the measurement (--workers N)
+    seconds                 time spent
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import random
 import statistics
@@ -21,17 +44,18 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from . import _core
 from ._util import human
 from .env import current
+from .errors import stage_error
 from .sources.objstore import ObjectStore, is_object_url
 from .staging.engine import network_fs
 from .staging.job import DEFAULT_STRIPE, job_kwargs
 from .staging.remote import DEFAULT_OBJECTS_IN_FLIGHT
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: plan.reason
 IN_FLIGHT_STEPS = (1, 2, 4, 8, 16, 32, 64)
 REQUEST_BYTES = 64 << 10
 NEAR_BEST = 0.9  # the best in flight: the fewest reaching this share of the top rate
@@ -67,6 +91,27 @@ class InFlightStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeEvent:
+    """One measurement, reported as it is made (``probe(on_event=...)``).
+
+    ``kind``: ``"start"`` (before anything is read), ``"sample"`` (files or objects
+    listed), ``"latency"``, ``"stream"`` (one sequential stream), ``"in_flight"`` (one
+    step, in the order of :data:`IN_FLIGHT_STEPS`); ``line`` says it in words;
+    ``values`` holds the numbers (the same names as the result's fields)."""
+
+    kind: str
+    line: str
+    values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+OnEvent = Callable[[ProbeEvent], None]
+
+
+def _ignore(event: ProbeEvent) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
 class Destination:
     path: Path
     fs_type: str
@@ -76,12 +121,15 @@ class Destination:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What ``stage()`` would do with this source: its defaults, resolved here."""
+    """What ``stage()`` would do with this source: its defaults, resolved here.
+    ``reason``: ``None`` where ``in_flight`` is the measured best, else why not and the
+    flag that follows the measurement."""
 
     engine: str
     in_flight: int
     threads: int
     stripe_size: int
+    reason: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +238,10 @@ def _sample_files(root: Path, deadline: float) -> list[Path]:
     return out
 
 
-def _steps(request: Any, seconds_per_step: float) -> list[InFlightStep]:
-    """The rate of ``request()`` (returns bytes read) at each number in flight. Every
-    step runs: a directory's lookups may be served one at a time, so a few in flight can
-    gain nothing where many still do."""
+def _steps(request: Any, seconds_per_step: float, emit: OnEvent) -> list[InFlightStep]:
+    """The rate of ``request()`` (returns bytes read) at each number in flight, each
+    step reported as it ends. Every step runs: a directory's lookups may be served one
+    at a time, so a few in flight can gain nothing where many still do."""
     out: list[InFlightStep] = []
     for n in IN_FLIGHT_STEPS:
         counts = [0] * n
@@ -225,7 +273,14 @@ def _steps(request: Any, seconds_per_step: float) -> list[InFlightStep]:
         if errors:
             raise errors[0]
         rate = sum(counts) / dt
-        out.append(InFlightStep(n, round(rate, 1), round(sum(sizes) / dt / 1e6, 2)))
+        step = InFlightStep(n, round(rate, 1), round(sum(sizes) / dt / 1e6, 2))
+        out.append(step)
+        emit(ProbeEvent(
+            "in_flight",
+            f"{n:>2} in flight: {step.requests_per_s:,.0f} requests/s, "
+            f"{_mbs(step.mb_per_s)}",
+            dataclasses.asdict(step),
+        ))
     return out
 
 
@@ -236,11 +291,35 @@ def _best(steps: list[InFlightStep]) -> int | None:
     return next(s.in_flight for s in steps if s.requests_per_s >= NEAR_BEST * top)
 
 
-def _probe_files(root: Path, seconds: float) -> dict[str, Any]:
+def _emit_sample(emit: OnEvent, n: int, what: str, empty: int = 0) -> None:
+    extra = f" ({empty} empty, not read)" if empty else ""
+    emit(ProbeEvent("sample", f"{n} {what} sampled{extra}",
+                    {"files_sampled": n, "empty": empty}))
+
+
+def _emit_latency(emit: OnEvent, stat: float | None, open_: float | None,
+                  read: float | None) -> None:
+    emit(ProbeEvent(
+        "latency", f"latency: stat {_ms(stat)}, open {_ms(open_)}, read {_ms(read)}",
+        {"stat_ms": stat, "open_ms": open_, "read_ms": read},
+    ))
+
+
+def _emit_stream(emit: OnEvent, single: float | None) -> None:
+    emit(ProbeEvent("stream", f"one stream: {_mbs(single)}",
+                    {"single_stream_mb_per_s": single}))
+
+
+def _probe_files(root: Path, seconds: float, emit: OnEvent) -> dict[str, Any]:
     t_end = time.monotonic() + seconds
     files = _sample_files(root, time.monotonic() + max(1.0, seconds * 0.1))
     if not files:
-        raise FileNotFoundError(f"no readable file under '{root}'")
+        raise stage_error(
+            errno.ENOENT,
+            f"'{root}' has no readable file to probe: give a directory holding the data",
+            str(root),
+        )
+    _emit_sample(emit, len(files), "files")
     # Latencies: each file stat()ed, opened and read once, first touch each time.
     stat_t: list[float] = []
     open_t: list[float] = []
@@ -268,6 +347,7 @@ def _probe_files(root: Path, seconds: float) -> dict[str, Any]:
             read_t.append(t3 - t2)
         if time.monotonic() > lat_end and len(stat_t) >= 3:
             break
+    _emit_latency(emit, _latency_ms(stat_t), _latency_ms(open_t), _latency_ms(read_t))
     # One stream: the biggest file seen, 1 MiB reads, for a share of the time.
     single = None
     if sizes:
@@ -283,6 +363,7 @@ def _probe_files(root: Path, seconds: float) -> dict[str, Any]:
                 n += len(b)
         dt = time.perf_counter() - t0
         single = round(n / dt / 1e6, 2) if dt > 0 and n else None
+    _emit_stream(emit, single)
     # Whole small requests in flight: open, read 64 KiB somewhere, close.
     rng = random.Random(0)
     pick = list(files)
@@ -301,7 +382,7 @@ def _probe_files(root: Path, seconds: float) -> dict[str, Any]:
             os.close(fd)
 
     left = max(0.5, t_end - time.monotonic())
-    steps = _steps(request, left / len(IN_FLIGHT_STEPS))
+    steps = _steps(request, left / len(IN_FLIGHT_STEPS), emit)
     return {
         "files_sampled": len(files),
         "stat_ms": _latency_ms(stat_t),
@@ -312,8 +393,8 @@ def _probe_files(root: Path, seconds: float) -> dict[str, Any]:
     }
 
 
-def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | None
-                   ) -> dict[str, Any]:
+def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | None,
+                   emit: OnEvent) -> dict[str, Any]:
     t_end = time.monotonic() + seconds
     store = ObjectStore(url, storage_options)
     try:
@@ -326,6 +407,9 @@ def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | N
     else:
         keys = [o.key for o in objects]
     sizes = {k: o.size for k, o in zip(keys, objects, strict=True)}
+    # Empty objects are listed and HEADed, never read: a range of nothing is no request.
+    readable = [k for k in keys if sizes[k] > 0]
+    _emit_sample(emit, len(keys), "objects", len(keys) - len(readable))
     head_t: list[float] = []
     read_t: list[float] = []
     buf = memoryview(bytearray(4096))
@@ -334,36 +418,44 @@ def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | N
         t0 = time.perf_counter()
         store.head(k)
         t1 = time.perf_counter()
-        if sizes[k]:
-            store.read_into(k, 0, buf, None)
+        if sizes[k]:  # the first bytes, no more than the object has
+            store.read_into(k, 0, buf[:min(sizes[k], len(buf))], None)
             read_t.append(time.perf_counter() - t1)
         head_t.append(t1 - t0)
         if time.monotonic() > lat_end and len(head_t) >= 3:
             break
-    big = max(keys, key=lambda k: sizes[k])
-    stop = time.monotonic() + seconds * 0.15
-    n = 0
-    t0 = time.perf_counter()
-    for chunk in store.stream(big):
-        n += len(chunk)
-        if time.monotonic() > stop:
-            break
-    dt = time.perf_counter() - t0
-    single = round(n / dt / 1e6, 2) if dt > 0 and n else None
+    _emit_latency(emit, _latency_ms(head_t), None, _latency_ms(read_t))
+    single = None
+    if readable:
+        big = max(readable, key=lambda k: sizes[k])
+        stop = time.monotonic() + seconds * 0.15
+        n = 0
+        t0 = time.perf_counter()
+        for chunk in store.stream(big):
+            n += len(chunk)
+            if time.monotonic() > stop:
+                break
+        dt = time.perf_counter() - t0
+        single = round(n / dt / 1e6, 2) if dt > 0 and n else None
+    _emit_stream(emit, single)
     rng = random.Random(0)
     lock = threading.Lock()
     cursor = [0]
 
     def request() -> int:
+        """A ranged GET of REQUEST_BYTES, or of the whole object where it is smaller,
+        never past its end."""
         with lock:
-            k = keys[cursor[0] % len(keys)]
+            k = readable[cursor[0] % len(readable)]
             cursor[0] += 1
-            off = rng.randrange(0, max(1, sizes[k] - REQUEST_BYTES) + 1)
-        view = memoryview(bytearray(min(REQUEST_BYTES, max(1, sizes[k]))))
-        return store.read_into(k, off if sizes[k] else 0, view, None) if sizes[k] else 0
+            want = min(REQUEST_BYTES, sizes[k])
+            off = rng.randrange(0, sizes[k] - want + 1)
+        return store.read_into(k, off, memoryview(bytearray(want)), None)
 
-    left = max(0.5, t_end - time.monotonic())
-    steps = _steps(request, left / len(IN_FLIGHT_STEPS))
+    steps: list[InFlightStep] = []
+    if readable:
+        left = max(0.5, t_end - time.monotonic())
+        steps = _steps(request, left / len(IN_FLIGHT_STEPS), emit)
     return {
         "files_sampled": len(keys),
         "stat_ms": _latency_ms(head_t),
@@ -374,32 +466,65 @@ def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | N
     }
 
 
+def _reason(plan: Plan, best: int | None, steps: list[InFlightStep]) -> str | None:
+    """Why ``plan.in_flight`` (stage()'s default) is not the measured best; None where
+    it is."""
+    if best == plan.in_flight:
+        return None
+    if best is None:
+        return (f"stage() keeps {plan.in_flight} in flight by default: nothing was "
+                "measured in flight (no object here has any bytes to read)")
+    rates = {s.in_flight: s.requests_per_s for s in steps}
+    top = max(rates.values())
+    at = rates.get(plan.in_flight)
+    if best > plan.in_flight:
+        return (f"stage() keeps {plan.in_flight} in flight by default; this storage "
+                f"gained up to {best} in flight: pass --workers {best}")
+    share = f" ({plan.in_flight}: {at / top:.0%})" if at else ""
+    return (f"stage() keeps {plan.in_flight} in flight by default, for storage slower "
+            f"than this; here {best} reached {NEAR_BEST:.0%} of the top rate{share}: "
+            f"pass --workers {best} to follow the measurement")
+
+
 def probe(
     path: str | os.PathLike[str],
     *,
     dest: str | os.PathLike[str] | None = None,
     seconds: float = 20.0,
     storage_options: dict[str, Any] | None = None,
+    on_event: OnEvent | None = None,
 ) -> ProbeResult:
     """Measures the storage at ``path`` (a file, a directory, or an ``s3://`` URL) for
     about ``seconds``, reading only, and says what :func:`fastload.stage` will do there.
 
     ``dest`` is the node-local destination to describe (default: the environment's
-    tmpdir). Nothing is written anywhere."""
+    tmpdir). Nothing is written anywhere. ``on_event`` is called with a
+    :class:`ProbeEvent` for each measurement as it is made (``fastload probe`` prints
+    their lines on stderr)."""
     if seconds <= 0:
         raise ValueError(f"seconds must be positive, not {seconds}")
+    emit = on_event or _ignore
     t0 = time.monotonic()
     loc = os.fspath(path)
+    start = ProbeEvent("start", f"probing {loc} for about {seconds:g} s, reading only",
+                       {"path": loc, "seconds": seconds})
     if is_object_url(loc):
-        m = _probe_objects(loc, seconds, storage_options)
+        emit(start)
+        m = _probe_objects(loc, seconds, storage_options, emit)
         kind, fs = "object", loc.split(":", 1)[0]
         plan = Plan("object-store", DEFAULT_OBJECTS_IN_FLIGHT, DEFAULT_OBJECTS_IN_FLIGHT,
                     DEFAULT_STRIPE)
     else:
         src = Path(loc).absolute()
         if not src.exists():
-            raise FileNotFoundError(2, f"no such file or directory: '{src}'", str(src))
-        m = _probe_files(src, seconds)
+            raise stage_error(
+                errno.ENOENT,
+                f"no such file or directory: '{src}' (give the directory, file or "
+                "s3:// URL that holds the data)",
+                str(src),
+            )
+        emit(start)
+        m = _probe_files(src, seconds, emit)
         kind = "network" if network_fs(src) else "local"
         fs = fs_name(src)
         kw = job_kwargs("auto", None, DEFAULT_STRIPE, src if src.is_dir() else src.parent)
@@ -409,6 +534,8 @@ def probe(
         plan = Plan(engine, kw["files_in_flight"], kw["threads"], kw["stripe_size"])
     steps: list[InFlightStep] = m["steps"]
     top = max(steps, key=lambda s: s.requests_per_s) if steps else None
+    best = _best(steps)
+    plan = dataclasses.replace(plan, reason=_reason(plan, best, steps))
     return ProbeResult(
         path=loc,
         kind=kind,
@@ -420,7 +547,7 @@ def probe(
         single_stream_mb_per_s=m["single"],
         parallel_mb_per_s=top.mb_per_s if top else None,
         parallel_requests_per_s=top.requests_per_s if top else None,
-        best_in_flight=_best(steps),
+        best_in_flight=best,
         steps=tuple(steps),
         io_uring=bool(_core.uring_available()),
         destination=destination(dest),
@@ -455,8 +582,8 @@ def format_table(r: ProbeResult) -> str:
         f"  fastload will use engine {r.plan.engine}, {r.plan.in_flight} files in flight "
         f"({r.plan.threads} threads), stripes of {human(r.plan.stripe_size)}",
     ]
-    if r.best_in_flight is not None and r.best_in_flight > r.plan.in_flight:
-        rows.append(f"  hint: this storage wants more in flight: --workers {r.best_in_flight}")
+    if r.plan.reason:
+        rows.append(f"  why           {r.plan.reason}")
     if d.network:
         rows.append("  warning: the destination is not node-local")
     return "\n".join(rows)

@@ -29,10 +29,13 @@ variables and ``storage_options=``.
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ..errors import stage_error
 
 __all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml"]
 
@@ -84,8 +87,11 @@ def load_config(environ: Mapping[str, str]) -> tuple[dict[str, Any], Path | None
         data = read_toml(path)
     except FileNotFoundError:
         if explicit:
-            raise FileNotFoundError(
-                2, f"FASTLOAD_CONFIG names '{path}', which does not exist", str(path)
+            raise stage_error(
+                errno.ENOENT,
+                f"FASTLOAD_CONFIG names '{path}', which does not exist: create it, or "
+                "unset FASTLOAD_CONFIG",
+                str(path),
             ) from None
         return {}, None
     check_config(data, path)

@@ -108,6 +108,14 @@ def _line(info: Mapping[str, Any] | None) -> str:
     return f"{info['path']}  ({state})"
 
 
+# Where world() found the rank, as the variables (or the module) it read.
+_WORLD_SOURCES = {
+    "dist": "torch.distributed",
+    "torchrun": "RANK and WORLD_SIZE",
+    "slurm": "SLURM_PROCID and SLURM_NTASKS",
+}
+
+
 def format_report(r: Mapping[str, Any]) -> str:
     node = r["node"]
     where = node["hostname"]
@@ -119,12 +127,18 @@ def format_report(r: Mapping[str, Any]) -> str:
     if node["num_nodes"] and node["num_nodes"] > 1:
         where += f", {node['num_nodes']} nodes"
     w = r["world"]
-    world_line = (
-        w
-        if isinstance(w, str)
-        else f"rank {w['rank']} of {w['world_size']}, local rank {w['local_rank']} "
-        f"(from {w['source']})"
-    )
+    if isinstance(w, str):
+        world_line = w
+    elif w["source"] == "single":
+        world_line = (
+            "one process (rank 0 of 1): no torch.distributed, RANK/WORLD_SIZE or "
+            "SLURM_PROCID/SLURM_NTASKS names other ranks"
+        )
+    else:
+        world_line = (
+            f"rank {w['rank']} of {w['world_size']}, local rank {w['local_rank']} "
+            f"(from {_WORLD_SOURCES.get(w['source'], w['source'])})"
+        )
     name = r["environment"]
     if r["cluster"] not in (None, name):
         name += f" ({r['cluster']})"

@@ -39,7 +39,10 @@ SCHEMA: dict[str, Any] = {
     "in_flight_steps": list,
     "io_uring": bool,
     "destination": {"path": str, "fs_type": str, "free_bytes": int, "network": bool},
-    "plan": {"engine": str, "in_flight": int, "threads": int, "stripe_size": int},
+    "plan": {
+        "engine": str, "in_flight": int, "threads": int, "stripe_size": int,
+        "reason": str,
+    },
     "seconds": float,
 }
 
@@ -102,7 +105,7 @@ def test_probe_local_and_json_schema(
     assert main(["probe", str(src), "--dest", str(dest), "--seconds", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     check_schema(doc, SCHEMA)
-    assert doc["version"] == SCHEMA_VERSION == 1
+    assert doc["version"] == SCHEMA_VERSION == 2
     assert doc["kind"] == "local" and doc["files_sampled"] == 8
     assert doc["destination"]["path"] == str(dest)
     assert doc["destination"]["free_bytes"] > 0

@@ -125,6 +125,18 @@ def _parser() -> argparse.ArgumentParser:
         "then re-copy whatever differs or is missing",
     )
     s.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="stage nothing without an error where the source holds nothing to stage (a "
+        "prefix with no objects, --include patterns that match nothing)",
+    )
+    s.add_argument(
+        "--strict-source",
+        action="store_true",
+        help="fail where the source cannot be checked (a store that cannot be reached) "
+        "instead of using a complete copy staged before",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
@@ -405,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=_want_progress(args),
                 storage_options=_storage_options(args),
                 repair=args.repair,
+                allow_empty=args.allow_empty,
+                check_source="strict" if args.strict_source else True,
                 fanout=args.fanout_transport or args.fanout,
             )
             if r.skipped:

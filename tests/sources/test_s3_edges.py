@@ -75,7 +75,7 @@ def test_empty_prefix_is_an_error_unless_allowed(
 ) -> None:
     upload(s3, bucket, {"real/x.txt": b"x"})
     for url in (f"s3://{bucket}/nope/", f"s3://{bucket}/nope"):
-        with pytest.raises(FileNotFoundError, match="no (objects|such object, and none) under it") as e:
+        with pytest.raises(FileNotFoundError, match=r"no (objects|such object, and none)") as e:
             fastload.stage(url, tmp_path / "out")
         assert url in str(e.value) and "allow_empty" in str(e.value)
     assert not (tmp_path / "out").exists()  # a failed stage leaves no empty folder
@@ -128,7 +128,7 @@ def test_complete_copy_is_used_while_the_store_is_down(
     assert len(warnings) == 2 and all("\n" not in m for m in warnings)
     assert "unchecked" in warnings[0] and str(tree) in warnings[0]
 
-    with pytest.raises(OSError, match="cannot reach .*connection refused") as e:
+    with pytest.raises(OSError, match=r"cannot reach .*connection refused") as e:
         fastload.stage(f"s3://{bucket}/p/", tree, check_source="strict")
     assert e.value.errno == errno.EHOSTUNREACH and "\n" not in str(e.value)
     assert len(str(e.value)) < 200  # one short line, not obstore's retry settings

@@ -117,7 +117,10 @@ def test_complete_copy_is_used_while_the_store_is_down(
     fastload.stage(f"s3://{bucket}/p/", tree)
     one.mkdir()
     fastload.stage(f"s3://{bucket}/one.bin", one)
+    resolved = fastload.resolve(sources=[f"s3://{bucket}/p/"], cache=tmp_path / "cache")
     proxy.close()  # the store is down from here on
+    again = fastload.resolve(sources=[f"s3://{bucket}/p/"], cache=tmp_path / "cache")
+    assert again == resolved and tree_of(again) == FILES
 
     with caplog.at_level(logging.WARNING):
         r = fastload.stage(f"s3://{bucket}/p/", tree)
@@ -125,8 +128,8 @@ def test_complete_copy_is_used_while_the_store_is_down(
     assert r.skipped and r.files == len(FILES) and tree_of(tree) == FILES
     assert r1.skipped and (one / "one.bin").read_bytes() == b"1" * 10
     warnings = [m for m in caplog.messages if "cannot reach" in m]
-    assert len(warnings) == 2 and all("\n" not in m for m in warnings)
-    assert "unchecked" in warnings[0] and str(tree) in warnings[0]
+    assert len(warnings) == 3 and all("\n" not in m for m in warnings)
+    assert "unchecked" in warnings[1] and str(tree) in warnings[1]
 
     with pytest.raises(OSError, match=r"cannot reach .*connection refused") as e:
         fastload.stage(f"s3://{bucket}/p/", tree, check_source="strict")

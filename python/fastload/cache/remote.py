@@ -25,6 +25,8 @@ import errno
 import fnmatch
 import glob
 import hashlib
+import json
+import logging
 import os
 import shutil
 import tarfile
@@ -35,12 +37,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import _core
-from .._util import node_lock
+from .._util import node_lock, write_json_atomic
 from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage_error
 from ..index import ShardIndex, expand_braces
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
 from . import _fetchd
 from .store import ByUrl, CacheEntry, Pin, ShardCache, store_fetcher
+
+log = logging.getLogger(__name__)
 
 __all__ = ["INDEX_OBJECT", "INDEX_OBJECT_ZST", "RemoteShards", "is_remote"]
 
@@ -82,7 +86,13 @@ class RemoteShards:
         self.storage_options = dict(storage_options or {})
         self._stores: dict[str, ObjectStore] = {}
         self._pid = os.getpid()
-        listed = self._expand(source)
+        try:
+            listed = self._expand(source)
+            self._save_listing(source, listed)
+        except OSError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            listed = self._cached_listing(source, e)
         self.urls = [u for u, _ in listed]
         self.entries = [CacheEntry(u, i.etag, i.size) for u, i in listed]
         biggest = max(self.entries, key=lambda e: e.size)
@@ -155,6 +165,45 @@ class RemoteShards:
                 out.append((name, info))
         self._listings = listings
         return out
+
+    def _listing_file(self, source: str | Sequence[str]) -> Path:
+        h = hashlib.sha256(repr(source if isinstance(source, str) else list(source)).encode())
+        return self.cache.root / "listings" / f"{h.hexdigest()[:24]}.json"
+
+    def _save_listing(self, source: str | Sequence[str], listed: list[tuple[str, ObjectInfo]]
+                      ) -> None:
+        """Keeps what ``source`` listed, so that the shards can be read from the cache
+        while the store cannot be reached."""
+        path = self._listing_file(source)
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(exist_ok=True)
+            write_json_atomic(path, [[u, i.key, i.size, i.etag, i.mtime_ns, i.version]
+                                     for u, i in listed])  # fmt: skip
+
+    def _cached_listing(self, source: str | Sequence[str], error: OSError
+                        ) -> list[tuple[str, ObjectInfo]]:
+        """The last listing of ``source`` when every shard of it is in the cache (and
+        its index in a view): the store is down, the node has what it needs. Else the
+        store's error."""
+        try:
+            with open(self._listing_file(source), encoding="utf-8") as f:
+                rows = json.load(f)
+            listed = [(u, ObjectInfo(k, size, etag, mtime, version))
+                      for u, k, size, etag, mtime, version in rows]  # fmt: skip
+        except (OSError, ValueError, TypeError):
+            raise error from None
+        self._listings = {}
+        self.entries = [CacheEntry(u, i.etag, i.size) for u, i in listed]
+        index = self.cache.root / "views" / self._view_key() / "index.fidx"
+        if not listed or not index.exists() or not all(
+            self.cache.path(e).exists() for e in self.entries
+        ):
+            raise error
+        log.warning(
+            "fastload: %s; reading the %d shards cached in '%s', unchecked",
+            error.args[-1] if error.args else error, len(listed), self.cache.root,
+        )
+        return listed
 
     def _listing_index(self, listed: list[tuple[str, ObjectInfo]]
                        ) -> list[tuple[str, ObjectInfo]]:

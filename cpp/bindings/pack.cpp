@@ -9,6 +9,7 @@
 #include "bindings/common.hpp"
 #include "common/error.hpp"
 #include "pack/pack.hpp"
+#include "tar/writer.hpp"
 
 namespace fastload::bindings {
 namespace {
@@ -132,7 +133,7 @@ void register_pack(py::module_& m) {
         const uint64_t* l = name_lens.data();
         const uint64_t* s = sizes.data();
         uint64_t* o = out.mutable_data();
-        for (py::ssize_t i = 0; i < name_lens.size(); ++i) o[i] = pack::member_bytes(size_t(l[i]), s[i]);
+        for (py::ssize_t i = 0; i < name_lens.size(); ++i) o[i] = tar::member_bytes(size_t(l[i]), s[i]);
         return out;
       },
       py::arg("name_lens"), py::arg("sizes"),
@@ -143,24 +144,24 @@ void register_pack(py::module_& m) {
       "tar_header",
       [](const py::object& name, uint64_t size) {
         const std::string n = fs_bytes(name);
-        std::string out(size_t(pack::header_bytes(n.size(), size)), '\0');
-        pack::write_header(n, size, out.data());
+        std::string out(size_t(tar::header_bytes(n.size(), size)), '\0');
+        tar::write_header(n, size, out.data());
         return py::bytes(out);
       },
       py::arg("name"), py::arg("size"), "The header blocks fastload writes for a member.");
 
-  py::class_<pack::ShardFile>(m, "ShardFile",
+  py::class_<tar::ShardFile>(m, "ShardFile",
                               "A tar shard written front to back under a temporary name, "
                               "renamed into place by commit().")
       .def(py::init([](const py::object& final_path, const py::object& tmp_path) {
              std::string f = fs_bytes(final_path), t = fs_bytes(tmp_path);
              py::gil_scoped_release nogil;
-             return new pack::ShardFile(f, t);
+             return new tar::ShardFile(f, t);
            }),
            py::arg("final_path"), py::arg("tmp_path"))
       .def(
           "add_sample",
-          [](pack::ShardFile& f, const py::object& key, const py::sequence& fields) {
+          [](tar::ShardFile& f, const py::object& key, const py::sequence& fields) {
             const std::string k = fs_bytes(key);
             const size_t n = size_t(py::len(fields));
             std::vector<std::string> names(n);
@@ -181,12 +182,12 @@ void register_pack(py::module_& m) {
           py::arg("key"), py::arg("fields"),
           "Appends one sample: a member KEY.FIELD per (field, bytes-like) pair, in the order "
           "given. Returns the bytes it took.")
-      .def_property_readonly("bytes", &pack::ShardFile::bytes)
-      .def_property_readonly("members", &pack::ShardFile::members)
-      .def_property_readonly("path", [](const pack::ShardFile& f) { return fs_str(f.path()); })
-      .def("commit", &pack::ShardFile::commit, py::arg("sync") = true,
+      .def_property_readonly("bytes", &tar::ShardFile::bytes)
+      .def_property_readonly("members", &tar::ShardFile::members)
+      .def_property_readonly("path", [](const tar::ShardFile& f) { return fs_str(f.path()); })
+      .def("commit", &tar::ShardFile::commit, py::arg("sync") = true,
            py::call_guard<py::gil_scoped_release>())
-      .def("abort", &pack::ShardFile::abort, py::call_guard<py::gil_scoped_release>());
+      .def("abort", &tar::ShardFile::abort, py::call_guard<py::gil_scoped_release>());
 
   m.def("list_archive", &list_archive, py::arg("path"), py::arg("nested"), py::arg("threads") = 0,
         "(names, data offsets, sizes, info) of the regular members of a tar (nested: and of "

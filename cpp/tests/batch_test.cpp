@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "files.hpp"
 #include "common/columns.hpp"
 #include "index/batch.hpp"
 #include "index/builder.hpp"
@@ -189,13 +190,8 @@ void test_columns(index::Shards& shards) {
 }  // namespace
 
 int main() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/fastload-batch-test-XXXXXX";
-  if (!::mkdtemp(tmpl.data())) {
-    std::perror("mkdtemp");
-    return 1;
-  }
-  g_dir = tmpl;
+  g_dir = test::make_temp_dir("batch-test");
+  if (g_dir.empty()) return 1;
   write_shards();
   {
     auto ix = index::IndexFile::open(g_dir + "/i.fidx");

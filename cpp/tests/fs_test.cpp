@@ -12,6 +12,7 @@
 #include <string>
 
 #include "check.hpp"
+#include "files.hpp"
 #include "common/error.hpp"
 #include "copy/walk.hpp"
 #include "io/fs.hpp"
@@ -104,13 +105,8 @@ void test_stat_file() {
 }  // namespace
 
 int main() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/fastload-fs-test-XXXXXX";
-  if (!::mkdtemp(tmpl.data())) {
-    std::perror("mkdtemp");
-    return 1;
-  }
-  g_dir = tmpl;
+  g_dir = test::make_temp_dir("fs-test");
+  if (g_dir.empty()) return 1;
   test_table();
   test_magic_and_sync();
   test_stat_file();

@@ -14,12 +14,15 @@
 #include <vector>
 
 #include "check.hpp"
+#include "files.hpp"
 #include "common/error.hpp"
 #include "common/unique_fd.hpp"
 #include "tar/reader.hpp"
 #include "tar/writer.hpp"
 
 using namespace fastload;
+using test::read_file;
+using test::write_file;
 
 namespace {
 
@@ -51,23 +54,6 @@ std::vector<Got> parse(const std::string& bytes, bool finish = true) {
     CHECK(p.at_end());
   }
   return c.members;
-}
-
-std::string read_file(const std::string& path) {
-  std::string s;
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return s;
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, n);
-  std::fclose(f);
-  return s;
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  std::fwrite(bytes.data(), 1, bytes.size(), f);
-  std::fclose(f);
 }
 
 bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
@@ -180,13 +166,8 @@ void test_shard_file() {
 }  // namespace
 
 int main() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/fastload-tarw-test-XXXXXX";
-  if (!::mkdtemp(tmpl.data())) {
-    std::perror("mkdtemp");
-    return 1;
-  }
-  g_dir = tmpl;
+  g_dir = test::make_temp_dir("tarw-test");
+  if (g_dir.empty()) return 1;
   test_header_sizes();
   test_headers_parse_back();
   test_shard_file();

@@ -15,6 +15,7 @@
 
 #include "bindings/collate.hpp"
 #include "bindings/common.hpp"
+#include "common/columns.hpp"
 
 namespace fastload::bindings {
 
@@ -43,15 +44,6 @@ OutBuffers OutBuffers::allocate(const py::handle& alloc, const std::vector<uint6
                             " bytes where " + std::to_string(sizes[i]) + " were asked for");
   }
   return out;
-}
-
-void write_offsets(char* dst, const uint64_t* sizes, size_t rows) {
-  int64_t at = 0;
-  for (size_t r = 0; r < rows; ++r) {
-    std::memcpy(dst + 8 * r, &at, 8);  // memcpy: dst need not be 8-aligned
-    at += int64_t(sizes[r]);
-  }
-  std::memcpy(dst + 8 * rows, &at, 8);
 }
 
 namespace {
@@ -126,7 +118,7 @@ py::list pack(const py::sequence& columns, const py::function& alloc, const py::
       size[i] = uint64_t(in[i].len);
       request[2 * c] += size[i];
     }
-    request[2 * c + 1] = 8 * (rows + 1);
+    request[2 * c + 1] = offsets_bytes(rows);
     missing[c] = py::len(absent) ? py::object(absent) : py::none();
   }
 

@@ -1,6 +1,6 @@
 // What pack() (collate.cpp) and Index.fetch_packed (index.cpp) share: the buffers a
-// Python `alloc(sizes)` callback hands out, and the offsets layout. See collate.cpp for
-// the contract.
+// Python `alloc(sizes)` callback hands out. See collate.cpp for the contract; the
+// layout is common/columns.hpp's.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +31,5 @@ class OutBuffers {
   OutBuffers() = default;
   std::vector<Py_buffer> views_;
 };
-
-// Writes rows + 1 native-endian int64 offsets to dst: 0, then the running sum of sizes.
-void write_offsets(char* dst, const uint64_t* sizes, size_t rows);
 
 }  // namespace fastload::bindings

@@ -40,5 +40,6 @@ void register_extract(py::module_& m);
 void register_pack(py::module_& m);
 void register_collate(py::module_& m);
 void register_shm(py::module_& m);
+void register_order(py::module_& m);
 
 }  // namespace fastload::bindings

@@ -1,5 +1,5 @@
-#include <sys/stat.h>
-
+// Copying at the boundary: walk() and stat_file() (the listing, copy/walk.hpp), and
+// CopyJob (copy/copier.hpp).
 #include "bindings/common.hpp"
 #include "copy/copier.hpp"
 #include "copy/walk.hpp"
@@ -7,29 +7,6 @@
 #include <pybind11/stl.h>
 
 namespace fastload::bindings {
-namespace {
-
-copy::Tree stat_one(const std::string& root, const std::string& rel) {
-  std::string full = root.empty() ? rel : root + "/" + rel;
-  struct stat st;
-  if (::lstat(full.c_str(), &st) != 0) throw Error::os(errno, "stat", full);
-  if (!S_ISREG(st.st_mode))
-    throw Error(ErrorKind::kUnsupported, 0, "refusing to stage", full, "not a regular file");
-  copy::Tree t;
-  copy::Entry e;
-  e.path = rel;
-  e.type = copy::EntryType::kFile;
-  e.size = uint64_t(st.st_size);
-  e.blocks = uint64_t(st.st_blocks);
-  e.mode = st.st_mode & 07777;
-  e.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  t.total_bytes = e.size;
-  t.files = 1;
-  t.entries.push_back(std::move(e));
-  return t;
-}
-
-}  // namespace
 
 void register_copy(py::module_& m) {
   py::class_<copy::Tree>(m, "Tree", "A listed source tree, sorted by path.")
@@ -73,7 +50,7 @@ void register_copy(py::module_& m) {
       [](const py::object& root, const py::object& rel) {
         std::string r = fs_bytes(root), p = fs_bytes(rel);
         py::gil_scoped_release nogil;
-        return stat_one(r, p);
+        return copy::stat_file(r, p);
       },
       py::arg("root"), py::arg("name"), "A Tree of the one regular file root/name.");
 

@@ -1,16 +1,17 @@
 // The shard index at the boundary: build_index() (a background thread, waited on in
 // 100 ms slices so Ctrl-C cancels it), Index (an opened index and its shards) with the
-// batched fetch, and Payload, the zero-copy read-only buffer over a member's bytes.
-#include <algorithm>
+// batched fetch (planned and read by index/batch.hpp, here only converted), and Payload,
+// the zero-copy read-only buffer over a member's bytes.
 #include <atomic>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
 
 #include "bindings/collate.hpp"
 #include "bindings/common.hpp"
+#include "common/columns.hpp"
 #include "common/error.hpp"
+#include "index/batch.hpp"
 #include "index/builder.hpp"
 #include "index/reader.hpp"
 
@@ -19,6 +20,8 @@
 namespace fastload::bindings {
 namespace {
 
+using index::Access;
+using index::FieldSelection;
 using index::IndexFile;
 using index::Piece;
 using index::Shards;
@@ -103,8 +106,6 @@ void register_payload(py::module_& m) {
   m.add_object("Payload", py::reinterpret_steal<py::object>(type));
 }
 
-const char kEmpty[1] = {0};
-
 struct PyIndex {
   std::shared_ptr<const IndexFile> file;
   std::unique_ptr<Shards> shards;
@@ -125,31 +126,19 @@ std::shared_ptr<PyIndex> open_index(const py::object& path, bool check_shards) {
   return out;
 }
 
-// The arguments fetch() and fetch_packed() share, parsed once.
+// The arguments fetch() and fetch_packed() share, converted once.
 struct Request {
-  bool read_mode = false;          // access="read" (else "mmap")
-  std::vector<uint64_t> samples;   // sample positions (negative indices resolved)
-  std::vector<uint32_t> fields;    // the field ids named, in order (empty: fields=None)
-  std::optional<std::vector<bool>> want;  // a mask over field ids (nullopt: every field)
-  size_t nwanted = 0;              // fields set in want
+  Access access = Access::kMmap;
+  std::vector<uint64_t> samples;  // sample positions (negative indices resolved)
+  std::optional<std::vector<uint32_t>> fields;  // the field ids named (nullopt: fields=None)
+  FieldSelection selection;
 };
-
-// The id of the field `name`; unknown names are a ValueError listing what the index has.
-uint32_t field_id(const PyIndex& ix, const std::string& name) {
-  for (uint64_t f = 0; f < ix.file->field_count(); ++f)
-    if (ix.file->field_name(f) == name) return uint32_t(f);
-  std::string have;
-  for (uint64_t f = 0; f < ix.file->field_count(); ++f)
-    have += (f ? ", " : "") + std::string(ix.file->field_name(f));
-  throw py::value_error("no field '" + name + "' in index '" + ix.file->path() +
-                        "' (its fields: " + have + ")");
-}
 
 Request parse_request(const PyIndex& ix, const py::handle& indices, const py::object& fields,
                       const std::string& access) {
   Request r;
-  r.read_mode = access == "read";
-  if (!r.read_mode && access != "mmap")
+  if (access == "read") r.access = Access::kRead;
+  else if (access != "mmap")
     throw py::value_error("access must be 'mmap' or 'read', not '" + access + "'");
   const int64_t n = int64_t(ix.file->sample_count());
   if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr()))
@@ -163,57 +152,49 @@ Request parse_request(const PyIndex& ix, const py::handle& indices, const py::ob
                             " out of range for " + std::to_string(n) + " samples");
     r.samples.push_back(uint64_t(i));
   }
-  if (fields.is_none()) return r;
-  r.want.emplace(ix.file->field_count(), false);
-  for (py::handle h : fields) {
-    const uint32_t f = field_id(ix, fs_bytes(h));
-    r.fields.push_back(f);
-    if (!(*r.want)[f]) ++r.nwanted;
-    (*r.want)[f] = true;
+  if (!fields.is_none()) {
+    r.fields.emplace();
+    for (py::handle h : fields) {
+      const std::string name = fs_bytes(h);
+      const std::optional<uint32_t> f = ix.file->field_id(name);
+      if (!f) {
+        std::string have;
+        for (uint64_t k = 0; k < ix.file->field_count(); ++k)
+          have += (k ? ", " : "") + std::string(ix.file->field_name(k));
+        throw py::value_error("no field '" + name + "' in index '" + ix.file->path() +
+                              "' (its fields: " + have + ")");
+      }
+      r.fields->push_back(*f);
+    }
   }
+  r.selection = index::select_fields(ix.file->field_count(), r.fields);
   return r;
 }
 
-// One call, one batch: plan (GIL released), bring the bytes in (GIL released), then
-// build the dicts. copy=false hands out Payloads; copy=true fills bytes objects (made
-// with the GIL, filled without it: nothing else can see them yet).
+const std::vector<bool>* mask_of(const Request& r) {
+  return r.selection.want ? &*r.selection.want : nullptr;
+}
+
+// One call, one batch: plan and bring the bytes in (index/batch.hpp, GIL released),
+// then build the dicts. copy=false hands out Payloads over the located bytes;
+// copy=true fills bytes objects (made with the GIL, filled without it: nothing else
+// can see them yet).
 py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields, bool copy,
                const std::string& access) {
   const Request req = parse_request(ix, indices, fields, access);
-  const bool read_mode = req.read_mode;
   const std::vector<uint64_t>& samples = req.samples;
   std::vector<Piece> pieces;
-  std::vector<std::shared_ptr<const index::Mapping>> maps;  // per piece (mmap mode)
-  std::shared_ptr<char[]> block;                            // read mode, copy=false
-  std::vector<char*> dst;                                   // read mode: per piece
+  index::Located located;
   {
     py::gil_scoped_release nogil;
     pieces.reserve(samples.size() * 4);
-    ix.shards->plan(samples, req.want ? &*req.want : nullptr, pieces);
-    if (!read_mode) {
-      maps.resize(pieces.size());
-      for (size_t i = 0; i < pieces.size(); ++i)
-        maps[i] = (i && pieces[i].shard == pieces[i - 1].shard)
-                      ? maps[i - 1]
-                      : ix.shards->mapping(pieces[i].shard);
-      if (!copy) ix.shards->prefault(pieces);
-    } else if (!copy) {
-      uint64_t total = 0;
-      for (const Piece& p : pieces) total += p.size;
-      block = std::shared_ptr<char[]>(new char[std::max<uint64_t>(total, 1)]);
-      dst.resize(pieces.size());
-      uint64_t at = 0;
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        dst[i] = block.get() + at;
-        at += pieces[i].size;
-      }
-      ix.shards->read(pieces, dst);
-    }
+    ix.shards->plan(samples, mask_of(req), pieces);
+    if (!copy) located = index::locate(*ix.shards, pieces, req.access, /*prefault=*/true);
   }
 
   std::vector<py::object> values(pieces.size());
   if (copy) {
-    dst.resize(pieces.size());
+    std::vector<char*> dst(pieces.size());
     for (size_t i = 0; i < pieces.size(); ++i) {
       PyObject* b = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(pieces[i].size));
       if (!b) throw py::error_already_set();
@@ -221,20 +202,10 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
       dst[i] = PyBytes_AS_STRING(b);
     }
     py::gil_scoped_release nogil;
-    if (read_mode) {
-      ix.shards->read(pieces, dst);
-    } else {
-      for (size_t i = 0; i < pieces.size(); ++i)
-        if (pieces[i].size) std::memcpy(dst[i], maps[i]->data() + pieces[i].offset, pieces[i].size);
-    }
+    index::copy_pieces(*ix.shards, pieces, dst, req.access);
   } else {
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const size_t size = size_t(pieces[i].size);
-      if (read_mode)
-        values[i] = make_payload(block, size ? dst[i] : kEmpty, size);
-      else
-        values[i] = make_payload(maps[i], size ? maps[i]->data() + pieces[i].offset : kEmpty, size);
-    }
+    for (size_t i = 0; i < pieces.size(); ++i)
+      values[i] = make_payload(std::move(located.owner[i]), located.data[i], size_t(pieces[i].size));
   }
 
   py::list out(samples.size());
@@ -246,8 +217,8 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
     size_t got = 0;
     for (; pi < pieces.size() && pieces[pi].slot == k; ++pi, ++got)
       d[ix.field_names[pieces[pi].field]] = std::move(values[pi]);
-    if (req.want && got != req.nwanted) {
-      for (uint32_t f : req.fields)
+    if (req.fields && got != req.selection.wanted) {
+      for (uint32_t f : *req.fields)
         if (!d.contains(ix.field_names[f]))
           throw py::key_error("sample '" + std::string(ix.file->key(samples[k])) +
                               "' has no field '" + std::string(ix.file->field_name(f)) + "'");
@@ -257,106 +228,58 @@ py::list fetch(PyIndex& ix, const py::handle& indices, const py::object& fields,
   return out;
 }
 
-// The batch packed (fastload.collate's fast path): one column per field, each payload
-// copied once, from the mapping (or by the I/O engine's reads), straight into buffers
-// alloc(sizes) hands out (the contract is in collate.cpp). Columns: `fields` in order,
-// or every field the batch's samples have, in order of first appearance. A sample
-// without a column's field is a KeyError, or with allow_missing a row listed as missing.
-// Returns (keys, column names, per column the missing rows or None).
+// The batch packed (fastload.collate's fast path): one column per field (index::Columns),
+// each payload copied once, from the mapping (or by the I/O engine's reads), straight
+// into buffers alloc(sizes) hands out (the contract is in collate.cpp). Columns: `fields`
+// in order, or every field the batch's samples have, in order of first appearance. A
+// sample without a column's field is a KeyError, or with allow_missing a row listed as
+// missing. Returns (keys, column names, per column the missing rows or None).
 py::tuple fetch_packed(PyIndex& ix, const py::handle& indices, const py::object& fields,
                        const py::function& alloc, const std::string& access,
                        bool allow_missing) {
   const Request req = parse_request(ix, indices, fields, access);
-  const bool read_mode = req.read_mode;
   const std::vector<uint64_t>& samples = req.samples;
   const size_t rows = samples.size();
-  constexpr uint32_t kNone = UINT32_MAX;
-  std::vector<uint32_t> column_of(ix.file->field_count(), kNone);
-  std::vector<uint32_t> column_field;  // field id per column
-  for (uint32_t f : req.fields)
-    if (column_of[f] == kNone) {
-      column_of[f] = uint32_t(column_field.size());
-      column_field.push_back(f);
-    }
   std::vector<Piece> pieces;
-  std::vector<size_t> piece_at;  // per (column, row): index in pieces + 1, 0 if none
-  std::vector<uint64_t> size;    // per (column, row)
+  index::Columns cols;
   {
     py::gil_scoped_release nogil;
     pieces.reserve(rows * 4);
-    ix.shards->plan(samples, req.want ? &*req.want : nullptr, pieces);
-    if (!req.want)
-      for (const Piece& p : pieces)
-        if (column_of[p.field] == kNone) {
-          column_of[p.field] = uint32_t(column_field.size());
-          column_field.push_back(p.field);
-        }
-    piece_at.assign(column_field.size() * rows, 0);
-    size.assign(column_field.size() * rows, 0);
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const size_t at = column_of[pieces[i].field] * rows + pieces[i].slot;
-      piece_at[at] = i + 1;  // a field twice in one sample: the last wins, as in fetch()
-      size[at] = pieces[i].size;
-    }
+    ix.shards->plan(samples, mask_of(req), pieces);
+    cols = index::layout_columns(pieces, rows, ix.file->field_count(), req.fields);
   }
-  const size_t ncol = column_field.size();
+  const size_t ncol = cols.count();
   py::list missing(ncol);
   std::vector<uint64_t> request(2 * ncol, 0);
   for (size_t c = 0; c < ncol; ++c) {
     py::list absent;
-    for (size_t r = 0; r < rows; ++r) {
-      if (piece_at[c * rows + r]) {
-        request[2 * c] += size[c * rows + r];
-        continue;
-      }
+    for (uint32_t r : cols.missing(c)) {
       if (!allow_missing)
         throw py::key_error("sample '" + std::string(ix.file->key(samples[r])) +
-                            "' has no field '" + std::string(ix.file->field_name(column_field[c])) +
+                            "' has no field '" + std::string(ix.file->field_name(cols.field[c])) +
                             "' (allow_missing=True gives None)");
       absent.append(r);
     }
-    request[2 * c + 1] = 8 * (rows + 1);
+    request[2 * c] = cols.data_bytes(c);
+    request[2 * c + 1] = offsets_bytes(rows);
     missing[c] = py::len(absent) ? py::object(absent) : py::none();
   }
 
   OutBuffers out = OutBuffers::allocate(alloc, request);
   {
     py::gil_scoped_release nogil;
-    std::vector<Piece> todo;  // the pieces to bring in, and where each goes
-    std::vector<char*> dst;
-    todo.reserve(pieces.size());
-    dst.reserve(pieces.size());
+    std::vector<char*> data(ncol), offsets(ncol);
     for (size_t c = 0; c < ncol; ++c) {
-      write_offsets(out.data(2 * c + 1), size.data() + c * rows, rows);
-      char* at = out.data(2 * c);
-      for (size_t r = 0; r < rows; ++r) {
-        const size_t k = piece_at[c * rows + r];
-        if (k && pieces[k - 1].size) {
-          todo.push_back(pieces[k - 1]);
-          dst.push_back(at);
-        }
-        at += size[c * rows + r];
-      }
+      data[c] = out.data(2 * c);
+      offsets[c] = out.data(2 * c + 1);
     }
-    if (read_mode) {
-      if (!todo.empty()) ix.shards->read(todo, dst);
-    } else {
-      std::shared_ptr<const index::Mapping> map;
-      uint32_t shard = UINT32_MAX;
-      for (size_t i = 0; i < todo.size(); ++i) {
-        if (todo[i].shard != shard) {
-          shard = todo[i].shard;
-          map = ix.shards->mapping(shard);
-        }
-        std::memcpy(dst[i], map->data() + todo[i].offset, todo[i].size);
-      }
-    }
+    index::fill_columns(*ix.shards, cols, pieces, data, offsets, req.access);
   }
 
   py::list keys(rows);
   for (size_t r = 0; r < rows; ++r) keys[r] = fs_str(std::string(ix.file->key(samples[r])));
   py::list names(ncol);
-  for (size_t c = 0; c < ncol; ++c) names[c] = ix.field_names[column_field[c]];
+  for (size_t c = 0; c < ncol; ++c) names[c] = ix.field_names[cols.field[c]];
   return py::make_tuple(keys, names, missing);
 }
 

@@ -1,11 +1,9 @@
-#include <fcntl.h>
-#include <sys/vfs.h>
-#include <unistd.h>
-
+// The I/O layer's queries at the boundary: io_uring availability, the file system under
+// a path (io/fs.hpp) and its table of known kinds, page-cache residency, syncfs.
 #include "bindings/common.hpp"
 #include "common/error.hpp"
-#include "common/unique_fd.hpp"
 #include "io/engine.hpp"
+#include "io/fs.hpp"
 #include "io/residency.hpp"
 
 namespace fastload::bindings {
@@ -17,14 +15,26 @@ void register_io(py::module_& m) {
       "fs_type",
       [](const py::object& path) {
         std::string p = fs_bytes(path);
-        struct statfs st;
+        uint32_t magic = 0;
+        int err;
         {
           py::gil_scoped_release nogil;
-          if (::statfs(p.c_str(), &st) != 0) throw Error::os(errno, "statfs", p);
+          err = io::fs_magic(p, &magic);
         }
-        return static_cast<unsigned long>(st.f_type) & 0xffffffffUL;
+        if (err != 0) throw Error::os(-err, "statfs", p);
+        return magic;
       },
       py::arg("path"), "The file system's magic number (statfs(2) f_type).");
+  m.def(
+      "file_systems",
+      [] {
+        py::dict out;
+        for (const io::FsKind& k : io::file_systems())
+          out[py::int_(k.magic)] = py::make_tuple(k.name, k.network);
+        return out;
+      },
+      "The file systems known by name: {magic: (name, network)}; network marks network "
+      "and FUSE file systems.");
   m.def(
       "cached_bytes",
       [](int fd, uint64_t offset, uint64_t length) {
@@ -45,9 +55,12 @@ void register_io(py::module_& m) {
       "syncfs",
       [](const py::object& path) {
         std::string p = fs_bytes(path);
-        py::gil_scoped_release nogil;
-        UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
-        if (!fd || ::syncfs(fd.get()) != 0) throw Error::os(errno, "sync file system of", p);
+        int err;
+        {
+          py::gil_scoped_release nogil;
+          err = io::sync_fs(p);
+        }
+        if (err != 0) throw Error::os(-err, "sync file system of", p);
       },
       py::arg("path"), "Flushes the file system holding path to stable storage (syncfs(2)).");
 }

@@ -285,4 +285,24 @@ Tree walk(const std::string& root, const WalkOptions& options) {
   return Walker(root, options).run();
 }
 
+Tree stat_file(const std::string& root, const std::string& rel) {
+  const std::string full = root.empty() ? rel : root + "/" + rel;
+  struct stat st;
+  if (::lstat(full.c_str(), &st) != 0) throw Error::os(errno, "stat", full);
+  if (!S_ISREG(st.st_mode))
+    throw Error(ErrorKind::kUnsupported, 0, "refusing to stage", full, "not a regular file");
+  Entry e;
+  e.path = rel;
+  e.type = EntryType::kFile;
+  e.size = uint64_t(st.st_size);
+  e.blocks = uint64_t(st.st_blocks);
+  e.mode = st.st_mode & 07777;
+  e.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  Tree t;
+  t.total_bytes = e.size;
+  t.files = 1;
+  t.entries.push_back(std::move(e));
+  return t;
+}
+
 }  // namespace fastload::copy

@@ -42,6 +42,11 @@ struct Tree {
 // (kUnsupported) the first special file or escaping symlink when !skip_special.
 Tree walk(const std::string& root, const WalkOptions& options);
 
+// A Tree of the one regular file root/rel (rel alone when root is empty), its entry's
+// path `rel`, described as walk() would (not followed if it is a symlink). Throws
+// Error(kOs) when it cannot be stat'ed, Error(kUnsupported) when it is not a regular file.
+Tree stat_file(const std::string& root, const std::string& rel);
+
 // fnmatch-based selection used by walk(): `*` matches '/', a pattern with no '/' also
 // matches the base name.
 bool glob_match(const std::string& pattern, const std::string& path);

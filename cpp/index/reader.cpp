@@ -170,6 +170,12 @@ std::string_view IndexFile::field_name(uint64_t field) const {
   return str(r.name_offset, r.name_length, "field name");
 }
 
+std::optional<uint32_t> IndexFile::field_id(std::string_view name) const {
+  for (uint64_t f = 0; f < field_count(); ++f)
+    if (field_name(f) == name) return uint32_t(f);
+  return std::nullopt;
+}
+
 std::optional<uint64_t> IndexFile::find(std::string_view k) const {
   const uint64_t mask = header_.hash_slots - 1;
   const char* slots = map_->data() + header_.hash_offset;

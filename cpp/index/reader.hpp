@@ -76,6 +76,8 @@ class IndexFile {
   std::string_view field_name(uint64_t field) const;
   // The sample with this key, if any.
   std::optional<uint64_t> find(std::string_view key) const;
+  // The id of the field with this name, if any.
+  std::optional<uint32_t> field_id(std::string_view name) const;
 
   // Checks that every shard still has the size and mtime it had when indexed. Throws
   // Error(kIndexFormat) naming the first shard that is missing or changed.

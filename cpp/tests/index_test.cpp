@@ -14,12 +14,15 @@
 #include <vector>
 
 #include "check.hpp"
+#include "files.hpp"
 #include "common/error.hpp"
 #include "index/builder.hpp"
 #include "index/reader.hpp"
 
 using namespace fastload;
 using fastload::index::ShardInput;
+using fastload::test::read_file;
+using fastload::test::write_file;
 
 // Strings are compared here, not with CHECK_EQ: GCC 12 raises a false -Wrestrict in
 // check.hpp's show() for std::string.
@@ -79,22 +82,6 @@ std::vector<uint64_t> write_tar(const std::string& path, const std::vector<Entry
   std::fwrite(out.data(), 1, out.size(), f);
   std::fclose(f);
   return offsets;
-}
-
-std::string read_file(const std::string& path) {
-  std::string s;
-  FILE* f = std::fopen(path.c_str(), "rb");
-  char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, n);
-  std::fclose(f);
-  return s;
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  std::fwrite(bytes.data(), 1, bytes.size(), f);
-  std::fclose(f);
 }
 
 // Runs fn, returning the kind of the Error it threw (or -1 if none, -2 if another).
@@ -232,7 +219,7 @@ void test_refusals() {
   CHECK(contains(msg, "a/README") && contains(msg, "no sample key"));
 
   // Compressed.
-  write_bytes(path_of("c.tar.gz"), std::string("\x1f\x8b\x08\x00", 4) + std::string(600, 'z'));
+  write_file(path_of("c.tar.gz"), std::string("\x1f\x8b\x08\x00", 4) + std::string(600, 'z'));
   CHECK_EQ(error_kind([&] { index::build_bytes({{path_of("c.tar.gz"), "c"}}, opt, &r); }, &msg),
            int(ErrorKind::kFormat));
   CHECK(contains(msg, "gzip") && contains(msg, "fastload stage"));
@@ -243,8 +230,8 @@ void test_refusals() {
 
   // A truncated shard (data runs past the end).
   std::string t = read_file(path_of("d1.tar"));
-  write_bytes(path_of("trunc.tar"), t.substr(0, 512 + 100));
-  write_bytes(path_of("trunc.tar"), t.substr(0, 512) + std::string(1, '1'));
+  write_file(path_of("trunc.tar"), t.substr(0, 512 + 100));
+  write_file(path_of("trunc.tar"), t.substr(0, 512) + std::string(1, '1'));
   int kind = error_kind([&] { index::build_bytes({{path_of("trunc.tar"), "t"}}, opt, &r); });
   CHECK(kind == int(ErrorKind::kFormat) || kind == -1);
 }
@@ -257,7 +244,7 @@ void test_corrupt_index() {
   const std::string bad = path_of("bad.fidx");
   std::string msg;
   auto open_bad = [&](const std::string& bytes) {
-    write_bytes(bad, bytes);
+    write_file(bad, bytes);
     return error_kind([&] { index::IndexFile::open(bad); }, &msg);
   };
   CHECK_EQ(open_bad(good), -1);

@@ -13,7 +13,9 @@ _Path = Union[str, bytes, os.PathLike[str]]
 def uring_available() -> bool: ...
 def syncfs(path: _Path) -> None: ...
 def fs_type(path: _Path) -> int: ...
+def file_systems() -> dict[int, tuple[str, bool]]: ...
 def cached_bytes(fd: int, offset: int, length: int) -> int: ...
+def permutation(n: int, words: Sequence[int]) -> npt.NDArray[np.int64]: ...
 def fl64(data: Buffer, seed: int = 0) -> int: ...
 
 class Fl64Stream:
@@ -202,26 +204,44 @@ class ShardFile:
 def list_archive(
     path: _Path, nested: bool, threads: int = 0
 ) -> tuple[list[str], npt.NDArray[np.uint64], npt.NDArray[np.uint64], dict[str, Any]]: ...
+class PackPlan:
+    def __init__(
+        self,
+        *,
+        root: _Path | None,
+        sources: bytes,
+        src_offsets: npt.ArrayLike,
+        m_src: npt.ArrayLike,
+        m_off: npt.ArrayLike,
+        m_size: npt.ArrayLike,
+        m_name: npt.ArrayLike,
+        m_name_len: npt.ArrayLike,
+        m_first: npt.ArrayLike,
+        names: bytes,
+        inline_data: bytes,
+        whole_files: bool,
+        shard_first: npt.ArrayLike,
+        final_paths: Sequence[_Path],
+        tmp_paths: Sequence[_Path],
+    ) -> None: ...
+    @property
+    def shards(self) -> int: ...
+    @property
+    def members(self) -> int: ...
+
+class PackOptions:
+    mode: str
+    threads: int
+    sync: bool
+    max_open: int
+    def __init__(
+        self, *, mode: str = "per_shard", threads: int = 0, sync: bool = True,
+        max_open: int = 256,
+    ) -> None: ...
+
 def pack_run(
-    root: _Path | None,
-    sources: bytes,
-    src_offsets: npt.ArrayLike,
-    m_src: npt.ArrayLike,
-    m_off: npt.ArrayLike,
-    m_size: npt.ArrayLike,
-    m_name: npt.ArrayLike,
-    m_name_len: npt.ArrayLike,
-    m_first: npt.ArrayLike,
-    names: bytes,
-    inline_data: bytes,
-    whole_files: bool,
-    shard_first: npt.ArrayLike,
-    final_paths: Sequence[_Path],
-    tmp_paths: Sequence[_Path],
-    mode: str,
-    threads: int = 0,
-    sync: bool = True,
-    max_open: int = 256,
+    plan: PackPlan,
+    options: PackOptions,
     progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, int]: ...
 
@@ -235,7 +255,7 @@ def pack_payloads(
     allow_missing: bool = False,
 ) -> list[list[int] | None]: ...
 
-# --- reusable shared-memory blocks for packed batches (cpp/bindings/shm.cpp) ---
+# --- reusable shared-memory blocks for packed batches (cpp/shm/block.hpp) ---
 
 class ShmLease:
     def __buffer__(self, flags: int, /) -> memoryview: ...

@@ -1,5 +1,5 @@
-"""Small helpers every part may use: the version, sizes (parsed and printed), checksums,
-the node lock beside a path, and atomic JSON writes.
+"""Small helpers every part may use: the version, sizes (parsed and printed), seeds and
+shuffle blocks (checked), checksums, the node lock beside a path, and atomic JSON writes.
 
 Imports nothing of fastload but errors: it sits below every part but that one (see
 ``_LAYERS`` in ``fastload/__init__.py``).
@@ -12,6 +12,7 @@ import errno
 import fcntl
 import importlib.metadata
 import json
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -67,6 +68,39 @@ def human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n} B"
+
+
+# --- seeds and shuffle blocks ----------------------------------------------------------
+#
+# Every order fastload shuffles (pack's, the datasets' epochs) is _core.permutation of
+# its seed and other words; these are the one check of what a caller passes for them.
+
+SEED_LIMIT = 1 << 64
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python's or numpy's, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def check_seed(value: object, what: str = "seed") -> int:
+    """``value`` as an int if it is a seed (or epoch): an integer in ``[0, 2**64)``, bools
+    refused; else ValueError naming ``what``."""
+    n = _as_int(value)
+    if n is None or not 0 <= n < SEED_LIMIT:
+        raise ValueError(f"{what} must be a non-negative integer below 2**64, not {value!r}")
+    return n
+
+
+def check_block(value: object, what: str = "shuffle_block") -> int:
+    """``value`` as an int if it is a shuffle block (a positive integer); else ValueError
+    naming ``what``."""
+    n = _as_int(value)
+    if n is None or n < 1:
+        raise ValueError(f"{what} must be a positive integer, not {value!r}")
+    return n
 
 
 # --- checksums -------------------------------------------------------------------------

@@ -61,26 +61,9 @@ REQUEST_BYTES = 64 << 10
 NEAR_BEST = 0.9  # the best in flight: the fewest reaching this share of the top rate
 MAX_SAMPLE = 256  # files (or objects) listed at most
 
-# statfs(2) magic numbers, for the names in the report.
-_FS_NAMES = {
-    0xEF53: "ext4",
-    0x58465342: "xfs",
-    0x9123683E: "btrfs",
-    0x01021994: "tmpfs",
-    0x794C7630: "overlayfs",
-    0x2FC12FC1: "zfs",
-    0x6969: "nfs",
-    0x65735546: "fuse",
-    0x0BD00BD0: "lustre",
-    0x47504653: "gpfs",
-    0xFF534D42: "cifs",
-    0xFE534D42: "smb2",
-    0x00C36400: "cephfs",
-    0x19830326: "beegfs",
-    0x01021997: "9p",
-    0x5346414F: "afs",
-    0xAAD7AAEA: "panfs",
-}
+# statfs(2) magic numbers, for the names in the report: the native table
+# (cpp/io/fs.cpp), which staging's choice of I/O backend reads too.
+_FS_NAMES = {magic: name for magic, (name, _) in _core.file_systems().items()}
 
 
 @dataclasses.dataclass(frozen=True)

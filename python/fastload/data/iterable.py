@@ -19,6 +19,7 @@ from typing import Any, Callable, Union
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._util import check_block, check_seed
 from ..cache import is_remote
 from ..env.world import World, world
 from ..index import ShardIndex
@@ -34,7 +35,9 @@ __all__ = ["ShardIterableDataset"]
 
 #: Marks a state dict as this dataset's (see ``state_dict``).
 _FORMAT = "fastload.ShardIterableDataset"
-_VERSION = 1
+#: 2: epoch orders are fastload's one permutation (data/shuffle.py), no longer numpy's
+#: PCG64: a version-1 state's positions name other samples in today's order.
+_VERSION = 2
 #: What must agree between a state and the dataset loading it (the positions of a state
 #: name the same samples only for the same data and the same order).
 _ORDER_KEYS = ("samples", "seed", "shuffle", "shuffle_block")
@@ -215,11 +218,8 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
             raise ValueError(
                 f"num_workers must be a non-negative integer or None, not {num_workers!r}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
-        if isinstance(shuffle_block, bool) or not isinstance(shuffle_block, int) \
-                or shuffle_block < 1:
-            raise ValueError(f"shuffle_block must be a positive integer, not {shuffle_block!r}")
+        seed = check_seed(seed)
+        shuffle_block = check_block(shuffle_block)
         if batch_size is not None and (isinstance(batch_size, bool) or batch_size <= 0):
             raise ValueError(f"batch_size must be positive, not {batch_size!r}")
         if batch_by is not None:

@@ -14,11 +14,15 @@ more shards into each batch, a smaller one keeps reads closer together. ``block=
 keeps each shard's stored order (only the shard order is shuffled); ``block >= n`` is a
 full shuffle.
 
-Randomness comes from numpy's PCG64 seeded through ``SeedSequence([seed, epoch, ...])``
-and permutations are ``argsort`` of raw 64-bit draws, both stable across numpy versions
-and platforms: the same ``(seed, epoch)`` gives the same order bit for bit in every
-process, rank and start method. Each block has its own stream, so any range of
-positions is computed without computing the rest of the epoch.
+Every permutation here is fastload's one permutation, ``_core.permutation`` of the words
+``(seed, epoch, tag[, block])`` (the same function orders pack's samples). **The
+guarantee:** it is defined bit for bit in ``cpp/common/permutation.hpp`` by 64-bit
+integer arithmetic alone (SplitMix64's finaliser over a Weyl sequence, sorted), so the
+same ``(seed, epoch)`` gives the same order on every machine, in every process, rank and
+start method, under any numpy, compiler or platform; it changes only with fastload's
+resume-state version (``ShardIterableDataset`` refuses a state of another). Each block
+has its own words, so any range of positions is computed without computing the rest of
+the epoch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from .. import _core
+from .._util import check_block, check_seed
 from .partition import Intervals
 
 __all__ = ["DEFAULT_BLOCK", "EpochOrder", "epoch_order", "permutation"]
@@ -38,18 +44,10 @@ _SHARDS = 0x5348  # stream tags: shard permutation, block permutations
 _BLOCKS = 0x424B
 
 
-def _check_seed(seed: int, epoch: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
-
-
 def permutation(n: int, *words: int) -> np.ndarray:
-    """A permutation of ``range(n)`` (int64) determined by ``words`` (non-negative ints)."""
-    bits = np.random.PCG64(np.random.SeedSequence([int(w) for w in words]))
-    keys = bits.random_raw(n)
-    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    """A permutation of ``range(n)`` (int64) determined by ``words`` (integers in
+    ``[0, 2**64)``): ``_core.permutation`` (see the module's guarantee)."""
+    return _core.permutation(n, [check_seed(w, "a permutation's word") for w in words])
 
 
 class EpochOrder:
@@ -70,9 +68,9 @@ class EpochOrder:
         shuffle: bool = True,
         block: int = DEFAULT_BLOCK,
     ) -> None:
-        _check_seed(seed, epoch)
-        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
-            raise ValueError(f"shuffle block must be a positive integer, not {block!r}")
+        check_seed(seed)
+        check_seed(epoch, "epoch")
+        check_block(block, "shuffle block")
         c = np.asarray(counts, dtype=np.int64).reshape(-1)
         if c.size and int(c.min()) < 0:
             raise ValueError("shard sample counts must not be negative")

@@ -268,28 +268,30 @@ def pack_path(
             mode = "scatter"
         bar = _Progress(len(samples_out), f"pack {source.name}") if progress else None
         try:
-            res = _core.pack_run(
-                root,
-                sources,
-                src_offsets,
-                smp.src[members],
-                smp.off[members],
-                smp.size[members],
-                smp.name_off[members],
-                smp.name_len[members],
-                m_first,
-                smp.names,
-                smp.inline,
-                listing.kind == "tree",
-                shard_first,
-                finals,
-                tmps,
-                mode,
-                threads,
-                sync,
-                _open_files_for(len(mine)) if mode == "scatter" else 256,
-                bar,
+            plan = _core.PackPlan(
+                root=root,
+                sources=sources,
+                src_offsets=src_offsets,
+                m_src=smp.src[members],
+                m_off=smp.off[members],
+                m_size=smp.size[members],
+                m_name=smp.name_off[members],
+                m_name_len=smp.name_len[members],
+                m_first=m_first,
+                names=smp.names,
+                inline_data=smp.inline,
+                whole_files=listing.kind == "tree",
+                shard_first=shard_first,
+                final_paths=finals,
+                tmp_paths=tmps,
             )
+            options = _core.PackOptions(
+                mode=mode,
+                threads=threads,
+                sync=sync,
+                max_open=_open_files_for(len(mine)) if mode == "scatter" else 256,
+            )
+            res = _core.pack_run(plan, options, bar)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,15 +1,19 @@
 """The pure functions of a pack plan: the permutation, the cut into shards, the split
 across tasks. Plain numpy in, numpy out; no I/O, so each is tested alone.
 
-The permutation is defined here, not by numpy's random generators (whose streams may
-change between numpy releases): every task of a SLURM array, on whatever node and
-numpy version, must compute the same one from the same seed.
+The permutation is fastload's one permutation, ``_core.permutation`` (the datasets'
+epoch orders use it too), defined bit for bit in ``cpp/common/permutation.hpp``, not by
+numpy's random generators: every task of a SLURM array, on whatever node and numpy
+version, must compute the same one from the same seed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
+from .. import _core
+from .._util import check_seed
 
 __all__ = ["END_BYTES", "cut_shards", "member_bytes", "permutation", "split_key", "task_shards"]
 
@@ -18,36 +22,15 @@ END_BYTES = 1024
 
 _BLOCK = 512
 _OCTAL_SIZE_MAX = 0o77777777777
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_MASK = (1 << 64) - 1
-
-
-def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """SplitMix64's finaliser, elementwise (arrays wrap on overflow, as wanted)."""
-    z = x.copy()
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return z
 
 
 def permutation(n: int, seed: int) -> npt.NDArray[np.int64]:
-    """A uniformly random permutation of ``range(n)``, the same for the same seed on any
-    machine: the order of the SplitMix64 hashes of ``seed``'s stream (a stable argsort,
-    so even a 64-bit collision breaks the same way everywhere)."""
+    """A uniformly random permutation of ``range(n)``, the same for the same seed (an
+    integer in ``[0, 2**64)``) on any machine: ``_core.permutation(n, [seed])``, pack's
+    order since its first release."""
     if n < 0:
         raise ValueError(f"n must be non-negative, not {n}")
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an integer, not {type(seed).__name__}")
-    base = np.array([int(seed) & _MASK], dtype=np.uint64)
-    start = _splitmix64(base)  # decorrelates nearby seeds
-    x = (np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN) + start[0]
-    keys = _splitmix64(x)
-    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    return _core.permutation(n, [check_seed(seed)])
 
 
 def member_bytes(name_lens: npt.NDArray[np.uint64], sizes: npt.NDArray[np.uint64]) -> npt.NDArray[
@@ -61,8 +44,6 @@ def member_bytes(name_lens: npt.NDArray[np.uint64], sizes: npt.NDArray[np.uint64
     out = np.uint64(_BLOCK) + ((sizes + np.uint64(_BLOCK - 1)) & ~np.uint64(_BLOCK - 1))
     special = (name_lens > 100) | (sizes > _OCTAL_SIZE_MAX)
     if special.any():
-        from .. import _core
-
         out[special] = _core.tar_member_bytes(name_lens[special], sizes[special])
     return out
 

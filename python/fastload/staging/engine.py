@@ -7,23 +7,13 @@ from pathlib import Path
 
 from .. import _core
 
-# statfs(2) magic numbers of network and FUSE file systems. There io_uring punts every
-# open and uncached read to its kernel workers anyway, and a pool of blocking threads
-# keeps more requests in flight for less CPU (measured through netsim: see RESULTS.md).
-_NETWORK_FS = {
-    0x6969,  # NFS
-    0x65735546,  # FUSE (sshfs, gcsfuse, s3fs, netsim, ...)
-    0x0BD00BD0,  # Lustre
-    0x47504653,  # GPFS / Spectrum Scale
-    0xFF534D42,  # CIFS
-    0xFE534D42,  # SMB2
-    0x00C36400,  # CephFS
-    0x19830326,  # BeeGFS
-    0x01021997,  # 9p
-    0x5346414F,  # AFS
-    0x013111A8,  # IBRIX
-    0xAAD7AAEA,  # PanFS
-}
+# statfs(2) magic numbers of network and FUSE file systems (the native table,
+# cpp/io/fs.cpp). There io_uring punts every open and uncached read to its kernel
+# workers anyway, and a pool of blocking threads keeps more requests in flight for less
+# CPU (measured through netsim: see RESULTS.md).
+_NETWORK_FS = frozenset(
+    magic for magic, (_, network) in _core.file_systems().items() if network
+)
 
 
 def network_fs(path: Path | str) -> bool | None:

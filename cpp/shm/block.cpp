@@ -1,0 +1,116 @@
+#include "shm/block.hpp"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <string>
+
+#include "common/error.hpp"
+
+namespace fastload::shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x4b4c424d48534c46ull;  // "FLSHMBLK" little-endian
+constexpr const char* kName = "fastload batch block";
+
+struct Header {
+  uint64_t magic;
+  uint32_t users;
+};
+static_assert(sizeof(Header) <= kHeaderBytes);
+
+}  // namespace
+
+class Mapping {
+ public:
+  Mapping(char* base, size_t length) noexcept : base_(base), length_(length) {}
+  ~Mapping() { ::munmap(base_, length_); }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+  // Maps [0, length) of fd shared and writable. Throws Error(kOs).
+  static std::shared_ptr<Mapping> map(int fd, size_t length) {
+    void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw Error::os(errno, "map", kName);
+    return std::make_shared<Mapping>(static_cast<char*>(p), length);
+  }
+
+  Header* header() const noexcept { return reinterpret_cast<Header*>(base_); }
+  std::atomic_ref<uint32_t> users() const noexcept {
+    return std::atomic_ref<uint32_t>(header()->users);
+  }
+  char* payload() const noexcept { return base_ + kHeaderBytes; }
+  size_t capacity() const noexcept { return length_ - kHeaderBytes; }
+  size_t length() const noexcept { return length_; }
+
+ private:
+  char* base_;
+  size_t length_;
+};
+
+// ---- Lease ---------------------------------------------------------------------------
+
+Lease::Lease(std::shared_ptr<Mapping> map) noexcept : map_(std::move(map)) {}
+
+Lease::~Lease() {
+  if (map_) map_->users().fetch_sub(1, std::memory_order_release);
+}
+
+char* Lease::data() const noexcept { return map_->payload(); }
+size_t Lease::capacity() const noexcept { return map_->capacity(); }
+
+// ---- Block ---------------------------------------------------------------------------
+
+Block::Block(size_t capacity) {
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+  const size_t length = (kHeaderBytes + capacity + page - 1) / page * page;
+  fd_.reset(::memfd_create("fastload-batch", MFD_CLOEXEC));
+  if (!fd_) throw Error::os(errno, "create", kName);
+  if (::ftruncate(fd_.get(), off_t(length)) != 0) throw Error::os(errno, "size", kName);
+  map_ = Mapping::map(fd_.get(), length);
+  map_->header()->magic = kMagic;
+  map_->users().store(0, std::memory_order_release);
+  struct stat st;
+  if (::fstat(fd_.get(), &st) != 0) throw Error::os(errno, "stat", kName);
+  inode_ = uint64_t(st.st_ino);
+}
+
+Block::~Block() = default;
+
+uint32_t Block::users() const noexcept { return map_->users().load(std::memory_order_acquire); }
+
+std::unique_ptr<Lease> Block::lease() {
+  map_->users().fetch_add(1, std::memory_order_acq_rel);
+  return std::make_unique<Lease>(map_);
+}
+
+void Block::retain() noexcept { map_->users().fetch_add(1, std::memory_order_acq_rel); }
+
+size_t Block::length() const noexcept { return map_->length(); }
+size_t Block::capacity() const noexcept { return map_->capacity(); }
+uintptr_t Block::address() const noexcept { return reinterpret_cast<uintptr_t>(map_->payload()); }
+
+// ---- View ----------------------------------------------------------------------------
+
+View::View(int raw_fd, size_t length) {
+  UniqueFd fd(raw_fd);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) throw Error::os(errno, "stat", kName);
+  if (length <= kHeaderBytes || uint64_t(st.st_size) < length)
+    throw Error(ErrorKind::kOs, EINVAL, "attach", kName,
+                "the block has " + std::to_string(st.st_size) + " bytes, " +
+                    std::to_string(length) + " were announced");
+  map_ = Mapping::map(fd.get(), length);
+  if (map_->header()->magic != kMagic)
+    throw Error(ErrorKind::kOs, EINVAL, "attach", kName, "not a fastload batch block");
+}
+
+View::~View() = default;
+
+std::unique_ptr<Lease> View::adopt() { return std::make_unique<Lease>(map_); }
+size_t View::length() const noexcept { return map_->length(); }
+uint32_t View::users() const noexcept { return map_->users().load(std::memory_order_acquire); }
+
+}  // namespace fastload::shm

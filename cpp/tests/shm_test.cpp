@@ -1,0 +1,152 @@
+// The shared-memory batch blocks: sizes, the lease count through lease/retain/adopt and
+// back to zero, the payload seen by a second mapping and by another process, counts
+// kept exact under concurrent leases, and the refusals of View (short file, no payload,
+// not a block).
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "check.hpp"
+#include "common/error.hpp"
+#include "shm/block.hpp"
+
+using namespace fastload;
+
+namespace {
+
+// Whether View(fd, length) is refused with EINVAL.
+bool refused(int fd, size_t length) {
+  try {
+    shm::View v(fd, length);
+  } catch (const Error& e) {
+    return e.kind() == ErrorKind::kOs && e.err() == EINVAL;
+  }
+  return false;
+}
+
+void test_sizes() {
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+  shm::Block b(1000);
+  CHECK(b.capacity() >= 1000);
+  CHECK_EQ(b.length() % page, size_t(0));
+  CHECK_EQ(b.length(), b.capacity() + shm::kHeaderBytes);
+  CHECK_EQ(b.address() % 64, uintptr_t(0));
+  CHECK_EQ(b.users(), 0u);
+  CHECK(b.fd() >= 0);
+  CHECK(b.inode() != 0);
+  shm::Block exact(page - shm::kHeaderBytes);  // header + payload fill one page exactly
+  CHECK_EQ(exact.length(), page);
+}
+
+void test_counts_in_one_process() {
+  shm::Block b(4096);
+  {
+    auto l1 = b.lease();
+    CHECK_EQ(b.users(), 1u);
+    CHECK_EQ(l1->capacity(), b.capacity());
+    CHECK_EQ(reinterpret_cast<uintptr_t>(l1->data()), b.address());
+    {
+      auto l2 = b.lease();
+      CHECK_EQ(b.users(), 2u);
+    }
+    CHECK_EQ(b.users(), 1u);
+  }
+  CHECK_EQ(b.users(), 0u);
+}
+
+void test_handover_to_a_view() {
+  shm::Block b(1 << 16);
+  auto mine = b.lease();
+  std::memcpy(mine->data(), "batch one", 9);
+  b.retain();  // for the receiver, while `mine` is alive
+  CHECK_EQ(b.users(), 2u);
+  mine.reset();  // the sender drops its own lease before the receiver adopts
+  CHECK_EQ(b.users(), 1u);
+
+  shm::View v(::dup(b.fd()), b.length());
+  CHECK_EQ(v.length(), b.length());
+  CHECK_EQ(v.users(), 1u);
+  {
+    auto theirs = v.adopt();  // takes over the retained count, adds none
+    CHECK_EQ(b.users(), 1u);
+    CHECK(std::memcmp(theirs->data(), "batch one", 9) == 0);
+    CHECK(theirs->data() != reinterpret_cast<char*>(b.address()));  // another mapping
+    std::memcpy(theirs->data(), "seen", 4);
+  }
+  CHECK_EQ(b.users(), 0u);  // free for the next batch
+  auto next = b.lease();
+  CHECK(std::memcmp(next->data(), "seen", 4) == 0);  // one physical block
+}
+
+void test_another_process() {
+  shm::Block b(1 << 16);
+  auto mine = b.lease();
+  std::memcpy(mine->data(), "across", 6);
+  b.retain();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // The child: a receiver adopting the count and letting it go.
+    int code = 0;
+    try {
+      shm::View v(::dup(b.fd()), b.length());
+      auto l = v.adopt();
+      if (std::memcmp(l->data(), "across", 6) != 0) code = 2;
+    } catch (...) {
+      code = 3;
+    }
+    ::_exit(code);
+  }
+  CHECK(pid > 0);
+  int status = 0;
+  CHECK_EQ(::waitpid(pid, &status, 0), pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_EQ(b.users(), 1u);  // the child's adopted count is back; our lease remains
+  mine.reset();
+  CHECK_EQ(b.users(), 0u);
+}
+
+void test_concurrent_leases() {
+  // Senders leasing and retaining, a receiver adopting: every count given back.
+  shm::Block b(4096);
+  shm::View v(::dup(b.fd()), b.length());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      for (int i = 0; i < 20000; ++i) {
+        auto l = b.lease();
+        b.retain();
+        l.reset();
+        v.adopt().reset();
+      }
+    });
+  for (auto& t : threads) t.join();
+  CHECK_EQ(b.users(), 0u);
+}
+
+void test_refusals() {
+  shm::Block b(4096);
+  CHECK(refused(::dup(b.fd()), b.length() + 4096));   // longer than the file
+  CHECK(refused(::dup(b.fd()), shm::kHeaderBytes));   // no payload
+  const int other = ::memfd_create("not-a-block", MFD_CLOEXEC);
+  CHECK(other >= 0);
+  CHECK_EQ(::ftruncate(other, 8192), 0);
+  CHECK(refused(other, 8192));                        // zeros: no magic
+  CHECK_EQ(b.users(), 0u);
+}
+
+}  // namespace
+
+int main() {
+  test_sizes();
+  test_counts_in_one_process();
+  test_handover_to_a_view();
+  test_another_process();
+  test_concurrent_leases();
+  test_refusals();
+  return test::exit_code();
+}

@@ -157,6 +157,9 @@ struct ExtractJob::Impl {
   int ensure_dir(const std::string& path) { return dir_ref(path)->get(); }
   const std::shared_ptr<UniqueFd>& dir_ref(const std::string& path);
   void drop_dir_cache() { dir_fds.clear(); }
+  // A directory member's directory: made (with ensure_dir()), replacing a file or other
+  // non-directory, not a symbolic link, that is at its path.
+  void make_dir(const std::string& path);
   void make_symlink(const std::string& out, const std::string& target, int64_t mtime_ns);
   void make_hardlinks();
   void set_dir_metadata();

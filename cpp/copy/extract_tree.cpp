@@ -23,7 +23,7 @@ tar::Action Level::on_member(const tar::Member& m) {
     case tar::MemberType::kDir:
       for (const auto& p : im_.opt.exclude)
         if (glob_match(p, out)) return tar::Action::kSkip;
-      im_.ensure_dir(out);
+      im_.make_dir(out);
       im_.dir_meta.push_back({out, m.mode, m.mtime_ns});
       return tar::Action::kSkip;
     case tar::MemberType::kFile:
@@ -140,6 +140,30 @@ const std::shared_ptr<UniqueFd>& ExtractJob::Impl::dir_ref(const std::string& pa
   if (dir_fds.size() >= kMaxCachedDirs) drop_dir_cache();
   dirs_made.insert(path);
   return dir_fds.emplace(path, std::make_shared<UniqueFd>(fd)).first->second;
+}
+
+// A directory member replaces what an earlier member (or an earlier run) left at its
+// path that is no directory: a file extracted from Solaris tar's 'A' header of the same
+// name, for one (an unknown type, written as a regular file as GNU tar writes it). GNU
+// tar removes it and makes the directory; so does this. A symbolic link there is not
+// removed: ensure_dir() refuses to go through it, as for any member below it.
+void ExtractJob::Impl::make_dir(const std::string& out) {
+  // A file of that name still being written is named first, then replaced.
+  while (active_paths.count(out)) pump(true);
+  if (!dirs_made.count(out)) {
+    auto [parent, base] = split(out);
+    int pfd = ensure_dir(parent);
+    struct stat st;
+    if (::fstatat(pfd, base.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISDIR(st.st_mode) &&
+        !S_ISLNK(st.st_mode)) {
+      if (::unlinkat(pfd, base.c_str(), 0) != 0 && errno != ENOENT)
+        throw Error::os(errno, "replace", full(out));
+      // Not reported as extracted: a run's dirs() names it now (the caller drops files
+      // it was told of before for the same reason).
+      std::erase_if(done, [&](const ExtractedFile& f) { return f.path == out; });
+    }
+  }
+  ensure_dir(out);
 }
 
 // ---- links and metadata --------------------------------------------------------------

@@ -266,8 +266,16 @@ bool ExtractJob::Impl::link_anon(const File& f, const char* as) {
 
 void ExtractJob::Impl::file_closed(uint32_t i) {
   File& f = files[i];
-  if (!f.anon && ::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0)
-    throw Error::os(errno, "rename into place", full(f.path));
+  if (!f.anon && ::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) != 0) {
+    // An empty directory an earlier run left at the name (a re-run over a tree where a
+    // later directory member replaced this file) is removed, as GNU tar removes it; one
+    // this run made, or one holding anything, is not.
+    int e = errno;
+    if (e == EISDIR && !dirs_made.count(f.path) &&
+        ::unlinkat(f.dir_fd, f.base.c_str(), AT_REMOVEDIR) == 0)
+      e = ::renameat(f.dir_fd, f.tmp.c_str(), f.dir_fd, f.base.c_str()) == 0 ? 0 : errno;
+    if (e != 0) throw Error::os(e, "rename into place", full(f.path));
+  }
   f.dir.reset();
   f.dir_fd = -1;
   done.push_back(

@@ -644,8 +644,12 @@ HeaderDecoder::Step HeaderDecoder::finish_sparse(Pending& p, uint64_t data_offse
     fail(out.header_offset, out.path,
          "invalid sparse member: its extents hold " + std::to_string(sum) +
              " bytes, its size says " + std::to_string(rest));
-  // Bytes the size counts past the extents are skipped, each run to a block (GNU tar).
-  area += padded(rest - sum);
+  // GNU tar reads each extent as whole blocks and counts them so (a block read is 512
+  // bytes of the size, padding included), then skips what the size counts beyond, in
+  // whole blocks. A writer whose size counts each extent's padding (GNU tar counts only
+  // the data) thus has nothing after the extents: subtracting the extents' unpadded sum
+  // instead would skip their padding a second time, into the next header.
+  if (rest > area) area += padded(rest - area);
   out.extents = std::move(kept);
   out.sparse = true;
   out.size = end;

@@ -23,7 +23,8 @@
 //    link all the same: when the block after such a member is not a header, the member's
 //    size (padded) is skipped as its body (Step::body);
 //  - a sparse member's data is its extents back to back, each padded to a block, then
-//    whatever the size field counts beyond them (GNU tar's reading, exactly);
+//    whatever the size field counts beyond those blocks, padded (GNU tar's reading,
+//    exactly: the size may or may not count the extents' padding);
 //  - names: pax (the member's 'x' header) over pax global ('g') over GNU long names over
 //    the ustar name and prefix (the prefix only with the POSIX magic "ustar\0"); of two
 //    'x' headers, or two 'L' or 'K', before one member the last wins; GNU.sparse.name

@@ -494,6 +494,82 @@ void test_sparse_members() {
   }
 }
 
+// An old GNU sparse header ('S', magic "ustar  \0"): the first four extents in the header,
+// the rest in extension blocks of 21 each, every block flagged when another follows.
+std::string old_gnu_sparse(std::string_view name, uint64_t real, uint64_t size,
+                           const std::vector<std::pair<uint64_t, uint64_t>>& extents) {
+  std::string h = tb::header(name, 'S', size);
+  tb::put(h, 257, std::string_view("ustar  \0", 8));
+  tb::put(h, 483, tb::octal(real, 12));
+  std::string ext;
+  for (size_t i = 0; i < extents.size(); ++i) {
+    std::string* b = &h;
+    size_t at = 386 + 24 * i;
+    if (i >= 4) {
+      const size_t k = (i - 4) % 21;
+      if (k == 0) {
+        if (i == 4) h[482] = 1;
+        else ext[ext.size() - tb::kBlock + 504] = 1;
+        ext.append(tb::kBlock, '\0');
+      }
+      b = &ext;
+      at = ext.size() - tb::kBlock + 24 * k;
+    }
+    tb::put(*b, at, tb::octal(extents[i].first, 12));
+    tb::put(*b, at + 12, tb::octal(extents[i].second, 12));
+  }
+  tb::fix_checksum(h);
+  return h + ext;
+}
+
+// A sparse member's size may count its extents' padding (GNU tar reads each extent as
+// whole blocks and skips only what the size counts past them) or not (what GNU tar
+// writes); both frame the member the same, read or skipped. What the size counts beyond
+// the extents' blocks is skipped to a block: the next member's header follows. (libarchive
+// test_read_format_gtar_sparse_skip_entry: its 4-byte extent is counted as a whole block.)
+void test_sparse_size_counts_padding() {
+  std::vector<std::pair<uint64_t, uint64_t>> ext;
+  std::string data;
+  for (uint64_t i = 0; i < 30; ++i) {  // two extension blocks
+    ext.push_back({i * 8192, 100 + i});
+    data += tb::pad(std::string(100 + i, static_cast<char>('a' + i % 26)));
+  }
+  const uint64_t sum = 30 * 100 + 29 * 30 / 2, blocks = data.size();
+  const uint64_t real = ext.back().first + ext.back().second;
+  // size: the data (GNU tar), the data's blocks (the padding counted), and 700 bytes more
+  // than the blocks (two more blocks to skip).
+  for (const uint64_t size : {sum, blocks, blocks + 700}) {
+    const std::string tail = size > blocks ? tb::pad(std::string(size - blocks, '\0')) : "";
+    const std::string old_gnu = old_gnu_sparse("s", real, size, ext) + data + tail +
+                                tb::file("b", "bbbb") + tb::end_marker();
+    // pax 1.0: the map in the data's first block, counted in the size.
+    std::string map = std::to_string(ext.size()) + "\n";
+    for (const auto& [o, n] : ext) map += std::to_string(o) + "\n" + std::to_string(n) + "\n";
+    const std::string pax = tb::extension('x', tb::pax_record("GNU.sparse.major", "1") +
+                                                   tb::pax_record("GNU.sparse.minor", "0") +
+                                                   tb::pax_record("GNU.sparse.name", "s") +
+                                                   tb::pax_record("GNU.sparse.realsize", std::to_string(real))) +
+                            tb::header("GNUSparseFile.1/s", '0', tb::kBlock + size) +
+                            tb::pad(map) + data + tail + tb::file("b", "bbbb") + tb::end_marker();
+    for (const std::string& a : {old_gnu, pax}) {
+      const Parsed r = accepted(a, "");
+      CHECK_EQ(r.recs.size(), size_t{2});
+      if (r.recs.size() != 2) continue;
+      CHECK(r.recs[0].m.sparse);
+      CHECK_EQ(r.recs[0].m.size, real);
+      CHECK_EQ(r.recs[0].m.data_size, sum);
+      CHECK_EQ(r.recs[0].data.size(), size_t{sum});
+      CHECK_EQ(r.recs[1].m.path, std::string("b"));
+      CHECK_EQ(r.recs[1].data, std::string("bbbb"));
+      // "b": its header, its data block and the end marker close the archive.
+      CHECK_EQ(r.recs[1].m.header_offset, static_cast<uint64_t>(a.size() - 4 * tb::kBlock));
+      const Parsed skipped = parse_chunks(a, 7, [](const Member& x) { return x.sparse; });
+      CHECK(!skipped.error);
+      CHECK_EQ(describe(skipped.recs.back().m), describe(r.recs[1].m));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Splits, seeking, end of archive
 
@@ -1281,6 +1357,7 @@ int main() {
   test_safe_paths();
   test_tool_archives();
   test_sparse_members();
+  test_sparse_size_counts_padding();
   test_against_pep706();
   test_differential_gnu_tar();
   if (fastload::test::failures() == 0) sh("rm -rf '" + g_tmp + "'");

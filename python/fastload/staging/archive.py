@@ -340,9 +340,13 @@ class _Extraction:
     def _commit(self, job: Any) -> StageResult:
         archive, req, dest = self.archive, self.req, self.dest
         size = archive.data.size  # a stream's, known once read
-        done = {p: r for p, r in self.done.items() if p in self.reused or p in self.seen}
         links = job.links()
         dirs = job.dirs()
+        # A file whose path is now a directory was replaced by a later directory member
+        # (a file is never written over a directory this run made).
+        made = set(dirs)
+        done = {p: r for p, r in self.done.items()
+                if (p in self.reused or p in self.seen) and p not in made}
         if req.include and not req.allow_empty and not (done or links) and not any(
             selected(d, list(req.include), []) for d in dirs if d.strip("./")
         ):

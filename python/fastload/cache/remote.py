@@ -29,6 +29,7 @@ import os
 import shutil
 import tarfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +41,7 @@ from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage
 from ..index import ShardIndex, expand_braces
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
 from . import _fetchd
-from .store import ByUrl, CacheEntry, Pin, ShardCache, store_fetcher
+from .store import ByUrl, CacheEntry, Pin, ShardCache, count_get, store_fetcher
 
 __all__ = ["INDEX_OBJECT", "INDEX_OBJECT_ZST", "RemoteShards", "is_remote"]
 
@@ -371,6 +372,7 @@ class RemoteShards:
     def read_range(self, shard: int, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of shard ``shard`` in one ranged GET (no cache)."""
         entry = self.entries[shard]
+        t = time.monotonic()
         try:
             if _fetchd.forked():
                 return memoryview(_fetchd.helper().call(
@@ -379,6 +381,8 @@ class RemoteShards:
         except SourceChangedError:
             self.cache.drop(entry.url)
             raise
+        finally:
+            count_get(t)
 
 
 def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:

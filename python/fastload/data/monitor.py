@@ -193,8 +193,8 @@ class Monitor(Generic[T]):
                 if self.log_every is not None and t1 - self._last_log >= self.log_every:
                     self._last_log = t1
                     self._say(self.summary())
+                last = clock()  # the step starts: the time until the next next() is its
                 yield batch
-                last = clock()
             if last is not None:
                 self.step_s += clock() - last
         finally:
@@ -256,6 +256,7 @@ class Monitor(Generic[T]):
         out["data/wait_s"] = self.wait_s
         out["data/step_s"] = self.step_s
         out["data/first_batch_s"] = self.first_batch_s
+        out["data/startup_s"] = self._first_wait
         out["data/elapsed_s"] = busy
         out["data/wait_share"] = (self.wait_s - self._first_wait) / steady if steady > 0 else 0.0
         out["data/samples_per_s"] = self.samples / busy if busy > 0 else 0.0
@@ -327,8 +328,9 @@ class Monitor(Generic[T]):
         if busy <= 0 or wall <= 0:
             return ("the loop waits on the loader (no stage times: a fastload dataset in "
                     "a torch DataLoader reports them)")
-        use = busy / (readers * wall)
-        if self.workers and use < 0.5:
+        # The workers' share of busy time, after their start (each epoch's first batch).
+        use = busy / (readers * max(wall - d["data/startup_s"], 1e-9))
+        if self.workers and use < 0.3:
             return (f"hand-over between processes: the workers are busy {use:.0%} of the "
                     "time while the loop waits; hand over less (packed batches: "
                     "fastload.collate) or decode after the DataLoader")

@@ -289,7 +289,7 @@ class Monitor(Generic[T]):
 
     def summary(self) -> str:
         """One line on the time since the last summary (or the start): the share of it
-        the loop waited for data, samples/s, bytes/s, the cache's hit rate and the
+        the loop waited for data (after each epoch's first batch), samples/s, bytes/s, the cache's hit rate and the
         store's throughput where there is a cache, and, when the loop waited more than
         ``stall_threshold`` of the time, why (:meth:`stall`)."""
         now = self.stats()
@@ -297,7 +297,8 @@ class Monitor(Generic[T]):
         self._window = now
         d = {k: v - prev.get(k, 0.0) for k, v in now.items()}
         wall = d["data/elapsed_s"]
-        share = d["data/wait_s"] / wall if wall > 0 else 0.0
+        steady = wall - d["data/startup_s"]  # after each epoch's first batch
+        share = (d["data/wait_s"] - d["data/startup_s"]) / steady if steady > 0 else 0.0
         parts = [f"data wait {share:.0%}"]
         if wall > 0:
             parts.append(f"{_rate(d['data/samples'] / wall)} samples/s")

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fastload
 from torch.utils.data import DataLoader
+
+import fastload
 
 STEPS = 24
 COLORS = {"wait for batch": "#d62728", "step": "#2ca02c", "read": "#1f77b4",

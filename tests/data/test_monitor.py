@@ -76,7 +76,7 @@ def run(loop: Any, step: float = 0.0) -> int:
         # steps of 15 ms: the loop waits 15 ms of every 30.
         (2, 0.060, 0.015, 0.5),
         # Data faster than the step: the loop hardly waits.
-        (2, 0.010, 0.040, 0.0),
+        (2, 0.005, 0.050, 0.0),
     ],
     ids=["main-process", "2-workers-slow-data", "2-workers-slow-step"],
 )

@@ -289,9 +289,10 @@ class Monitor(Generic[T]):
 
     def summary(self) -> str:
         """One line on the time since the last summary (or the start): the share of it
-        the loop waited for data (after each epoch's first batch), samples/s, bytes/s, the cache's hit rate and the
-        store's throughput where there is a cache, and, when the loop waited more than
-        ``stall_threshold`` of the time, why (:meth:`stall`)."""
+        the loop waited for data (after each epoch's first batch), samples/s, bytes/s,
+        the cache's hit rate and the store's throughput where there is a cache, and,
+        when the loop waited more than ``stall_threshold`` of the time, why
+        (:meth:`stall`)."""
         now = self.stats()
         prev = self._window or {}
         self._window = now
@@ -391,7 +392,9 @@ def monitor(
     (``data/step_s``), their share (``data/wait_share``, after each epoch's first batch,
     whose start-up is ``data/first_batch_s``), samples/s and bytes/s; from a
     ``DataLoader``, per worker (``worker/<i>/...``) and summed (``workers/...``): batches,
-    samples, bytes handed over, collate time, and from fastload's datasets the time in
+    samples, bytes handed over (exact for packed batches and tensors; for lists of
+    samples, exact for each worker's first 32 batches and one in 8 after, the others
+    at the mean bytes per sample), collate time, and from fastload's datasets the time in
     each stage (``read``, ``fetch`` of remote shards into the cache, ``transform``,
     ``collate``) and the cache's hits, misses, downloads, evictions, GETs and their
     seconds (``cache/...``, ``store/...``; retries happen inside the object-store client

@@ -108,6 +108,15 @@ def _check_pack_dataset(ns: Namespace) -> None:
     assert got == want
 
 
+def _check_monitor(ns: Namespace) -> None:
+    """``stats = loop.stats()``: the epoch counted, the trace written."""
+    stats, loop = ns["stats"], ns["loop"]
+    assert stats["data/samples"] == 1000 == stats["workers/samples"]
+    assert 0 <= stats["data/wait_share"] <= 1
+    loop.close()
+    assert json.loads(Path("trace.json").read_text())["traceEvents"]
+
+
 # What a block promises, checked after its top-level statement holding the phrase.
 CHECKS: dict[str, Callable[[Namespace], None]] = {
     "sample = ds[123]": _check_index_dataset,
@@ -116,6 +125,7 @@ CHECKS: dict[str, Callable[[Namespace], None]] = {
     "batch.to(device": _check_packed_batches,
     'fastload.ShardWriter("out"': _check_shard_writer,
     "fastload.pack_dataset(": _check_pack_dataset,
+    "stats = loop.stats()": _check_monitor,
 }
 
 

@@ -29,6 +29,7 @@ from .staging import StageResult, VerifyResult, available_engines, stage, verify
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset
     from .data.collate import collate
+    from .data.monitor import Monitor, monitor
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
 _LAYERS = """
@@ -51,6 +52,7 @@ __all__ = [
     "ChecksumMismatchError",
     "FastloadError",
     "IndexFormatError",
+    "Monitor",
     "NotEnoughSpaceError",
     "PackResult",
     "PackedBatch",
@@ -70,6 +72,7 @@ __all__ = [
     "available_engines",
     "collate",
     "env",
+    "monitor",
     "pack",
     "pack_dataset",
     "probe",
@@ -96,6 +99,10 @@ def __getattr__(name: str) -> object:
         from .data import ShardIterableDataset
 
         return ShardIterableDataset
+    if name in ("monitor", "Monitor"):
+        from .data import monitor as _monitor
+
+        return getattr(_monitor, name)
     if name in ("collate", "PackedBatch"):
         from . import data
 

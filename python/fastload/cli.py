@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "instead of using a complete copy staged before",
     )
     s.add_argument(
+        "--stats",
+        action="store_true",
+        help="then say where the time went: waiting for the lock, listing and planning, "
+        "copying, CPU time, and bytes and files per second over time",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
@@ -398,6 +404,19 @@ def _as_flags(message: str) -> str:
     return message
 
 
+def _print_stage_stats(st: Any) -> None:
+    """``fastload stage --stats``: the totals, then throughput about once a second."""
+    print(f"  lock wait {st.lock_wait_seconds:.2f} s, listing and planning "
+          f"{st.setup_seconds:.2f} s, copying {st.copy_seconds:.2f} s, total "
+          f"{st.seconds:.2f} s")  # fmt: skip
+    print(f"  cpu {st.cpu_user_seconds:.2f} s user, {st.cpu_system_seconds:.2f} s system")
+    shown = -1.0
+    for t, bps, fps in st.rates():
+        if t - shown >= 1.0:
+            shown = t
+            print(f"  {t:7.2f} s  {human(bps)}/s  {fps:.0f} files/s")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -420,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allow_empty=args.allow_empty,
                 check_source="strict" if args.strict_source else True,
                 fanout=args.fanout_transport or args.fanout,
+                stats=args.stats,
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
@@ -435,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{r.path}: fan-out over {r.nodes} nodes: this node read "
                         f"{human(r.read_bytes)} of the source"
                     )
+            if r.stats is not None:
+                _print_stage_stats(r.stats)
             return 0
         if args.command == "verify":
             res = verify(

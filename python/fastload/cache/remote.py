@@ -31,6 +31,7 @@ import os
 import shutil
 import tarfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +43,7 @@ from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage
 from ..index import ShardIndex, expand_braces
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
 from . import _fetchd
-from .store import ByUrl, CacheEntry, Pin, ShardCache, store_fetcher
+from .store import ByUrl, CacheEntry, Pin, ShardCache, count_get, store_fetcher
 
 log = logging.getLogger(__name__)
 
@@ -420,6 +421,7 @@ class RemoteShards:
     def read_range(self, shard: int, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of shard ``shard`` in one ranged GET (no cache)."""
         entry = self.entries[shard]
+        t = time.monotonic()
         try:
             if _fetchd.forked():
                 return memoryview(_fetchd.helper().call(
@@ -428,6 +430,8 @@ class RemoteShards:
         except SourceChangedError:
             self.cache.drop(entry.url)
             raise
+        finally:
+            count_get(t)
 
 
 def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:

@@ -58,7 +58,7 @@ from ..errors import SourceChangedError, stage_error
 if TYPE_CHECKING:
     from ..sources.objstore import ObjectStore
 
-__all__ = ["CacheEntry", "Pin", "ShardCache"]
+__all__ = ["COUNTERS", "CacheEntry", "Counters", "Pin", "ShardCache", "count_get"]
 
 #: How often a reader waiting for room or for another process's download looks again.
 _POLL = 0.05
@@ -69,6 +69,48 @@ PART = 16 << 20
 PARTS_IN_FLIGHT = 4
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class Counters:
+    """This process's cache activity (``fastload.monitor`` reads it): reader pins that
+    found their shard cached (``hits``) or not (``misses``), downloads and their bytes,
+    evictions, object GETs and the seconds they took (summed over the GETs in flight).
+    Counted where the work runs: the downloads of a DataLoader worker forked after
+    obstore was used run in the process serving it (:mod:`fastload.cache._fetchd`)."""
+
+    FIELDS = ("hits", "misses", "downloads", "download_bytes", "evictions", "evicted_bytes",
+              "gets", "get_seconds")  # fmt: skip
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._v = dict.fromkeys(self.FIELDS, 0.0)
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._v[name] += n
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._v)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+
+
+COUNTERS = Counters()
+os.register_at_fork(after_in_child=COUNTERS._after_fork)
+#: Called as ``on_event(op, entry name, size, start, end)`` (``time.monotonic()``) after
+#: each download (op ``"download"``) and eviction (``"evict"``) this process makes; set by
+#: ``fastload.monitor`` while it traces.
+on_event: Callable[[str, str, int, float, float], None] | None = None
+
+
+def _event(op: str, name: str, size: int, start: float) -> None:
+    COUNTERS.add("downloads" if op == "download" else "evictions")
+    COUNTERS.add("download_bytes" if op == "download" else "evicted_bytes", size)
+    hook = on_event
+    if hook is not None:
+        hook(op, name, size, start, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -248,6 +290,7 @@ class ShardCache:
             except FileNotFoundError:
                 return True
             self._log("evict", name, size)
+            _event("evict", name, size, time.monotonic())
             return True
         finally:
             os.close(fd)
@@ -272,8 +315,10 @@ class ShardCache:
                 return False
             for _, name, size in taken:
                 with contextlib.suppress(FileNotFoundError):
+                    t = time.monotonic()
                     os.unlink(self.shards / name)
                     self._log("evict", name, size)
+                    _event("evict", name, size, t)
             return True
         finally:
             for fd, _, _ in taken:
@@ -361,7 +406,11 @@ class ShardCache:
         try:
             fcntl.flock(pin_fd, fcntl.LOCK_SH)
             if self._valid(entry):
+                if keep_free is None:  # a reader's pin, not a prefetch
+                    COUNTERS.add("hits")
                 return pin_fd, True
+            if keep_free is None:
+                COUNTERS.add("misses")
             ok = self._download(entry, fetch, wait, keep_free) if via is None \
                 else via(entry, wait, keep_free)
             return pin_fd, None if ok is None else bool(ok) and self._valid(entry)
@@ -408,6 +457,7 @@ class ShardCache:
                 os.close(waiting)
                 waiting = -1
             part = self.shards / f"{entry.name}.part"
+            started = time.monotonic()
             try:
                 self._fill(entry, part_fd, fetch)
                 # Under the lock: a scan between listing the .part and stat-ing it would
@@ -422,6 +472,7 @@ class ShardCache:
                 os.close(part_fd)
             self.downloads.append(entry.name)
             self._log("download", entry.name, entry.size)
+            _event("download", entry.name, entry.size, started)
             return True
         finally:
             if waiting >= 0:
@@ -488,6 +539,12 @@ def _key(url: str) -> str:
     return split_url(url)[2]
 
 
+def count_get(start: float) -> None:
+    """Counts one GET (answered or not) that started at ``start``."""
+    COUNTERS.add("gets")
+    COUNTERS.add("get_seconds", time.monotonic() - start)
+
+
 def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PART) -> Fetcher:
     """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: one GET, or
     ranged GETs of ``part_size`` bytes, :data:`PARTS_IN_FLIGHT` at a time, every one
@@ -499,14 +556,23 @@ def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PAR
 
     def part(entry: CacheEntry, key: str, start: int, end: int,
              write: Callable[[int, Any], None]) -> None:  # fmt: skip
-        for piece in store.stream_range(key, start, end, entry.etag):
-            write(start, piece)
-            start += len(piece)
+        t = time.monotonic()
+        try:
+            for piece in store.stream_range(key, start, end, entry.etag):
+                write(start, piece)
+                start += len(piece)
+        finally:
+            count_get(t)
 
     def fetch(entry: CacheEntry, write: Callable[[int, Any], None]) -> None:
         key = key_of(entry.url)
         if entry.size <= STREAM_CHUNK:
-            write(0, store.get(key, entry.etag))
+            t = time.monotonic()
+            try:
+                data = store.get(key, entry.etag)
+            finally:
+                count_get(t)
+            write(0, data)
             return
         if entry.size <= part_size:
             part(entry, key, 0, entry.size, write)

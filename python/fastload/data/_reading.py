@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..index import ShardIndex
+from . import _probe
 from ._fetch import fetch
 from ._prefetch import Prefetcher
 from .collate import collate as _collate
@@ -92,6 +93,10 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
         return remote.read(ids.tolist(), lambda ix, part: fetch(ix, part, fields, copy,
                                                                 access))
 
+    # Timed stage by stage while a monitor is on (else the functions themselves).
+    read = _probe.timed(_probe.READ, read)
+    transform = _probe.timed(_probe.TRANSFORM, transform)
+
     try:
         if ds.batch_size is None:
             for ids in chunks:
@@ -99,12 +104,13 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
                     run.done += 1
                     yield s if transform is None else transform(s)
         elif ds.batch_by is None:
-            collate = ds.collate_fn
-            packed = packed_fetch(collate, fields, access) if transform is None else None
+            collate = _probe.timed(_probe.COLLATE, ds.collate_fn)
+            packed = packed_fetch(ds.collate_fn, fields, access) if transform is None else None
+            read_one = _probe.timed(_probe.READ, remote.read_one_shard)
             for ids in chunks:
                 if packed is not None:
                     ahead.reading(int(remote.shard_of(ids[-1:])[0]))
-                    out = remote.read_one_shard(ids.tolist(), packed)
+                    out = read_one(ids.tolist(), packed)
                     if out is None:  # the batch spans shards: pack what was read
                         assert collate is not None
                         out = collate(read(ids))

@@ -28,6 +28,7 @@ from ..cache import Pin, RemoteShards, ShardCache
 from ..env import current
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
+from . import _probe
 
 __all__ = ["FETCH", "RemoteReader", "default_cache_dir", "open_remote"]
 
@@ -120,7 +121,8 @@ class RemoteReader:
         if self._held is not None and self._held[0] == shard:
             return
         self.release()
-        self._held = (shard, self.shards.pinned_one(shard))
+        # (timed as the stage "fetch" while a monitor is on: a download, or a wait for one)
+        self._held = (shard, _probe.timed(_probe.FETCH, self.shards.pinned_one)(shard))
 
     def read(self, ids: Sequence[int], fetch: Callable[[ShardIndex, list[int]], Any]
              ) -> list[Any]:

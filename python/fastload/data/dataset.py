@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 from ..cache import is_remote
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
+from . import _probe
 from ._fetch import Source, check_access, check_fields, fetch, index_of
 from ._remote import FETCH, RemoteReader, open_remote
 from .collate import collate as pack_samples
@@ -128,18 +129,24 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         )
 
     def __getitem__(self, i: int) -> Any:
-        sample = self._read([i])[0]
-        return sample if self.transform is None else self.transform(sample)
+        sample = _probe.timed(_probe.READ, self._read)([i])[0]
+        t = _probe.timed(_probe.TRANSFORM, self.transform)
+        return sample if t is None else t(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
+        read = _probe.timed(_probe.READ, self._read)  # itself unless a monitor is on
         if self.packed:
             if self._remote is None:
-                return fetch_packed(self.index, indices, self.fields, self.access)
-            return pack_samples(self._read(indices), fields=self.fields)
-        batch = self._read(indices)
+                return _probe.timed(_probe.READ, fetch_packed)(
+                    self.index, indices, self.fields, self.access)
+            return _probe.timed(_probe.COLLATE, pack_samples)(read(indices), fields=self.fields)
+        batch = read(indices)
         if self.transform is not None:
             t = self.transform
-            batch = [t(s) for s in batch]
+            if _probe.ACTIVE is None:
+                batch = [t(s) for s in batch]
+            else:
+                batch = _probe.ACTIVE.timed(_probe.TRANSFORM, lambda b: [t(s) for s in b])(batch)
         return batch
 
     def get(self, key: str) -> Any:

@@ -24,7 +24,7 @@ from ..cache import is_remote
 from ..env.world import World, world
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
-from . import partition
+from . import _probe, partition
 from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
 from ._reading import CHUNK, packed_fetch, rechunk, remote_epoch
 from ._remote import RemoteReader, open_remote
@@ -403,6 +403,9 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         def read(ids: np.ndarray) -> list[Any]:
             return fetch(index, ids.tolist(), fields, copy, access)
 
+        # Timed stage by stage while a monitor is on (else the functions themselves).
+        read = _probe.timed(_probe.READ, read)
+        transform = _probe.timed(_probe.TRANSFORM, transform)
         if self.batch_size is None:
             for ids in chunks:
                 samples = read(ids)
@@ -410,8 +413,9 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                     run.done += 1
                     yield s if transform is None else transform(s)
         elif self.batch_by is None:
-            collate = self.collate_fn
-            packed = packed_fetch(collate, fields, access) if transform is None else None
+            collate = _probe.timed(_probe.COLLATE, self.collate_fn)
+            packed = packed_fetch(self.collate_fn, fields, access) if transform is None else None
+            packed = _probe.timed(_probe.READ, packed)
             if packed is not None:
                 # fastload.collate over untransformed samples: read the batch straight
                 # into its packed block, no dict or Payload per sample.
@@ -433,7 +437,8 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         self, run: _Run, chunks: Iterator[np.ndarray], read: Callable[[np.ndarray], list[Any]]
     ) -> Iterator[Any]:
         limit, by = self.batch_size, self.batch_by
-        transform, collate = self.transform, self.collate_fn
+        transform = _probe.timed(_probe.TRANSFORM, self.transform)
+        collate = _probe.timed(_probe.COLLATE, self.collate_fn)
         assert limit is not None
         batch: list[Any] = []
         size = 0.0

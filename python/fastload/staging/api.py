@@ -65,6 +65,7 @@ def stage(
     repair: bool = False,
     fanout: bool | Any = False,
     allow_empty: bool = False,
+    stats: bool = False,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -102,6 +103,10 @@ def stage(
         allow_empty: stage nothing without an error where the source holds nothing to
             stage (a prefix with no objects, include patterns that match nothing);
             by default that is a FileNotFoundError naming the URL or the patterns.
+        stats: say where the time went: ``result.stats`` (a
+            :class:`~fastload.staging.result.StageStats`) holds the time waiting for
+            the node lock, before the first byte (listing, planning), copying, the CPU
+            time, and bytes and files done a few times a second (``stats.rates()``).
         repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
             and re-copy whatever differs or is missing (a stage after a failed verify
             does that too).
@@ -145,6 +150,7 @@ def stage(
         engine=engine, progress=progress, workers=workers, on_special=on_special,
         check_source=check_source, unpack=unpack, sync=sync,
         storage_options=storage_options, fanout=fanout, allow_empty=allow_empty,
+        stats=stats,
     )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import resource
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,9 +17,9 @@ from typing import Any, NamedTuple
 
 from .. import _core
 from .._util import node_lock, write_json_atomic
-from .job import JOURNAL_EVERY, prove, say_waiting
+from .job import JOURNAL_EVERY, Bar, prove, say_waiting
 from .request import StageRequest
-from .result import StageResult
+from .result import StageResult, StageStats
 from .state import (
     MANIFEST_VERSION,
     Journal,
@@ -240,20 +241,64 @@ def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResu
 
 def stage_into(dest: Destination, source: Any) -> StageResult:
     """Open the destination, lock, run the source (or fan out over the job's nodes). A
-    stage that fails before it wrote anything leaves no empty destination behind."""
+    stage that fails before it wrote anything leaves no empty destination behind. With
+    ``stats`` the result says where the time went (:class:`StageStats`): the lock wait,
+    CPU time, and bytes and files done over time, from the progress callback."""
     existed = os.path.lexists(dest.path)
+    req = dest.req
+    t0, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    samples: list[tuple[float, int, int]] = []
+    marks = {"locked": t0}
+    if req.stats:
+        shown = req.progress
+        bar: list[Bar] = []
+
+        def sample(bytes_done: int, bytes_total: int, files_done: int, files_total: int
+                   ) -> None:  # fmt: skip
+            samples.append((time.monotonic() - t0, bytes_done, files_done))
+            if callable(shown):
+                shown(bytes_done, bytes_total, files_done, files_total)
+            elif shown:
+                if not bar:
+                    bar.append(Bar(f"stage {source.label}", bytes_total, bytes_done))
+                bar[0](bytes_done, bytes_total, files_done, files_total)
+
+        sampled = dataclasses.replace(req, progress=sample)
+
+    def stats(result: StageResult) -> StageResult:
+        for b in bar if req.stats else []:
+            b.close()
+        if not req.stats:
+            return result
+        now, end = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        first = samples[0][0] + t0 if samples else now
+        last = samples[-1][0] + t0 if samples else now
+        return dataclasses.replace(result, stats=StageStats(
+            seconds=now - t0, lock_wait_seconds=marks["locked"] - t0,
+            setup_seconds=first - marks["locked"], copy_seconds=last - first,
+            cpu_user_seconds=end.ru_utime - usage.ru_utime,
+            cpu_system_seconds=end.ru_stime - usage.ru_stime, samples=samples,
+        ))  # fmt: skip
+
     try:
-        if dest.req.fanout is not False:
+        if req.fanout is not False:
             from .fanout import stage_fanout
 
-            fanout = dest.req.fanout
-            return stage_fanout(source, dest, None if fanout is True else fanout)
+            if req.stats:
+                dest.req = sampled
+            fanout = req.fanout
+            return stats(stage_fanout(source, dest, None if fanout is True else fanout))
         with dest.locked():
-            return run_locked(dest, source)
+            marks["locked"] = time.monotonic()
+            if req.stats:
+                dest.req = sampled
+            return stats(run_locked(dest, source))
     except BaseException:
         if not existed:
             dest.remove_if_empty()
         raise
+    finally:
+        dest.req = req
 
 
 def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:

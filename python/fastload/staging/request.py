@@ -46,6 +46,7 @@ class StageRequest:
     storage_options: Mapping[str, Any] | None = None
     fanout: Any = False
     allow_empty: bool = False
+    stats: bool = False
     t0: float = dataclasses.field(default_factory=time.monotonic)
 
     @classmethod

@@ -7,6 +7,48 @@ from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
+class StageStats:
+    """Where a stage's time went (``stage(..., stats=True)``)."""
+
+    seconds: float
+    """From the call to its return."""
+    lock_wait_seconds: float
+    """Waiting for the node lock (another process staging the same destination)."""
+    setup_seconds: float
+    """From the lock to the first bytes copied: listing the source, comparing with an
+    earlier stage, planning, checking space (the whole stage when nothing was copied)."""
+    copy_seconds: float
+    """From the first progress report to the last: reading and writing."""
+    cpu_user_seconds: float
+    cpu_system_seconds: float
+    """CPU time of this process (every thread), from ``getrusage``."""
+    samples: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
+    """``(seconds since the call, bytes done, files done)``, a few times a second."""
+
+    def rates(self) -> list[tuple[float, float, float]]:
+        """``(seconds, bytes/s, files/s)`` between consecutive samples: the throughput
+        over time."""
+        out = []
+        for (t0, b0, f0), (t1, b1, f1) in zip(self.samples, self.samples[1:], strict=False):
+            if t1 > t0:
+                out.append((t1, (b1 - b0) / (t1 - t0), (f1 - f0) / (t1 - t0)))
+        return out
+
+    def to_dict(self) -> dict[str, float]:
+        """The totals as a flat dict (``stage/...``) for a logger."""
+        rates = [r[1] for r in self.rates()]
+        return {
+            "stage/seconds": self.seconds,
+            "stage/lock_wait_s": self.lock_wait_seconds,
+            "stage/setup_s": self.setup_seconds,
+            "stage/copy_s": self.copy_seconds,
+            "stage/cpu_user_s": self.cpu_user_seconds,
+            "stage/cpu_system_s": self.cpu_system_seconds,
+            "stage/peak_bytes_per_s": max(rates, default=0.0),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class StageResult:
     """What stage() did."""
 
@@ -29,6 +71,8 @@ class StageResult:
     read_bytes: int | None = None
     """Bytes this process read from the source for a fanned-out stage (its share, plus
     the pieces of an archive it read for the others); ``None`` for a plain stage."""
+    stats: StageStats | None = None
+    """Where the time went, with ``stats=True``; else ``None``."""
 
 
 @dataclasses.dataclass(frozen=True)

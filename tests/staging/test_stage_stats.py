@@ -1,0 +1,93 @@
+"""stage(..., stats=True) and ``fastload stage --stats`` (issue 36): the time waiting for
+the node lock, before the first byte, copying, the CPU time, and bytes and files done
+over time, from a real stage of a real tree."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fastload
+from fastload import cli
+from fastload._util import node_lock
+from kit import trees
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stats") / "src"
+    trees.build_small_files(root / "small", 300, seed=36)
+    trees.write_patterned(root / "big.bin", 48 * trees.MiB, seed=36)
+    return root
+
+
+def test_stats_of_a_stage(src: Path, tmp_path: Path, stage: Any) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+    r = stage(src, tmp_path / "dst", stats=True, progress=lambda *a: calls.append(a))
+    st = r.stats
+    assert st is not None
+    # The progress callback still gets every report the samples were taken from.
+    assert [(b, f) for _, b, f in st.samples] == [(c[0], c[2]) for c in calls]
+    assert st.samples, "a stage that copies reports its progress at least at its end"
+    assert st.samples[-1][1:] == (r.bytes, r.files) == (r.copied_bytes, r.copied_files)
+    times = [t for t, _, _ in st.samples]
+    assert times == sorted(times) and times[-1] <= st.seconds
+    done = [b for _, b, _ in st.samples]
+    assert done == sorted(done)
+    assert st.lock_wait_seconds >= 0 and st.setup_seconds >= 0 and st.copy_seconds >= 0
+    assert st.lock_wait_seconds + st.setup_seconds + st.copy_seconds <= st.seconds
+    assert st.cpu_user_seconds + st.cpu_system_seconds > 0
+    assert all(bps >= 0 and fps >= 0 for _, bps, fps in st.rates())
+    d = st.to_dict()
+    assert d["stage/seconds"] == st.seconds and "stage/lock_wait_s" in d
+    # Without stats: none.
+    assert fastload.stage(src, tmp_path / "dst2").stats is None
+
+
+def test_skipped_stage_stats(src: Path, tmp_path: Path) -> None:
+    fastload.stage(src, tmp_path / "dst")
+    r = fastload.stage(src, tmp_path / "dst", stats=True)
+    assert r.skipped and r.stats is not None
+    assert r.stats.samples == [] and r.stats.copy_seconds == 0
+
+
+def test_lock_wait_is_counted(src: Path, tmp_path: Path) -> None:
+    """Another holder of the node lock: the stage waits at least as long as it holds it
+    (a lower bound: the wait cannot be shorter)."""
+    dst = tmp_path / "dst"
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with node_lock(Path(dst).absolute()):
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(60)
+    out: list[Any] = []
+    stager = threading.Thread(target=lambda: out.append(fastload.stage(src, dst, stats=True)))
+    t0 = time.monotonic()
+    stager.start()
+    time.sleep(0.3)
+    release.set()
+    released = time.monotonic() - t0
+    stager.join(120)
+    holder.join()
+    (r,) = out
+    # (half: the stage starts its clock a moment after the test does, in its thread)
+    assert r.stats.lock_wait_seconds >= released * 0.5
+    assert r.stats.lock_wait_seconds < r.stats.seconds
+
+
+def test_cli_stats(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["stage", "--stats", str(src), str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "lock wait" in out and "listing and planning" in out and "cpu " in out
+    assert cli.main(["stage", str(src), str(tmp_path / "dst3")]) == 0
+    assert "lock wait" not in capsys.readouterr().out

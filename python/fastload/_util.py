@@ -176,6 +176,21 @@ def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterat
         os.close(fd)  # releases the lock
 
 
+def pwrite_all(fd: int, data: Any, offset: int, path: str | os.PathLike[str]) -> None:
+    """Writes all of ``data`` (a buffer) at ``offset`` of ``fd``: the one positional
+    writer of the Python side (cache downloads, object staging, fan-out). A failure is a
+    StageError naming ``path``."""
+    view = memoryview(data).cast("B")
+    done = 0
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as e:
+        raise stage_error(
+            e.errno or errno.EIO, f"cannot write '{path}': {e.strerror}", os.fspath(path)
+        ) from None
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Writes to a temporary, fsyncs it, renames it over ``path`` and fsyncs the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -315,8 +315,8 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     """``fastload pack SRC OUT ...``."""
     from .packing.folder import pack_path
     from .packing.listing import CLS_FIELD
-    from .packing.upload import is_object_url
     from .packing.writer import DEFAULT_INDEX
+    from .sources import is_store_url
 
     if args.task_index is None:  # in a job array: its task (issue 23)
         from .env.slurm import array_task
@@ -345,7 +345,7 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     mbs = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
     who = f"task {args.task_index} of {args.num_tasks}: " if args.num_tasks > 1 else ""
     # Into a bucket, r names the temporary folder the shards were uploaded from (gone).
-    remote = is_object_url(args.out)
+    remote = is_store_url(args.out)
     where = (args.out if args.out.endswith("/") else args.out + "/") if remote else r.out_dir
     print(
         f"{where}: {who}{r.samples} samples in {len(r.shards)} of {r.total_shards} shards "

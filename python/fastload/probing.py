@@ -50,7 +50,7 @@ from . import _core
 from ._util import human
 from .env import current
 from .errors import stage_error
-from .sources.objstore import ObjectStore, is_object_url
+from .sources import is_store_url, store_for
 from .staging.engine import network_fs
 from .staging.job import DEFAULT_STRIPE, job_kwargs
 from .staging.remote import DEFAULT_OBJECTS_IN_FLIGHT
@@ -379,7 +379,7 @@ def _probe_files(root: Path, seconds: float, emit: OnEvent) -> dict[str, Any]:
 def _probe_objects(url: str, seconds: float, storage_options: dict[str, Any] | None,
                    emit: OnEvent) -> dict[str, Any]:
     t_end = time.monotonic() + seconds
-    store = ObjectStore(url, storage_options)
+    store = store_for(url, storage_options)
     try:
         objects = store.list()[:MAX_SAMPLE]
     except OSError:
@@ -491,7 +491,7 @@ def probe(
     loc = os.fspath(path)
     start = ProbeEvent("start", f"probing {loc} for about {seconds:g} s, reading only",
                        {"path": loc, "seconds": seconds})
-    if is_object_url(loc):
+    if is_store_url(loc):
         emit(start)
         m = _probe_objects(loc, seconds, storage_options, emit)
         kind, fs = "object", loc.split(":", 1)[0]

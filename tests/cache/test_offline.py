@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from remote_kit import plain, put_shards, write_shards  # noqa: E402
+from remote_kit import plain, put_shards, write_shards
 
-import fastload  # noqa: E402
+import fastload
 
 pytestmark = pytest.mark.native
 

@@ -199,24 +199,17 @@ def _accept(listener: Listener) -> None:
 # --- the helper's side -------------------------------------------------------------------
 
 
-_stores: dict[tuple[str, str], Any] = {}
-_stores_lock = threading.Lock()
-
-
 def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
     """Answers ``recv``'s requests on ``send`` until end of input. A helper process takes
     the site defaults each request carries; a server is the process they come from."""
     from .store import ByUrl, CacheEntry, ShardCache, store_fetcher
 
     def store(url: str, options: dict[str, Any]) -> Any:
-        from ..sources.objstore import ObjectStore, split_url
+        from ..sources import store_for
+        from ..sources.objstore import split_url
 
         scheme, bucket, _ = split_url(url)
-        key = (f"{scheme}://{bucket}/", repr(sorted(options.items())))
-        with _stores_lock:
-            if key not in _stores:
-                _stores[key] = ObjectStore(key[0], options)
-            return _stores[key]
+        return store_for(f"{scheme}://{bucket}/", options)
 
     while True:
         try:

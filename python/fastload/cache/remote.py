@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import _core
-from .._util import node_lock, write_json_atomic
+from .._util import node_lock, pwrite_all, write_json_atomic
 from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage_error
 from ..index import ShardIndex, expand_braces
-from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, is_object_url, split_url
+from ..sources import is_store_url, store_for
+from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, split_url
 from . import _fetchd
 from .store import ByUrl, CacheEntry, Pin, ShardCache, count_get, store_fetcher
 
@@ -64,9 +65,9 @@ _INDEX_PART = 4 << 20
 def is_remote(source: object) -> bool:
     """Whether a dataset source names object-store shards."""
     if isinstance(source, str):
-        return is_object_url(source)
+        return is_store_url(source)
     if isinstance(source, (list, tuple)) and source:
-        return all(isinstance(s, str) and is_object_url(s) for s in source)
+        return all(is_store_url(s) for s in source)
     return False
 
 
@@ -85,8 +86,6 @@ class RemoteShards:
     ) -> None:
         self.cache = cache
         self.storage_options = dict(storage_options or {})
-        self._stores: dict[str, ObjectStore] = {}
-        self._pid = os.getpid()
         try:
             listed = self._expand(source)
             self._save_listing(source, listed)
@@ -105,23 +104,12 @@ class RemoteShards:
         # process (no helper process to start in each).
         _fetchd.serve_forks()
 
-    # --- pickling: the stores are per process --------------------------------------------
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_stores"] = {}
-        return state
-
     def store(self, url: str) -> ObjectStore:
-        """The client for the bucket of ``url`` (made again after fork: a client's
-        runtime does not survive it)."""
-        if self._pid != os.getpid():
-            self._stores, self._pid = {}, os.getpid()
+        """The store of ``url``'s bucket (clients are shared per process, and made
+        again after fork: :func:`fastload.sources.store_for`)."""
         scheme, bucket, _ = split_url(url)
-        root = f"{scheme}://{bucket}/"
-        if root not in self._stores:
-            self._stores[root] = ObjectStore(root, self.storage_options)
-        return self._stores[root]
+        store: ObjectStore = store_for(f"{scheme}://{bucket}/", self.storage_options)
+        return store
 
     @staticmethod
     def _key(url: str) -> str:
@@ -133,7 +121,7 @@ class RemoteShards:
                   ) -> dict[str, ObjectInfo]:
         """Every object under ``dir_url`` by its full URL (one listing per folder)."""
         if dir_url not in cache:
-            store = ObjectStore(dir_url, self.storage_options)
+            store = store_for(dir_url, self.storage_options)
             cache[dir_url] = {dir_url + o.key: o for o in store.list()}
         return cache[dir_url]
 
@@ -289,7 +277,7 @@ class RemoteShards:
                     # thousand times is not an index (and must not fill the disk).
                     _core.decompress_to(packed, "zstd", fd, 1000 * info.size + (1 << 20), url)
                 else:
-                    fetch(entry, lambda at, data: _pwrite_all(fd, data, at, tmp))
+                    fetch(entry, lambda at, data: pwrite_all(fd, data, at, tmp))
                     if os.fstat(fd).st_size != info.size:
                         raise stage_error(errno.EIO, f"'{url}': {os.fstat(fd).st_size} "
                                           f"bytes read, {info.size} listed", url)
@@ -432,15 +420,6 @@ class RemoteShards:
             raise
         finally:
             count_get(t)
-
-
-def _pwrite_all(fd: int, data: Any, at: int, path: Path) -> None:
-    view = memoryview(data).cast("B")
-    while len(view):
-        n = os.pwrite(fd, view, at)
-        if n <= 0:
-            raise stage_error(errno.EIO, "short write", str(path))
-        view, at = view[n:], at + n
 
 
 def header_skeleton(src: Path, dst: Path, size: int) -> None:

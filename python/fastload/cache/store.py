@@ -47,12 +47,11 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._util import human
+from .._util import human, pwrite_all
 from ..errors import SourceChangedError, stage_error
 
 if TYPE_CHECKING:
@@ -488,9 +487,7 @@ class ShardCache:
             if offset + len(view) > entry.size:
                 raise stage_error(errno.EIO, f"'{entry.url}' is longer than listed "
                                   f"({entry.size} bytes)", entry.url, SourceChangedError)
-            n = 0
-            while n < len(view):
-                n += os.pwrite(fd, view[n:], offset + n)
+            pwrite_all(fd, view, offset, self.shards / f"{entry.name}.part")
             with lock:
                 written[0] += len(view)
 
@@ -515,10 +512,10 @@ class ShardCache:
 
 
 class ByUrl:
-    """The ``get``/``get_range``/``stream_range`` of objects named by whole URLs, each
-    through the client ``store_of(url)`` gives for its bucket (so one fetcher serves
-    shards of several buckets; the helper and the server of forked workers use it with
-    their own clients)."""
+    """The ``get``/``get_range``/``stream_range``/``fetch_parts`` of objects named by
+    whole URLs, each through the store ``store_of(url)`` gives for its bucket (so one
+    fetcher serves shards of several buckets; the helper and the server of forked
+    workers use it with their own settings)."""
 
     def __init__(self, store_of: Callable[[str], ObjectStore]) -> None:
         self._store_of = store_of
@@ -531,6 +528,10 @@ class ByUrl:
 
     def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
         return self._store_of(url).stream_range(_key(url), start, end, etag)
+
+    def fetch_parts(self, url: str, etag: str | None, size: int,
+                    write: Callable[[int, Any], None], **kw: Any) -> None:  # fmt: skip
+        self._store_of(url).fetch_parts(_key(url), etag, size, write, **kw)
 
 
 def _key(url: str) -> str:
@@ -546,41 +547,15 @@ def count_get(start: float) -> None:
 
 
 def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PART) -> Fetcher:
-    """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: one GET, or
-    ranged GETs of ``part_size`` bytes, :data:`PARTS_IN_FLIGHT` at a time, every one
-    with ``If-Match`` on the listed ETag. A body over
-    :data:`~fastload.sources.objstore.STREAM_CHUNK` is written in pieces as they arrive
-    (``stream_range``): a fresh buffer of a shard's size per download cost a page fault
-    per 4 KiB, and as much system time as the download itself."""
-    from ..sources.objstore import STREAM_CHUNK
-
-    def part(entry: CacheEntry, key: str, start: int, end: int,
-             write: Callable[[int, Any], None]) -> None:  # fmt: skip
-        t = time.monotonic()
-        try:
-            for piece in store.stream_range(key, start, end, entry.etag):
-                write(start, piece)
-                start += len(piece)
-        finally:
-            count_get(t)
+    """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: its
+    ``fetch_parts``, ranged GETs of ``part_size`` bytes, :data:`PARTS_IN_FLIGHT` at a
+    time, every one with ``If-Match`` on the listed ETag, each body written in pieces as
+    they arrive (a fresh buffer of a shard's size per download cost a page fault per
+    4 KiB, and as much system time as the download itself)."""
 
     def fetch(entry: CacheEntry, write: Callable[[int, Any], None]) -> None:
-        key = key_of(entry.url)
-        if entry.size <= STREAM_CHUNK:
-            t = time.monotonic()
-            try:
-                data = store.get(key, entry.etag)
-            finally:
-                count_get(t)
-            write(0, data)
-            return
-        if entry.size <= part_size:
-            part(entry, key, 0, entry.size, write)
-            return
-
-        with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="fastload-cache") as pool:
-            for f in [pool.submit(part, entry, key, s, min(entry.size, s + part_size), write)
-                      for s in range(0, entry.size, part_size)]:  # fmt: skip
-                f.result()
+        store.fetch_parts(key_of(entry.url), entry.etag, entry.size, write,
+                          part_size=part_size, in_flight=PARTS_IN_FLIGHT,
+                          on_get=count_get)  # fmt: skip
 
     return fetch

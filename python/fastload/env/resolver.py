@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 from .._util import parse_checksum
 from ..errors import ChecksumMismatchError, stage_error
-from ..sources import check_supported, is_object_url, is_url
+from ..sources import check_supported, is_store_url, is_url
 from ..sources import download as download_url
 from ..staging import Patterns, Progress, archive_compression, stage
 from ..staging.archive import SUFFIXES
@@ -128,7 +128,7 @@ def resolve(
                 continue
             url = expand(src.location, fields, os.environ)
             tried.append(url)
-            if is_object_url(url):  # staged straight from the store, no download
+            if is_store_url(url):  # staged straight from the store, no download
                 try:
                     result = stage(
                         url, base / src.into if src.into else base, include=include,

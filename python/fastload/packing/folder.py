@@ -32,7 +32,7 @@ from ..staging import archive_compression
 from ..staging.engine import network_fs
 from .listing import group, list_source
 from .plan import cut_shards, member_bytes, permutation, task_shards
-from .upload import is_object_url, pack_to_bucket
+from .upload import is_store_url, pack_to_bucket
 from .writer import (
     PackResult,
     PathLike,
@@ -194,7 +194,7 @@ def pack_path(
     progress: bool,
     sync: bool,
 ) -> PackResult:
-    if isinstance(out_dir, str) and is_object_url(out_dir):
+    if is_store_url(out_dir):
         packed: PackResult = pack_to_bucket(
             pack_path, out_dir, index, src=src, shuffle=shuffle, seed=seed, pattern=pattern,
             max_size=max_size, max_count=max_count, workers=workers, task_index=task_index,

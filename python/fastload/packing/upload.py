@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 from .. import _core
 from ..cache.remote import header_skeleton
-from ..sources.objstore import ObjectStore, StorageOptions, is_object_url, split_url
+from ..sources import is_store_url, store_for
+from ..sources.objstore import StorageOptions, split_url
 
-__all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "compress_index", "is_object_url", "pack_to_bucket"]
+__all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "compress_index", "is_store_url", "pack_to_bucket"]
 
 UPLOADS_IN_FLIGHT = 4
 #: Indexes up to this size also get a compressed copy (compressed in memory).
@@ -36,7 +37,7 @@ class Uploader:
             url += "/"
         split_url(url)  # checks it
         self.url = url
-        self.store = ObjectStore(url, storage_options)
+        self.store = store_for(url, storage_options)
         self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="fastload-up")
         self._pending: list[Future[None]] = []
 

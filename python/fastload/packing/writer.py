@@ -256,7 +256,7 @@ class ShardWriter:
         self._uploader: Any = None
         self.url: str | None = None
         self._skeletons: list[Path] = []
-        if isinstance(out_dir, str) and _upload.is_object_url(out_dir):
+        if isinstance(out_dir, str) and _upload.is_store_url(out_dir):
             # Shards go to a temporary folder, each uploaded once complete; only its
             # headers stay (for the index, uploaded last by close()).
             self._uploader = _upload.Uploader(out_dir, storage_options)

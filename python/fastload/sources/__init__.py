@@ -11,21 +11,25 @@ from .base import (
     Opener,
     Reader,
     check_supported,
+    is_store_url,
     is_url,
     open_url,
     register_scheme,
+    register_store,
     scheme_of,
     schemes,
+    store_for,
 )
 from .download import download
 from .http import open_http
 from .objstore import SCHEMES as OBJECT_SCHEMES
-from .objstore import is_object_url, open_object
+from .objstore import ObjectStore, is_object_url, open_object
 
 register_scheme("http", open_http)
 register_scheme("https", open_http)
 for _scheme in OBJECT_SCHEMES:
     register_scheme(_scheme, open_object)
+    register_store(_scheme, ObjectStore)
 
 __all__ = [
     "Opener",
@@ -33,9 +37,12 @@ __all__ = [
     "check_supported",
     "download",
     "is_object_url",
+    "is_store_url",
     "is_url",
     "open_url",
     "register_scheme",
+    "register_store",
     "scheme_of",
     "schemes",
+    "store_for",
 ]

@@ -13,7 +13,12 @@ import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from types import MappingProxyType
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeGuard
+
+    from .objstore import ObjectStore
 
 from ..errors import StageError, stage_error
 
@@ -25,6 +30,8 @@ class Reader(Protocol):
 Opener = Callable[[str], AbstractContextManager[tuple[Reader, "int | None"]]]
 
 _OPENERS: dict[str, Opener] = {}
+# Object stores (listing, ranged reads, writes), by scheme: store_for() makes one.
+_STORES: dict[str, Callable[[str, Mapping[str, Any] | None], Any]] = {}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -33,6 +40,35 @@ def register_scheme(scheme: str, opener: Opener) -> None:
     if not _SCHEME.match(f"{scheme}://"):
         raise ValueError(f"not a URL scheme: {scheme!r}")
     _OPENERS[scheme.lower()] = opener
+
+
+def register_store(
+    scheme: str, factory: Callable[[str, Mapping[str, Any] | None], ObjectStore]
+) -> None:
+    """Makes ``scheme://bucket/prefix`` URLs an object store: ``factory(url, options)``
+    returns the store (sources.objstore.ObjectStore for s3, gs and az)."""
+    _STORES[scheme.lower()] = factory
+
+
+def store_for(url: str, options: Mapping[str, Any] | None = None) -> ObjectStore:
+    """The object store of ``url`` (``s3://bucket/prefix/``) with ``options`` (the one
+    place storage options are read; clients shared per bucket, safe across fork)."""
+    scheme = scheme_of(url)
+    factory = _STORES.get(scheme or "")
+    if factory is None:
+        raise ValueError(f"not an object store URL ({', '.join(sorted(_STORES))}): {url!r}")
+    store: ObjectStore = factory(url, options)
+    return store
+
+
+def is_store_url(location: object) -> TypeGuard[str]:
+    """Whether ``location`` is a URL of a registered object store (its scheme in lower
+    case, as the stores write it: ``S3://b/k`` is a path, which stage() answers with
+    "did you mean s3://b/k")."""
+    if not isinstance(location, str):
+        return False
+    m = _SCHEME.match(location)
+    return m is not None and m.group(1) in _STORES
 
 
 def schemes() -> Mapping[str, Opener]:

@@ -24,14 +24,17 @@ from __future__ import annotations
 import configparser
 import contextlib
 import dataclasses
+import difflib
 import errno
 import fnmatch
 import importlib
 import os
 import re
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -146,13 +149,123 @@ def check_endpoint(value: Any, origin: str) -> str:
     )
 
 
+# obstore's S3 configuration keys (its S3Config), each also accepted with an ``aws_``
+# prefix, as obstore itself does.
+_OBSTORE_S3 = frozenset((
+    "access_key_id", "bucket", "checksum_algorithm", "conditional_put",
+    "container_credentials_relative_uri", "container_credentials_full_uri",
+    "container_authorization_token_file", "copy_if_not_exists", "disable_tagging",
+    "disable_bulk_delete", "imdsv1_fallback", "metadata_endpoint", "region",
+    "request_payer", "role_arn", "role_session_name", "s3_express", "secret_access_key",
+    "server_side_encryption", "session_token", "skip_signature", "sse_bucket_key_enabled",
+    "sse_customer_key_base64", "sse_kms_key_id", "sts_endpoint", "unsigned_payload",
+    "virtual_hosted_style_request", "web_identity_token_file",
+))  # fmt: skip
+# fastload's own names, beside obstore's.
+_FASTLOAD_S3 = frozenset(("endpoint_url", "profile", "anonymous", "client_options"))
+# Other names for the same settings: obstore's, s3fs/fsspec's, boto3's.
+_S3_ALIASES = {
+    "endpoint": "endpoint_url", "aws_endpoint": "endpoint_url",
+    "aws_endpoint_url": "endpoint_url", "aws_endpoint_url_s3": "endpoint_url",
+    "default_region": "region", "aws_default_region": "region", "region_name": "region",
+    "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
+    "anon": "anonymous", "profile_name": "profile", "aws_profile": "profile",
+}  # fmt: skip
+_SECRET_KEYS = frozenset(("secret_access_key", "session_token", "sse_customer_key_base64"))
+_BOOL_KEYS = frozenset(("anonymous", "skip_signature", "virtual_hosted_style_request",
+                        "unsigned_payload", "disable_tagging", "imdsv1_fallback",
+                        "s3_express", "sse_bucket_key_enabled"))  # fmt: skip
+
+
+def _canonical_s3(name: str) -> str | None:
+    low = name.lower()
+    if low in _FASTLOAD_S3 or low in _OBSTORE_S3:
+        return low
+    if low in _S3_ALIASES:
+        return _S3_ALIASES[low]
+    if low.startswith("aws_") and low[4:] in _OBSTORE_S3:
+        return low[4:]
+    return None
+
+
+def _accepted_s3() -> list[str]:
+    return sorted(_FASTLOAD_S3 | _OBSTORE_S3 | set(_S3_ALIASES)
+                  | {f"aws_{k}" for k in _OBSTORE_S3} | {"client_kwargs"})  # fmt: skip
+
+
+def normalize_s3_options(options: StorageOptions | None, origin: str) -> dict[str, Any]:
+    """``options`` under one name per setting: fastload's and obstore's own names,
+    obstore's ``aws_`` forms, s3fs/fsspec's (``key``, ``secret``, ``token``, ``anon``,
+    ``endpoint_url``, ``client_kwargs={"endpoint_url", "region_name"}``, ``profile``) and
+    boto3's (``aws_access_key_id``, ``region_name``, ...). An unknown key, a value of the
+    wrong type, or two names of one setting with different values is a ValueError in
+    one line naming the key (close matches first) and ``origin``, before any request;
+    secrets are never shown."""
+    flat: list[tuple[str, Any]] = []
+    for name, value in (options or {}).items():
+        if str(name).lower() == "client_kwargs":  # s3fs: botocore client arguments
+            if not isinstance(value, Mapping):
+                raise ValueError(f"storage option 'client_kwargs' from {origin} must be a "
+                                 f"mapping, not {type(value).__name__}")
+            for k, v in value.items():
+                if str(k).lower() not in ("endpoint_url", "region_name"):
+                    raise ValueError(
+                        f"storage option 'client_kwargs.{k}' from {origin} is not used: "
+                        "fastload takes 'endpoint_url' and 'region_name' from it"
+                    )
+                flat.append((f"client_kwargs.{k}", (_canonical_s3(str(k)), v)))
+            continue
+        canon = _canonical_s3(str(name))
+        if canon is None:
+            close = difflib.get_close_matches(str(name).lower(), _accepted_s3(), n=3)
+            hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+            raise ValueError(
+                f"unknown storage option {name!r} from {origin}: {hint}accepted: "
+                "endpoint_url, access_key_id, secret_access_key, session_token, region, "
+                "profile, anonymous, client_options, obstore's S3 keys (also with aws_), "
+                "s3fs's key/secret/token/anon/client_kwargs, boto3's aws_* and region_name"
+            )
+        flat.append((str(name), (canon, value)))
+    out: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    for name, (canon, value) in flat:
+        assert canon is not None
+        value = _typed(canon, name, value, origin)
+        if canon in out and out[canon] != value:
+            shown = "" if canon in _SECRET_KEYS else f" ({out[canon]!r} and {value!r})"
+            raise ValueError(
+                f"storage options {named[canon]!r} and {name!r} from {origin} both set "
+                f"{canon} to different values{shown}: give one"
+            )
+        out[canon], named[canon] = value, name
+    return out
+
+
+def _typed(canon: str, name: str, value: Any, origin: str) -> Any:
+    if canon in _BOOL_KEYS:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+            return value.strip().lower() in ("true", "1")
+        raise ValueError(f"storage option {name!r} from {origin} must be true or false, "
+                         f"not {type(value).__name__}")
+    if canon == "client_options":
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ValueError(f"storage option {name!r} from {origin} must be a mapping")
+    if not isinstance(value, str):
+        what = "****" if canon in _SECRET_KEYS else type(value).__name__
+        raise ValueError(f"storage option {name!r} from {origin} must be a string, not {what}")
+    return value
+
+
 def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     """The S3 settings in force: site < profile < environment < ``options``; the endpoint
     checked (:func:`check_endpoint`)."""
-    opts = dict(options or {})
-    s: dict[str, Any] = site_options("s3")
+    opts = normalize_s3_options(options, "storage_options")
     origin = "the configuration file's [storage.s3]"
-    prof = _profile(opts.pop("profile", None))
+    s: dict[str, Any] = normalize_s3_options(site_options("s3"), origin)
+    prof = _profile(opts.pop("profile", None) or s.pop("profile", None))
     for key, to in (
         ("aws_access_key_id", "access_key_id"),
         ("aws_secret_access_key", "secret_access_key"),
@@ -186,8 +299,35 @@ def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     return s
 
 
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _forget_clients() -> None:
+    """In a forked child: a client's runtime does not survive fork, and the lock may have
+    been held by a thread that is not there."""
+    global _clients_lock
+    _clients.clear()
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_clients)
+
+
+def _client(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """One obstore client per bucket and settings in this process, shared by every
+    ObjectStore (staging, the cache, its fork server, pack, probe)."""
+    k = repr(key)
+    with _clients_lock:
+        client = _clients.get(k)
+        if client is None:
+            client = _clients[k] = make()
+        return client
+
+
 class ObjectStore:
-    """A bucket (and a prefix in it) of an object store."""
+    """A bucket (and a prefix in it) of an object store. Cheap to make: the clients are
+    shared (:func:`_client`)."""
 
     def __init__(self, url: str, storage_options: StorageOptions | None = None) -> None:
         self.scheme, self.bucket, self.prefix = split_url(url)
@@ -240,15 +380,21 @@ class ObjectStore:
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))
-            self._store: Any = obstores.S3Store(
-                self.bucket, config=config, client_options=client, retry_config=retry
+            self._store: Any = _client(
+                ("s3", self.bucket, config, client),
+                lambda: obstores.S3Store(
+                    self.bucket, config=config, client_options=client, retry_config=retry
+                ),
             )
         else:
             opts = {**site_options(self.scheme), **(storage_options or {})}
             self.endpoint = str(opts.get("endpoint_url", f"{self.scheme}://"))
-            self._store = obstores.from_url(
-                f"{self.scheme}://{self.bucket}", config=opts or None,
-                client_options=client, retry_config=retry,
+            self._store = _client(
+                (self.scheme, self.bucket, opts, client),
+                lambda: obstores.from_url(
+                    f"{self.scheme}://{self.bucket}", config=opts or None,
+                    client_options=client, retry_config=retry,
+                ),
             )
 
     # --- errors --------------------------------------------------------------------------
@@ -408,6 +554,66 @@ class ObjectStore:
             view[n:n + len(piece)] = piece
             n += len(piece)
         return n
+
+    def fetch_parts(
+        self,
+        key: str,
+        etag: str | None,
+        size: int,
+        write: Callable[[int, Any], None],
+        *,
+        start: int = 0,
+        part_size: int,
+        in_flight: int = 8,
+        skip: Iterable[int] = (),
+        on_part: Callable[[int], None] | None = None,
+        on_get: Callable[[float], None] | None = None,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """Bytes ``[start, size)`` of the object (which must still have ``etag``) in
+        ranged GETs of ``part_size`` bytes, part ``k`` at ``start + k * part_size``,
+        ``in_flight`` at a time (on ``pool``, where given); each piece goes to
+        ``write(offset, piece)`` as it arrives (a part's pieces in order, on one thread),
+        and ``on_part(k)`` runs once part ``k`` is whole; ``on_get(t0)`` after each GET
+        (answered or not) that started at ``time.monotonic()`` ``t0``. Parts in ``skip``
+        are not fetched. The one ranged-part fetcher of the node cache, staging and
+        fan-out: the first error cancels the parts not yet started and is raised once
+        the others have ended (none writes after)."""
+
+        def one(k: int) -> None:
+            off = begin = start + k * part_size
+            t0 = time.monotonic()
+            try:
+                for piece in self.stream_range(key, begin, min(size, begin + part_size), etag):
+                    write(off, piece)
+                    off += len(piece)
+            finally:
+                if on_get is not None:
+                    on_get(t0)
+            if on_part is not None:
+                on_part(k)
+
+        skipped = set(skip)
+        todo = [k for k in range(max(1, -(-(size - start) // part_size))) if k not in skipped]
+        if len(todo) == 1:  # inline: the caller may itself run on ``pool``
+            one(todo[0])
+            return
+        own = pool is None
+        runner = pool or ThreadPoolExecutor(
+            min(in_flight, len(todo)) or 1, thread_name_prefix="fastload-part"
+        )
+        futures = [runner.submit(one, k) for k in todo]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+        finally:
+            if own:
+                runner.shutdown(wait=True)
 
     def get(self, key: str, etag: str | None = None) -> memoryview:
         """The whole object (its bytes stay in obstore's buffer: no copy)."""

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, Union
 
 from .. import _core
 from ..errors import stage_error
-from ..sources.objstore import is_object_url
+from ..sources import is_store_url
 from .archive import (
     Archive,
     archive_compression,
@@ -167,7 +167,7 @@ def open_source(
     if not isinstance(src, (str, os.PathLike)) or is_stream(src):
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
-    if isinstance(src, str) and is_object_url(src):
+    if isinstance(src, str) and is_store_url(src):
         return open_remote(src, dst, req)
     if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
         raise stage_error(

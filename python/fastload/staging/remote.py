@@ -31,12 +31,14 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .. import _core
+from .._util import pwrite_all
 from ..errors import stage_error
+from ..sources import store_for
 from ..sources.objstore import ObjectInfo, ObjectStore
 from .destination import Destination, Entry, recorded_kind
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
@@ -88,49 +90,27 @@ class _Fetcher:
         os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
         os.replace(tmp, final)
 
-    def _stream(self, fd: int, obj: ObjectInfo, off: int, want: int) -> int:
-        """Bytes ``[off, off + want)`` of ``obj`` written at ``off`` in ``fd`` piece by
-        piece as they arrive (each written and digested while it is still in the CPU's
-        cache; no buffer of the range's size); returns their fl64."""
-        digest = _core.Fl64Stream()
-        got = 0
-        for piece in self.store.stream_range(obj.key, off, off + want, obj.etag):
-            if self.cancelled:
-                raise InterruptedError
-            n = len(piece)
-            done = os.pwrite(fd, piece, off + got)
-            while done < n:
-                done += os.pwrite(fd, memoryview(piece)[done:], off + got + done)
-            digest.update(piece)
-            got += n
-        if got != want:
-            raise self._eio(obj, f"short read at {off}: got {got} bytes of {want}")
-        return digest.digest()
-
     def _eio(self, obj: ObjectInfo, what: str) -> OSError:
         return stage_error(errno.EIO, f"'{self.store.url.rstrip('/')}/{obj.key}': {what}", obj.key)
 
     def fetch_small(self, obj: ObjectInfo, final: Path) -> Record:
         """One GET, one write, one rename (an object over :data:`_WHOLE_UP_TO`: written
-        as it streams in, as the parts of a big one are)."""
+        as it streams in, as the parts of a big one are; an empty one: no GET)."""
         if self.cancelled:
             raise InterruptedError
         if obj.size > _WHOLE_UP_TO:
-            return self._fetch_streamed(obj, final)
-        data = self.store.get(obj.key, obj.etag)
+            return self._fetch_parts(obj, final, resumable=False)
+        data = self.store.get(obj.key, obj.etag) if obj.size else memoryview(b"")
         if len(data) != obj.size:
-            raise stage_error(
-                errno.EIO,
-                f"'{self.store.url.rstrip('/')}/{obj.key}': got {len(data)} bytes, "
-                f"the listing said {obj.size}",
-                obj.key,
-            )
+            raise self._eio(obj, f"got {len(data)} bytes, the listing said {obj.size}")
         tmp = final.with_name(f".{final.name}.fastload-tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
         try:
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
+            pwrite_all(fd, data, 0, tmp)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a full disk, say: no temporary is left behind
+            raise
         finally:
             os.close(fd)
         chunks = [_core.fl64(data[i : i + self.stripe]) for i in range(0, max(1, obj.size),
@@ -139,59 +119,75 @@ class _Fetcher:
         self._count(obj.size)
         return Record(obj.size, obj.mtime_ns, _MODE, _digests(chunks))
 
-    def _fetch_streamed(self, obj: ObjectInfo, final: Path) -> Record:
-        tmp = final.with_name(f".{final.name}.fastload-tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
+    def fetch_big(self, obj: ObjectInfo, final: Path) -> Record:
+        return self._fetch_parts(obj, final, resumable=True)
+
+    def _fetch_parts(self, obj: ObjectInfo, final: Path, resumable: bool) -> Record:
+        """Ranged GETs of one part each (the store's ``fetch_parts``), the pieces written
+        at their offsets and digested as they arrive (while still in the CPU's cache; no
+        buffer of a part's size). A big object's part file has a side record of its
+        finished parts, kept across a kill: a resume fetches only the others."""
+        stripe = self.stripe
+        n_parts = max(1, -(-obj.size // stripe))
+        record: Path | None = None
+        have: dict[int, int] = {}
+        if resumable:
+            tmp = final.with_name(f".{final.name}.fastload-part")
+            record = final.with_name(f".{final.name}.fastload-part.json")
+            have = self._resume(tmp, record, obj)
+            flags = os.O_RDWR | os.O_CREAT
+        else:
+            tmp = final.with_name(f".{final.name}.fastload-tmp")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        streams: dict[int, Any] = {}
+        got: dict[int, int] = {}
+        lock = threading.Lock()
+        fd = os.open(tmp, flags | os.O_CLOEXEC, _MODE)
+
+        def write(off: int, piece: Any) -> None:
+            if self.cancelled:
+                raise InterruptedError
+            k = off // stripe  # a part's pieces come in order, on one thread
+            pwrite_all(fd, piece, off, tmp)
+            if k not in streams:
+                streams[k] = _core.Fl64Stream()
+            streams[k].update(piece)
+            got[k] = got.get(k, 0) + len(piece)
+
+        def on_part(k: int) -> None:
+            want = min(stripe, obj.size - k * stripe)
+            if got.get(k, 0) != want:
+                raise self._eio(obj, f"short read at {k * stripe}: got {got.get(k, 0)} "
+                                f"bytes of {want}")  # fmt: skip
+            digest = streams.pop(k).digest() if k in streams else _core.fl64(b"")
+            with lock:
+                have[k] = digest
+                if record is not None:
+                    snapshot = {"identity": obj.identity, "size": obj.size,
+                                "stripe": stripe, "parts": dict(have)}  # fmt: skip
+                    side = record.with_name(record.name + ".tmp")
+                    side.write_text(json.dumps(snapshot))
+                    os.replace(side, record)
+            self._count(want)
+
         try:
-            digest = self._stream(fd, obj, 0, obj.size)  # one chunk: size <= stripe
+            if resumable:
+                os.ftruncate(fd, obj.size)
+            self.store.fetch_parts(
+                obj.key, obj.etag, obj.size, write, part_size=stripe, skip=have,
+                on_part=on_part, pool=self.parts if resumable else None,
+            )  # fmt: skip
+        except BaseException:
+            if not resumable:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            raise
         finally:
             os.close(fd)
         self._place(tmp, final, obj)
-        self._count(obj.size)
-        return Record(obj.size, obj.mtime_ns, _MODE, _digests([digest]))
-
-    def fetch_big(self, obj: ObjectInfo, final: Path) -> Record:
-        """Ranged GETs of one part each, written at their offsets in a part file whose
-        side record lists the finished parts (kept across a kill: a resume fetches only
-        the others)."""
-        part = final.with_name(f".{final.name}.fastload-part")
-        record = final.with_name(f".{final.name}.fastload-part.json")
-        n_parts = -(-obj.size // self.stripe)
-        have = self._resume(part, record, obj)
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _MODE)
-        try:
-            os.ftruncate(fd, obj.size)
-            lock = threading.Lock()
-
-            def one(k: int) -> None:
-                if self.cancelled:
-                    raise InterruptedError
-                off = k * self.stripe
-                want = min(self.stripe, obj.size - off)
-                digest = self._stream(fd, obj, off, want)
-                with lock:
-                    have[k] = digest
-                    snapshot = {"identity": obj.identity, "size": obj.size,
-                                "stripe": self.stripe, "parts": dict(have)}
-                    tmp = record.with_name(record.name + ".tmp")
-                    tmp.write_text(json.dumps(snapshot))
-                    os.replace(tmp, record)
-                self._count(want)
-
-            futures = [self.parts.submit(one, k) for k in range(n_parts) if k not in have]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                wait(futures)  # none may still write to fd once it is closed
-                raise
-        finally:
-            os.close(fd)
-        self._place(part, final, obj)
-        with contextlib.suppress(FileNotFoundError):
-            record.unlink()
+        if record is not None:
+            with contextlib.suppress(FileNotFoundError):
+                record.unlink()
         return Record(obj.size, obj.mtime_ns, _MODE, _digests([have[k] for k in range(n_parts)]))
 
     def _resume(self, part: Path, record: Path, obj: ObjectInfo) -> dict[int, int]:
@@ -347,7 +343,7 @@ def open_remote(
     from .archive import Archive, detect_compression, not_an_archive, suffix_kind
     from .readers import RemoteArchive
 
-    store = ObjectStore(url, req.storage_options)
+    store: ObjectStore = store_for(url, req.storage_options)
     include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
     objects: list[ObjectInfo] = []
@@ -358,7 +354,7 @@ def open_remote(
             try:
                 info = store.head()
             except FileNotFoundError:
-                store = ObjectStore(url + "/", req.storage_options)
+                store = store_for(url + "/", req.storage_options)
                 objects = store.list(include, exclude)
     except OSError as e:
         if e.errno != errno.EHOSTUNREACH or req.check_source == "strict":

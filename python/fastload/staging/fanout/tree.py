@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _core
-from ..._util import parse_size
+from ..._util import parse_size, pwrite_all
 from ...errors import SourceChangedError, StageError, stage_error
 from ..destination import Destination, run_locked
 from ..job import progress_callback
@@ -71,16 +71,17 @@ def _read_source(
         _read_file(source.source_path(e), e, off, view, pool)
         return
     o = source.objects[f]
-    step = 4 * SUBREAD
     n = view.nbytes
-    parts = [(s, min(s + step, n)) for s in range(0, n, step)]
-    read = source.store.read_into
-    if len(parts) == 1:
-        got = read(o.key, off, view, o.etag)
-    else:
-        futures = [pool.submit(read, o.key, off + s, view[s:e], o.etag) for s, e in parts]
-        got = sum(fut.result() for fut in futures)
-    if got != n:
+    got = [0]
+
+    def write(at: int, piece: Any) -> None:
+        view[at - off : at - off + len(piece)] = piece
+        got[0] += len(piece)  # parts on several threads: += on a list item holds the GIL
+
+    source.store.fetch_parts(
+        o.key, o.etag, off + n, write, start=off, part_size=4 * SUBREAD, pool=pool
+    )
+    if got[0] != n:
         raise SourceChangedError(
             errno.EIO,
             f"source changed: '{source.store.url.rstrip('/')}/{o.key}' is shorter than "
@@ -254,11 +255,7 @@ class _TreeWriter:
                     self._tmp(f), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
                 )
                 self._fds[f] = fd
-        view = data
-        off = u.off[j]
-        while view.nbytes:
-            k = os.pwrite(fd, view, off)
-            view, off = view[k:], off + k
+        pwrite_all(fd, data, u.off[j], self._tmp(f))
         with self._lock:
             self._digests.setdefault(f, {})[u.off[j]] = sent
             self._left[f] -= 1

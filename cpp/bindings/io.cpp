@@ -1,7 +1,9 @@
 // The I/O layer's queries at the boundary: io_uring availability, the file system under
-// a path (io/fs.hpp) and its table of known kinds, page-cache residency, syncfs.
+// a path (io/fs.hpp) and its table of known kinds, page-cache residency, syncfs; and the
+// positional writer of the Python side (common/write.hpp).
 #include "bindings/common.hpp"
 #include "common/error.hpp"
+#include "common/write.hpp"
 #include "io/engine.hpp"
 #include "io/fs.hpp"
 #include "io/residency.hpp"
@@ -63,6 +65,18 @@ void register_io(py::module_& m) {
         if (err != 0) throw Error::os(-err, "sync file system of", p);
       },
       py::arg("path"), "Flushes the file system holding path to stable storage (syncfs(2)).");
+  m.def(
+      "pwrite_all",
+      [](int fd, const py::buffer& data, int64_t offset, const py::object& path) {
+        const py::buffer_info info = data.request();
+        const std::span<const char> bytes = contiguous_bytes(info, "data");
+        const std::string what = fs_bytes(path);
+        py::gil_scoped_release nogil;
+        write_all_at(fd, bytes.data(), bytes.size(), offset, what);
+      },
+      py::arg("fd"), py::arg("data"), py::arg("offset"), py::arg("path"),
+      "Writes all of the buffer data at offset of fd, the GIL released (short writes and "
+      "EINTR retried); an error names path.");
 }
 
 }  // namespace fastload::bindings

@@ -177,18 +177,12 @@ def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterat
 
 
 def pwrite_all(fd: int, data: Any, offset: int, path: str | os.PathLike[str]) -> None:
-    """Writes all of ``data`` (a buffer) at ``offset`` of ``fd``: the one positional
-    writer of the Python side (cache downloads, object staging, fan-out). A failure is a
-    StageError naming ``path``."""
-    view = memoryview(data).cast("B")
-    done = 0
-    try:
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    except OSError as e:
-        raise stage_error(
-            e.errno or errno.EIO, f"cannot write '{path}': {e.strerror}", os.fspath(path)
-        ) from None
+    """Writes all of ``data`` (a buffer) at ``offset`` of ``fd``, natively, the GIL
+    released: the one positional writer of the Python side (cache downloads, object
+    staging, fan-out). A failure is a StageError naming ``path``."""
+    from . import _core
+
+    _core.pwrite_all(fd, data, offset, os.fspath(path))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

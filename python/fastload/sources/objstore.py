@@ -21,6 +21,7 @@ while it was read is :class:`SourceChangedError`; an unreachable endpoint is one
 
 from __future__ import annotations
 
+import builtins
 import configparser
 import contextlib
 import dataclasses
@@ -33,7 +34,7 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from pathlib import Path
@@ -491,6 +492,58 @@ class ObjectStore:
             raise self.error(e, base) from None
         out.sort(key=lambda o: o.key)
         return out
+
+    def list_tree(
+        self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+    ) -> tuple[builtins.list[ObjectInfo], builtins.list[str]]:
+        """:meth:`list` as a directory tree to stage: the objects, and the folders that
+        markers name (zero-byte keys ending in ``/``, what the console's "Create folder",
+        s3fs and rclone write; the listing shows them without the ``/``: one with keys
+        under it is a marker, one without is told from an empty file by a HEAD). A key
+        that is an object and also a prefix of others (``a`` and ``a/b``) cannot be both
+        a file and a directory: a FileExistsError naming both, before anything is
+        written. Markers are kept unless include patterns are given (as directories
+        are)."""
+        everything = self.list()
+        parents: dict[str, str] = {}
+        for o in everything:
+            parts = o.key.split("/")
+            for i in range(1, len(parts)):
+                parents.setdefault("/".join(parts[:i]), o.key)
+        objects: builtins.list[ObjectInfo] = []
+        dirs: builtins.list[str] = []
+        for o in everything:
+            if o.key in parents:
+                if o.size == 0:
+                    dirs.append(o.key)
+                    continue
+                where = self.url if self.url.endswith("/") else self.url + "/"
+                raise stage_error(
+                    errno.EEXIST,
+                    f"'{where}': '{self._full(o.key)}' and '{self._full(parents[o.key])}' are "
+                    "both in the bucket, an object and a prefix of the same name, which "
+                    "cannot both be on a file system: stage a narrower prefix, or exclude "
+                    f"one (--exclude '{o.key}')",
+                    self.url,
+                )
+            if o.size == 0 and self._is_marker(o.key):
+                dirs.append(o.key)
+                continue
+            objects.append(o)
+        inc: builtins.list[str] = [*(include or ())]
+        exc: builtins.list[str] = [*(exclude or ())]
+        objects = [o for o in objects if selected(o.key, inc, exc)]
+        dirs = [] if inc else [d for d in dirs if selected(d, [], exc)]
+        return objects, dirs
+
+    def _is_marker(self, key: str) -> bool:
+        """Whether the zero-byte ``key`` of a listing is ``key/`` (a folder marker): the
+        object ``key`` itself is not there."""
+        try:
+            self.head(key)
+        except FileNotFoundError:
+            return True
+        return False
 
     def head(self, key: str = "") -> ObjectInfo:
         full = self._full(key)

@@ -226,9 +226,11 @@ class ObjectPrefix:
     object (``single``: stored under the destination's name) (:class:`Source`)."""
 
     def __init__(
-        self, store: ObjectStore, objects: list[ObjectInfo], req: StageRequest, *, single: bool
-    ) -> None:
+        self, store: ObjectStore, objects: list[ObjectInfo], req: StageRequest, *,
+        single: bool, dirs: list[str] | None = None,
+    ) -> None:  # fmt: skip
         self.store, self.objects, self.single = store, objects, single
+        self.dirs = dirs or []  # folders that markers name (empty ones too)
         self.name = store.url
         self.label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
         self.options: dict[str, Any] = {**req.selection(), "file": single}
@@ -246,11 +248,14 @@ class ObjectPrefix:
         if listing is not None:
             self.objects = listing  # fan-out's node 0's: the units are numbered in it
         names = self._names(dest)
-        fp = fingerprint(self.name, self.objects, {**self.options, "chunk": req.stripe})
+        shape = {**self.options, "chunk": req.stripe}
+        if self.dirs:
+            shape["dirs"] = self.dirs  # an added or removed empty folder is a change
+        fp = fingerprint(self.name, self.objects, shape)
         files = [Entry(n, FILE, o.size, (o.size + 511) // 512, _MODE, o.mtime_ns, "")
                  for n, o in zip(names, self.objects, strict=True)]  # fmt: skip
-        dirs = sorted({"/".join(n.split("/")[:k]) for n in names
-                       for k in range(1, n.count("/") + 1)})  # fmt: skip
+        dirs = sorted({"/".join(n.split("/")[:k]) for n in names + self.dirs
+                       for k in range(1, n.count("/") + 1)} | set(self.dirs))  # fmt: skip
         entries = [Entry(d, DIR, 0, 0, 0o755, 0, "") for d in dirs] + files
         ids = {n: o.identity for n, o in zip(names, self.objects, strict=True)}
         old_ids: dict[str, str] = (dest.old or {}).get("objects", {})
@@ -347,15 +352,16 @@ def open_remote(
     include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
     objects: list[ObjectInfo] = []
+    dirs: list[str] = []
     try:
         if url.endswith("/") or not store.prefix:
-            objects = store.list(include, exclude)
+            objects, dirs = store.list_tree(include, exclude)
         else:
             try:
                 info = store.head()
             except FileNotFoundError:
                 store = store_for(url + "/", req.storage_options)
-                objects = store.list(include, exclude)
+                objects, dirs = store.list_tree(include, exclude)
     except OSError as e:
         if e.errno != errno.EHOSTUNREACH or req.check_source == "strict":
             raise
@@ -363,7 +369,7 @@ def open_remote(
         if held is None:
             raise
         return held
-    if info is None and not objects and not req.allow_empty:
+    if info is None and not objects and not dirs and not req.allow_empty:
         if (req.include or req.exclude) and store.list():
             raise req.nothing_selected(store.url)
         what = "no objects under it" if store.url == url else "no such object, and none under it"
@@ -376,7 +382,9 @@ def open_remote(
     if info is None:
         if req.checksum is not None:
             raise ValueError("checksum= applies to an object or an archive, not to a prefix")
-        return _destination(dst, req, ObjectPrefix(store, objects, req, single=False))
+        return _destination(
+            dst, req, ObjectPrefix(store, objects, req, single=False, dirs=dirs)
+        )
     name = store.prefix.rsplit("/", 1)[-1]
     compression = None
     known = recorded_kind(Path(os.fspath(dst)), name, store.url, info.identity)

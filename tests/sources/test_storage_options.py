@@ -147,3 +147,41 @@ def test_keys_with_special_characters_stage_under_their_names(
     out = tmp_path / "out"
     fastload.stage(f"s3://{bucket}/s/", out)
     assert tree_of(out) == files
+
+
+def test_secrets_appear_in_no_file_and_no_output(
+    s3: S3Server, no_aws_env: str, proxy: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    import subprocess
+    import sys
+
+    bucket = no_aws_env
+    upload(s3, bucket, {f"p/{k}": v for k, v in FILES.items()})
+    config = tmp_path / "config" / "fastload.toml"
+    config.parent.mkdir()
+    config.write_text(
+        f'[storage.s3]\nendpoint_url = "{proxy.endpoint}"\naccess_key_id = "{KEY_ID}"\n'
+        f'secret_access_key = "{SECRET}"\n'
+    )
+    monkeypatch.setenv("FASTLOAD_CONFIG", str(config))
+    work = tmp_path / "work"
+    fastload.stage(f"s3://{bucket}/p/", work / "out", progress=True)
+    fastload.stage(f"s3://{bucket}/p/", work / "out2", storage_options={"secret": SECRET})
+    with pytest.raises(PermissionError) as e:
+        fastload.stage(f"s3://{bucket}/p/", work / "bad",
+                       storage_options={"secret": SECRET + "-wrong"})  # fmt: skip
+    outputs = [str(e.value)]
+    for args in (["env"], ["env", "--json"], ["stage", f"s3://{bucket}/p/", str(work / "c")]):
+        r = subprocess.run([sys.executable, "-m", "fastload", *args], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        outputs += [r.stdout, r.stderr]
+    captured = capfd.readouterr()
+    outputs += [captured.out, captured.err]
+    for text in outputs:
+        assert SECRET not in text
+    written = [p for p in work.parent.rglob("*") if p.is_file() and p != config]
+    assert any(".fastload" in str(p) for p in written)  # the manifests were read
+    for p in written:
+        assert SECRET.encode() not in p.read_bytes(), p

@@ -129,8 +129,10 @@ def totals() -> Callable[[Path], tuple[int, int]]:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """mount a small tmpfs: ``tmpfs("8m")`` or ``tmpfs("1m", ro=True)``; needs root."""
+def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A real small file system, to fill up: ``small_fs("8m")`` mounts a tmpfs of that
+    size (``small_fs("1m", ro=True)`` a read-only one) and returns its root; unmounted
+    after the test. Needs root (with CI set, not having it fails the test)."""
     mounts: list[Path] = []
 
     def make(size: str, *, ro: bool = False) -> Path:

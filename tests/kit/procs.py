@@ -249,21 +249,36 @@ def run_child_with_trigger(
     spec: dict[str, Any], mount: Path, action: Any, *, threshold: int = 512 * 1024,
     timeout: float = 180.0,
 ) -> tuple[Child, bool]:
-    """Runs a stage child and, from this process, calls ``action`` once as soon as the
-    file system at ``mount`` holds ``threshold`` more bytes than before: i.e. once the
-    child passed its space check and is writing data. Returns the finished child and
-    whether the action ran while the child was still running.
+    """Runs a child (kit/stage_child.py) and, from this process, calls ``action`` once
+    as soon as the file system at ``mount`` holds ``threshold`` more bytes than before:
+    i.e. once the child passed its space check and is writing data. Returns the
+    finished child and whether the action ran while the child was still running.
 
     The watching thread runs real-time (SCHED_FIFO, polling every ~100 us) so the
     child's copy threads cannot starve it on a small, busy machine; without the right
     to do so it busy-polls and the child runs at a lower priority."""
-    st = os.statvfs(mount)
-    base = (st.f_blocks - st.f_bfree) * st.f_frsize
     probe = _enter_realtime()
     if probe is not None:
         os.sched_setscheduler(0, *probe)
     wrapper = [] if probe is not None else ["nice", "-n", "10"]
+    st = os.statvfs(mount)
+    base = (st.f_blocks - st.f_bfree) * st.f_frsize
     child = Child(spec, env=child_env(), wrapper=wrapper)
+    fired = trigger_on_growth(child, mount, action, threshold=threshold, timeout=timeout,
+                              base=base)
+    return child.finish(timeout), fired
+
+
+def trigger_on_growth(
+    child: Child, mount: Path, action: Any, *, threshold: int = 512 * 1024,
+    timeout: float = 180.0, base: int | None = None,
+) -> bool:
+    """Calls ``action`` once, with ``child`` stopped (SIGSTOP), as soon as the file
+    system at ``mount`` holds ``threshold`` more bytes than ``base`` (by default: what
+    it holds now); returns whether it did before the child exited."""
+    if base is None:
+        st = os.statvfs(mount)
+        base = (st.f_blocks - st.f_bfree) * st.f_frsize
     fired = False
     deadline = time.monotonic() + timeout
     restore = _enter_realtime()
@@ -287,7 +302,7 @@ def run_child_with_trigger(
     finally:
         if restore is not None:
             os.sched_setscheduler(0, *restore)
-    return child.finish(timeout), fired
+    return fired
 
 
 # --------------------------------------------------------------------------------------

@@ -191,12 +191,12 @@ def test_node_killed_then_rerun_reads_only_what_is_missing(
 
 
 def test_failure_on_one_node_is_named_on_the_others(
-    tmp_path: Path, tmpfs: Callable[..., Path]
+    tmp_path: Path, small_fs: Callable[..., Path]
 ) -> None:
     """Node 1's disk is too small: it fails with its own error, the others with one that
     names node 1 and says why."""
     src = build_tree(tmp_path / "src", small=50, big=4 * MiB)
-    small = tmpfs("1m")
+    small = small_fs("1m")
     dsts = [tmp_path / "node0" / "d", small / "d", tmp_path / "node2" / "d"]
     docs = [outcome(p) for p in start_nodes(src, dsts)]
     assert docs[1]["error"]["type"] == "NotEnoughSpaceError", docs[1]

@@ -194,12 +194,12 @@ def test_a_killed_rank_ends_the_job_then_a_rerun_completes(
 
 
 def test_a_failure_on_one_rank_is_named_on_the_others(
-    tmp_path: Path, tmpfs: Callable[..., Path]
+    tmp_path: Path, small_fs: Callable[..., Path]
 ) -> None:
     """Node 1's disk is too small: it fails with its own error, the others with one that
     names node 1 and says why, before the launcher ends the job."""
     src = build_tree(tmp_path / "src", small=50, big=4 * MiB)
-    small = tmpfs("1m")
+    small = small_fs("1m")
     dsts = [tmp_path / "node0" / "d", small / "d", tmp_path / "node2" / "d"]
     docs = mpi_outcomes(start_mpi_nodes(src, dsts), timeout=120)
     assert docs[1]["error"]["type"] == "NotEnoughSpaceError", docs

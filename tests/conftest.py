@@ -47,6 +47,43 @@ def _no_fault_injection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTLOAD_FAULTS", raising=False)
 
 
+# What fastload reads and writes under the user's home (the index cache, the shard
+# cache, the configuration file) is private to the run, and then to each test: nothing
+# the tests do touches ~/.cache or ~/.config, nothing there changes a test, and two
+# tests (or two runs at once) never share an entry.
+_PRIVATE = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+_FROM_OUTSIDE = ("FASTLOAD_INDEX_CACHE", "FASTLOAD_CACHE", "FASTLOAD_CONFIG",
+                 "FASTLOAD_ENV", "FASTLOAD_TMPDIR", "FASTLOAD_SCRATCH",
+                 "FASTLOAD_DATASET_ROOTS")  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_home_for_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """For session fixtures (set up before any test's own)."""
+    root = tmp_path_factory.mktemp("xdg-session")
+    saved = {k: os.environ.get(k) for k in (*_PRIVATE, *_FROM_OUTSIDE)}
+    for k in _FROM_OUTSIDE:
+        os.environ.pop(k, None)
+    for k in _PRIVATE:
+        os.environ[k] = str(root / k.lower())
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path_factory: pytest.TempPathFactory,
+                  monkeypatch: pytest.MonkeyPatch) -> Path:  # fmt: skip
+    """Each test its own cache and configuration folders (children inherit them)."""
+    root = tmp_path_factory.mktemp("xdg")
+    for k in _PRIVATE:
+        monkeypatch.setenv(k, str(root / k.lower()))
+    return root
+
+
 def _forced_engine() -> str | None:
     forced = os.environ.get("FASTLOAD_ENGINE", "").strip().lower()
     if forced in ("", "auto"):

@@ -310,18 +310,31 @@ def trigger_on_growth(
 # --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous(world_size: int) -> tuple[Any, dict[str, str]]:
+    """A torch.distributed TCPStore served by this process, as torchrun's agent serves
+    one, on a port the kernel picked (bound to 0 and read back: no port is chosen free
+    and bound again later, which another process may take in between). Returns the
+    store (keep it until the ranks are done) and the variables that make a rank's
+    ``init_process_group`` (``env://`` or ``tcp://``) connect to it instead of serving
+    one itself."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
 
 
 def run_script(script: Path, mode: str, args: Sequence[dict[str, Any]],
-               timeout: float = 180) -> None:
+               timeout: float = 180, env: dict[str, str] | None = None) -> None:
     """Runs ``python script mode json(a)`` for each ``a`` of ``args`` at once (without
-    the launcher variables of the test run itself) and asserts each exits 0."""
+    the launcher variables of the test run itself, with ``env`` added) and asserts each
+    exits 0."""
     env = with_tests_on_path(
         {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        | (env or {})
     )
     procs = [
         subprocess.Popen([sys.executable, str(script), mode, json.dumps(a)], env=env,

@@ -33,8 +33,10 @@ def test_sync(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_profile(s3: Any, bucket: str, proxy: Any, tmp_path: Path,
-                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_profile(
+    s3: Any, bucket: str, proxy: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from sources.s3server import KEY_ID, SECRET, upload
 
     upload(s3, bucket, {"k.bin": b"profile data"})

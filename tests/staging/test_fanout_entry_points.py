@@ -27,15 +27,16 @@ def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
         yield mount
 
 
-@pytest.mark.parametrize("transport", [[], ["--fanout-transport", "torch"]],
-                         ids=["chosen", "torch"])  # fmt: skip
+# --fanout-transport alone implies --fanout (its help says so).
+@pytest.mark.parametrize("flags", [["--fanout"], ["--fanout-transport", "torch"]],
+                         ids=["fanout", "transport"])  # fmt: skip
 def test_cli_stage_fanout(tmp_path: Path, netsim: Callable[..., Mount],
-                          transport: list[str]) -> None:  # fmt: skip
+                          flags: list[str]) -> None:  # fmt: skip
     src = fanout_tree(tmp_path / "src", small=40, big=3 * MiB)
     store = netsim(src, 50, 50, direct=True)
     dsts = [tmp_path / f"node{k}" / "data" for k in range(2)]
-    launcher = [sys.executable, "-m", "fastload", "stage", "--fanout", "--no-progress"]
-    procs = start_nodes(store.path, dsts, init=False, launcher=launcher, args=tuple(transport))
+    launcher = [sys.executable, "-m", "fastload", "stage", *flags, "--no-progress"]
+    procs = start_nodes(store.path, dsts, init=False, launcher=launcher)
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, (out, err)

@@ -47,6 +47,43 @@ def _no_fault_injection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTLOAD_FAULTS", raising=False)
 
 
+# What fastload reads and writes under the user's home (the index cache, the shard
+# cache, the configuration file) is private to the run, and then to each test: nothing
+# the tests do touches ~/.cache or ~/.config, nothing there changes a test, and two
+# tests (or two runs at once) never share an entry.
+_PRIVATE = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+_FROM_OUTSIDE = ("FASTLOAD_INDEX_CACHE", "FASTLOAD_CACHE", "FASTLOAD_CONFIG",
+                 "FASTLOAD_ENV", "FASTLOAD_TMPDIR", "FASTLOAD_SCRATCH",
+                 "FASTLOAD_DATASET_ROOTS")  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_home_for_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """For session fixtures (set up before any test's own)."""
+    root = tmp_path_factory.mktemp("xdg-session")
+    saved = {k: os.environ.get(k) for k in (*_PRIVATE, *_FROM_OUTSIDE)}
+    for k in _FROM_OUTSIDE:
+        os.environ.pop(k, None)
+    for k in _PRIVATE:
+        os.environ[k] = str(root / k.lower())
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path_factory: pytest.TempPathFactory,
+                  monkeypatch: pytest.MonkeyPatch) -> Path:  # fmt: skip
+    """Each test its own cache and configuration folders (children inherit them)."""
+    root = tmp_path_factory.mktemp("xdg")
+    for k in _PRIVATE:
+        monkeypatch.setenv(k, str(root / k.lower()))
+    return root
+
+
 def _forced_engine() -> str | None:
     forced = os.environ.get("FASTLOAD_ENGINE", "").strip().lower()
     if forced in ("", "auto"):
@@ -129,8 +166,10 @@ def totals() -> Callable[[Path], tuple[int, int]]:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """mount a small tmpfs: ``tmpfs("8m")`` or ``tmpfs("1m", ro=True)``; needs root."""
+def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A real small file system, to fill up: ``small_fs("8m")`` mounts a tmpfs of that
+    size (``small_fs("1m", ro=True)`` a read-only one) and returns its root; unmounted
+    after the test. Needs root (with CI set, not having it fails the test)."""
     mounts: list[Path] = []
 
     def make(size: str, *, ro: bool = False) -> Path:

@@ -42,7 +42,7 @@ import fastload  # noqa: E402
 from fastload import _core  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
 from fastload.packing.upload import Uploader  # noqa: E402
-from kit.procs import free_port, run_script, with_tests_on_path  # noqa: E402
+from kit.procs import rendezvous, run_script, with_tests_on_path  # noqa: E402
 from kit.tools import missing  # noqa: E402
 
 pytestmark = pytest.mark.native
@@ -556,8 +556,9 @@ def test_object_changed_on_server(shards: tuple[list[Path], str], tmp_path: Path
 # --- 2 ranks (gloo) x 2 DataLoader workers ---------------------------------------------
 
 
-def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 300) -> None:
-    run_script(HERE, mode, args, timeout)
+def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 300,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    run_script(HERE, mode, args, timeout, env)
 
 
 def gloo_rank(args: dict[str, Any]) -> None:
@@ -594,13 +595,15 @@ def test_two_ranks_two_workers_same_as_local(tmp_path: Path, s3: Any, bucket: st
         pytest.skip("torch.distributed is not available")
     paths = write_shards(tmp_path / "local", SIZES)
     url = put_shards(s3, bucket, paths)
-    port = free_port()
+    store, where = rendezvous(2)  # served here: the ranks connect, none binds a port
+    port = int(where["MASTER_PORT"])
     cache_dir = tmp_path / "c"  # one node: the two ranks share the cache
     run_children("gloo", [
         {"rank": r, "port": port, "url": url, "local": [str(p) for p in paths],
          "cache": str(cache_dir), "out": str(tmp_path / f"{r}.json")}
         for r in range(2)
-    ])
+    ], env=where)
+    del store
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["iter remote"] == r["iter local"]

@@ -30,7 +30,7 @@ import fastload  # noqa: E402
 from fastload import ShardIndex  # noqa: E402
 from fastload.data import partition  # noqa: E402
 from fastload.data.shuffle import EpochOrder  # noqa: E402
-from kit.procs import free_port, run_script  # noqa: E402
+from kit.procs import rendezvous, run_script  # noqa: E402
 from kit.shards import Sample, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = pytest.mark.native
@@ -324,8 +324,9 @@ def test_persistent_workers_count_epochs(four: tuple[Path, list[Sample]]) -> Non
 # --- torch.distributed ---------------------------------------------------------------------
 
 
-def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 180) -> None:
-    run_script(HERE, mode, args, timeout)
+def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 180,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    run_script(HERE, mode, args, timeout, env)
 
 
 def gloo_rank(args: dict[str, Any]) -> None:
@@ -363,11 +364,13 @@ def test_distributed_gloo(tmp_path_factory: pytest.TempPathFactory, tmp_path: Pa
         pytest.skip("torch.distributed is not available")
     sets = {name: build(tmp_path_factory.mktemp("gloo"), sizes) for name, sizes in SIZES.items()}
     indexes = {name: str(index) for name, (index, _) in sets.items()}
-    port = free_port()
+    store, where = rendezvous(2)  # served here: the ranks connect, none binds a port
+    port = int(where["MASTER_PORT"])
     run_children("gloo", [
         {"rank": r, "port": port, "indexes": indexes, "out": str(tmp_path / f"{r}.json")}
         for r in range(2)
-    ])
+    ], env=where)
+    del store
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for name, (_, samples) in sets.items():
         n = len(samples)

@@ -3,7 +3,8 @@ variables of a multi-node job in its environment. ``{node}`` in DST becomes
 ``SLURM_NODEID`` (under srun, or given to each rank by mpiexec). ``--init`` makes the
 gloo group from torchrun's variables before calling stage(), as a training script does;
 without it stage() makes its own. ``--fanout mpi`` or ``torch`` picks the transport
-(default: stage() chooses); ``--pid`` prints ``{"pid": ...}`` first.
+(default: stage() chooses); ``--pid`` prints ``{"pid": ...}`` first; ``--resolve``
+calls ``resolve(sources=[SRC], destination=DST, fanout=...)`` instead of stage().
 Prints one JSON line per progress report (``{"progress": bytes}``) and then
 ``{"result": ...}`` or ``{"error": ...}`` (exit status 3)."""
 
@@ -36,6 +37,7 @@ def main() -> int:
     p.add_argument("--exclude", default=None)
     p.add_argument("--fanout", default="true", help="true, or a transport: torch, mpi")
     p.add_argument("--pid", action="store_true", help="print {'pid': ...} first")
+    p.add_argument("--resolve", action="store_true", help="resolve() instead of stage()")
     args = p.parse_args()
     if args.pid:
         say({"pid": os.getpid()})
@@ -58,6 +60,10 @@ def main() -> int:
     if args.stripe:
         kwargs["stripe_size"] = args.stripe
     try:
+        if args.resolve:
+            got = fastload.resolve(sources=[args.src], destination=dst, fanout=fanout)
+            say({"result": {"path": str(got)}})
+            return 0
         r = fastload.stage(args.src, dst, **kwargs)
     except Exception as e:
         out = {"type": type(e).__name__, "message": str(e)}

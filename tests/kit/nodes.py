@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kit.procs import child_env, free_port
+from kit.procs import child_env, rendezvous
 from kit.trees import build_small_files, write_patterned
 
 CHILD = Path(__file__).resolve().with_name("fanout_child.py")
@@ -26,11 +26,15 @@ def start_nodes(
     init: bool = True,
     args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> list[subprocess.Popen[str]]:
     """One process per rank of a ``len(dsts)``-node torchrun job, ``per_node`` ranks
-    per node; node k's processes stage into ``dsts[k]``."""
-    port = str(free_port())
+    per node; node k's processes stage into ``dsts[k]``. This process serves their
+    rendezvous, as torchrun's agent does. ``launcher`` replaces ``python
+    kit/fanout_child.py`` (``[python, "-m", "fastload", "stage", "--fanout"]``, say);
+    SRC, DST and ``args`` follow it."""
     nodes = len(dsts)
+    store, where = rendezvous(nodes * per_node)
     procs = []
     for rank in range(nodes * per_node):
         node, local = divmod(rank, per_node)
@@ -41,11 +45,10 @@ def start_nodes(
             GROUP_WORLD_SIZE=str(nodes),
             LOCAL_RANK=str(local),
             LOCAL_WORLD_SIZE=str(per_node),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
+            **where,
             **(env or {}),
         )
-        cmd = [sys.executable, str(CHILD), str(src), str(dsts[node]), *args]
+        cmd = [*(launcher or [sys.executable, str(CHILD)]), str(src), str(dsts[node]), *args]
         if init:
             cmd.append("--init")
         procs.append(
@@ -53,6 +56,7 @@ def start_nodes(
                 cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+        procs[-1].rendezvous = store  # type: ignore[attr-defined]  # lives as they do
     return procs
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -249,21 +248,36 @@ def run_child_with_trigger(
     spec: dict[str, Any], mount: Path, action: Any, *, threshold: int = 512 * 1024,
     timeout: float = 180.0,
 ) -> tuple[Child, bool]:
-    """Runs a stage child and, from this process, calls ``action`` once as soon as the
-    file system at ``mount`` holds ``threshold`` more bytes than before: i.e. once the
-    child passed its space check and is writing data. Returns the finished child and
-    whether the action ran while the child was still running.
+    """Runs a child (kit/stage_child.py) and, from this process, calls ``action`` once
+    as soon as the file system at ``mount`` holds ``threshold`` more bytes than before:
+    i.e. once the child passed its space check and is writing data. Returns the
+    finished child and whether the action ran while the child was still running.
 
     The watching thread runs real-time (SCHED_FIFO, polling every ~100 us) so the
     child's copy threads cannot starve it on a small, busy machine; without the right
     to do so it busy-polls and the child runs at a lower priority."""
-    st = os.statvfs(mount)
-    base = (st.f_blocks - st.f_bfree) * st.f_frsize
     probe = _enter_realtime()
     if probe is not None:
         os.sched_setscheduler(0, *probe)
     wrapper = [] if probe is not None else ["nice", "-n", "10"]
+    st = os.statvfs(mount)
+    base = (st.f_blocks - st.f_bfree) * st.f_frsize
     child = Child(spec, env=child_env(), wrapper=wrapper)
+    fired = trigger_on_growth(child, mount, action, threshold=threshold, timeout=timeout,
+                              base=base)
+    return child.finish(timeout), fired
+
+
+def trigger_on_growth(
+    child: Child, mount: Path, action: Any, *, threshold: int = 512 * 1024,
+    timeout: float = 180.0, base: int | None = None,
+) -> bool:
+    """Calls ``action`` once, with ``child`` stopped (SIGSTOP), as soon as the file
+    system at ``mount`` holds ``threshold`` more bytes than ``base`` (by default: what
+    it holds now); returns whether it did before the child exited."""
+    if base is None:
+        st = os.statvfs(mount)
+        base = (st.f_blocks - st.f_bfree) * st.f_frsize
     fired = False
     deadline = time.monotonic() + timeout
     restore = _enter_realtime()
@@ -287,7 +301,7 @@ def run_child_with_trigger(
     finally:
         if restore is not None:
             os.sched_setscheduler(0, *restore)
-    return child.finish(timeout), fired
+    return fired
 
 
 # --------------------------------------------------------------------------------------
@@ -295,18 +309,31 @@ def run_child_with_trigger(
 # --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous(world_size: int) -> tuple[Any, dict[str, str]]:
+    """A torch.distributed TCPStore served by this process, as torchrun's agent serves
+    one, on a port the kernel picked (bound to 0 and read back: no port is chosen free
+    and bound again later, which another process may take in between). Returns the
+    store (keep it until the ranks are done) and the variables that make a rank's
+    ``init_process_group`` (``env://`` or ``tcp://``) connect to it instead of serving
+    one itself."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
 
 
 def run_script(script: Path, mode: str, args: Sequence[dict[str, Any]],
-               timeout: float = 180) -> None:
+               timeout: float = 180, env: dict[str, str] | None = None) -> None:
     """Runs ``python script mode json(a)`` for each ``a`` of ``args`` at once (without
-    the launcher variables of the test run itself) and asserts each exits 0."""
+    the launcher variables of the test run itself, with ``env`` added) and asserts each
+    exits 0."""
     env = with_tests_on_path(
         {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        | (env or {})
     )
     procs = [
         subprocess.Popen([sys.executable, str(script), mode, json.dumps(a)], env=env,

@@ -1,12 +1,12 @@
 """Runs one fastload call for a test in its own process and reports on stdout.
 
-argv[1] is JSON: {"op": "stage"|"verify", "src": ..., "dst": ..., "kwargs": {...},
+argv[1] is JSON: {"op": "stage"|"verify"|"pack", "src": ..., "dst": ..., "kwargs": {...},
 "progress": bool, "wait_stdin": bool}. Lines printed, each flushed at once:
 
     READY                     fastload is imported (then, with wait_stdin, a line is read)
     START                     stage() is being called
     PROGRESS bd bt fd ft      one progress callback (when "progress" is true)
-    RESULT {json}             the StageResult / VerifyResult, exit status 0
+    RESULT {json}             the StageResult / VerifyResult / PackResult, exit status 0
     ERROR {json}              the exception raised (class, errno, filename, ...), status 3
 
 KeyboardInterrupt is not caught: it ends the process the usual way. Ctrl-C works as in
@@ -86,6 +86,9 @@ def main() -> int:
                 "mismatched": list(v.mismatched),
                 "missing": list(v.missing),
             }
+        elif spec["op"] == "pack":
+            p = fastload.pack(spec["src"], spec["dst"], **kwargs)
+            payload = {"shards": [str(s) for s in p.shards], "samples": p.samples}
         else:
             r = fastload.stage(spec["src"], spec["dst"], **kwargs)
             payload = {

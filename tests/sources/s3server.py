@@ -160,6 +160,7 @@ class FaultProxy:
         self.gate.set()
         self.requests: Counter[str] = Counter()
         self.get_paths: list[str] = []  # the path of each object GET, in order
+        self.signed: Counter[bool] = Counter()  # requests with and without Authorization
         self.in_flight = 0  # object GETs being answered now
         self.max_in_flight = 0  # the most at once since reset_counts
         self.bytes_out = 0
@@ -179,6 +180,7 @@ class FaultProxy:
         with self._lock:
             self.requests.clear()
             self.get_paths.clear()
+            self.signed.clear()
             self.bytes_out = 0
             self.max_in_flight = self.in_flight
 
@@ -233,8 +235,10 @@ class FaultProxy:
                 method, target = lines[0].split(b" ")[:2]
                 length = 0
                 out = [lines[0]]
+                signed = False
                 for line in lines[1:]:
                     name = line.split(b":", 1)[0].strip().lower()
+                    signed = signed or name == b"authorization"
                     if name == b"content-length":
                         length = int(line.split(b":", 1)[1])
                     if name in (b"connection", b"keep-alive"):
@@ -252,6 +256,7 @@ class FaultProxy:
                     self._n += 1
                     n = self._n
                     self.requests[kind] += 1
+                    self.signed[signed or b"X-Amz-Signature=" in target] += 1
                     if kind == "GET":
                         self.get_paths.append(target.decode().split("?", 1)[0])
                     if kind == "GET" and not counted[0]:

@@ -101,8 +101,8 @@ def test_dst_in_unwritable_dir(engine: str, world_dir: Path, unprivileged: dict[
     assert list(parent.iterdir()) == []
 
 
-def test_dst_on_readonly_fs(stage: Stage, rich_src: Path, tmpfs: Any) -> None:
-    mnt = tmpfs("1m", ro=True)
+def test_dst_on_readonly_fs(stage: Stage, rich_src: Path, small_fs: Any) -> None:
+    mnt = small_fs("1m", ro=True)
     dst = mnt / "dst"
     with pytest.raises(OSError) as info:
         stage(rich_src, dst)
@@ -139,12 +139,12 @@ def test_dst_inside_src(stage: Stage, tmp_path: Path, where: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def test_not_enough_space(stage: Stage, tmp_path: Path, tmpfs: Any) -> None:
+def test_not_enough_space(stage: Stage, tmp_path: Path, small_fs: Any) -> None:
     src = tmp_path / "src"
     src.mkdir()
     for i in range(3):
         trees.write_patterned(src / f"part{i}.bin", 4 * MiB, seed=i)
-    mnt = tmpfs("8m")
+    mnt = small_fs("8m")
     dst = mnt / "dst"
     with pytest.raises(fastload.NotEnoughSpaceError) as info:
         stage(src, dst)
@@ -179,9 +179,9 @@ def eight_big_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) -> None:
+def test_disk_fills_up_midway(engine: str, eight_big_files: Path, small_fs: Any) -> None:
     src = eight_big_files
-    mnt = tmpfs("192m")
+    mnt = small_fs("192m")
     dst = mnt / "dst"
     # Once data is being written (the space check has passed), the tmpfs's limit is
     # lowered to what it holds: the next writes fail with ENOSPC. The stage runs in a
@@ -214,7 +214,7 @@ def test_disk_fills_up_midway(engine: str, eight_big_files: Path, tmpfs: Any) ->
 
 
 @pytest.mark.parametrize("change", ["grow", "shrink"])
-def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
+def test_source_changes_during_copy(engine: str, tmp_path: Path, small_fs: Any,
                                     change: str) -> None:
     src = tmp_path / "src"
     trees.build_small_files(src / "small", 100, per_dir=50)
@@ -223,7 +223,7 @@ def test_source_changes_during_copy(engine: str, tmp_path: Path, tmpfs: Any,
     size = 96 * MiB
     trees.write_patterned(big, size, seed=5)
     old_digest = trees.content_digest(big)
-    mnt = tmpfs("256m")
+    mnt = small_fs("256m")
     dst = mnt / "dst"
 
     def mutate() -> None:

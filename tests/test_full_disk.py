@@ -163,9 +163,6 @@ def test_s3_stage_fills_the_disk_then_resumes(s3: Any, bucket: str, proxy: Any,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: python/fastload/staging/remote.py fetch_small and _fetch_streamed "
-    "close the .NAME.fastload-tmp they write when a write fails, but do not remove it"))
 def test_s3_stage_on_a_full_disk_leaves_no_temporaries(s3: Any, bucket: str, proxy: Any,
                                                        small_fs: SmallFs) -> None:  # fmt: skip
     mnt = small_fs("32m")

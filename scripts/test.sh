@@ -57,8 +57,8 @@ step "virtual environment $VENV and the package (warnings are errors)"
 "$VENV/bin/python" -m pip install -q "torch==${FASTLOAD_TORCH_VERSION:-2.13.0}"
 # The package is compiled once, into a wheel both venvs install (scripts/bench-peers.sh
 # takes it from FASTLOAD_WHEEL): two builds of the same sources cost CI a minute or more.
-rm -rf build/wheelhouse
-FASTLOAD_WERROR=1 "$VENV/bin/python" -m pip wheel -q --no-deps -w build/wheelhouse .
+# build/cpp is shared with scripts/demo.sh: after the demo, only what changed compiles.
+./scripts/build.sh "$VENV" wheel build/wheelhouse
 WHEEL=$(ls build/wheelhouse/fastload-*.whl)
 export FASTLOAD_WHEEL=$PWD/$WHEEL
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$FASTLOAD_WHEEL"

@@ -8,8 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$1
 MODE=$2
+# The build runs in VENV (no isolated build environment: its objects stay valid between
+# builds), so VENV gets the build requirements; cmake and ninja from PyPI where the
+# machine has none.
+TOOLS=()
+command -v cmake >/dev/null || TOOLS+=("cmake>=3.20")
+command -v ninja >/dev/null || TOOLS+=(ninja)
 "$VENV/bin/python" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm \
-  2>&1 | grep -v "^WARNING: Location" || true
+  "${TOOLS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 mkdir -p build
 LOG=build/cpp-build.log
 if [ -f build/cpp/CMakeCache.txt ]; then

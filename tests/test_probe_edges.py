@@ -16,25 +16,7 @@ import fastload
 from fastload.cli import main
 from fastload.probing import IN_FLIGHT_STEPS, SCHEMA_VERSION, ProbeEvent
 from sources.s3server import upload
-
-# The --json schema of version 2: every key and the type of its value (None allowed).
-SCHEMA: dict[str, Any] = {
-    "version": int,
-    "path": str,
-    "kind": str,
-    "fs_type": str,
-    "files_sampled": int,
-    "latency_ms": {"stat": float, "open": float, "read": float},
-    "throughput_mb_per_s": {"single_stream": float, "parallel": float},
-    "parallel_requests_per_s": float,
-    "best_in_flight": int,
-    "in_flight_steps": list,
-    "io_uring": bool,
-    "destination": {"path": str, "fs_type": str, "free_bytes": int, "network": bool},
-    "plan": {"engine": str, "in_flight": int, "threads": int, "stripe_size": int,
-             "reason": str},
-    "seconds": float,
-}
+from test_probe import SCHEMA  # the --json schema of version 2, checked there too
 
 
 def check_schema(doc: dict[str, Any], schema: dict[str, Any], where: str = "") -> None:

@@ -185,3 +185,43 @@ def test_secrets_appear_in_no_file_and_no_output(
     assert any(".fastload" in str(p) for p in written)  # the manifests were read
     for p in written:
         assert SECRET.encode() not in p.read_bytes(), p
+
+
+@pytest.mark.parametrize(
+    ("url", "opts", "expect"),
+    [
+        ("gs://bkt/p/", {"anon": True}, {"skip_signature": "true", "bucket": "bkt"}),
+        ("gs://bkt/p/", {"google_skip_signature": "true", "endpoint_url": "http://127.0.0.1:1"},
+         {"skip_signature": "true", "base_url": "http://127.0.0.1:1"}),
+        ("az://cont/p/", {"account_name": "acct", "anon": True},
+         {"account_name": "acct", "skip_signature": "true", "container_name": "cont"}),
+        ("az://cont/p/", {"azure_storage_account_name": "acct", "sas_token": "sv=1&sig=x"},
+         {"account_name": "acct", "sas_key": "sv=1&sig=x"}),
+    ],
+    ids=["gs-anon", "gs-prefixed", "az-anon", "az-adlfs"],
+)
+def test_gs_and_az_names_are_mapped(url: str, opts: dict[str, Any], expect: dict[str, str]
+                                    ) -> None:  # fmt: skip
+    from fastload.sources import store_for
+
+    store = store_for(url, opts)  # made, no request sent (no server for these here)
+    config = store._store.config
+    assert {k: config.get(k) for k in expect} == expect
+
+
+@pytest.mark.parametrize(
+    ("url", "opts", "says"),
+    [
+        ("gs://bkt/", {"service_acount": "x"}, "did you mean 'service_account'"),
+        ("az://c/", {"acount_name": "x"}, "did you mean 'account_name'"),
+        ("az://c/", {"sas_token": "a", "sas_key": "b"}, "'sas_token' and 'sas_key'"),
+    ],
+)
+def test_gs_and_az_bad_names(url: str, opts: dict[str, Any], says: str) -> None:
+    from fastload.sources import store_for
+
+    with pytest.raises(ValueError, match="unknown storage option|both set") as e:
+        store_for(url, opts)
+    assert says in str(e.value) and "\n" not in str(e.value)
+    if "sas" in says:  # a secret's values are not shown
+        assert "'a'" not in str(e.value) and "'b'" not in str(e.value)

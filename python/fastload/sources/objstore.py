@@ -260,6 +260,71 @@ def _typed(canon: str, name: str, value: Any, origin: str) -> Any:
     return value
 
 
+# obstore's keys for Google Cloud Storage and Azure (GCSConfig, AzureConfig), each also
+# accepted with its prefix (``google_``; ``azure_``, ``azure_storage_``), and the other
+# names users bring (gcsfs's, adlfs's, fastload's own).
+_OBSTORE = {
+    "gs": frozenset(("service_account", "service_account_key", "base_url", "bearer_token",
+                     "bucket", "application_credentials", "skip_signature")),
+    "az": frozenset((
+        "account_name", "account_key", "client_id", "client_secret", "credential_type",
+        "tenant_id", "authority_host", "sas_key", "token", "use_emulator",
+        "use_fabric_endpoint", "encryption_key", "endpoint", "msi_endpoint", "object_id",
+        "msi_resource_id", "federated_token_file", "use_azure_cli", "skip_signature",
+        "container_name", "disable_tagging", "fabric_token_service_url",
+        "fabric_workload_host", "fabric_session_token", "fabric_cluster_identifier",
+    )),
+}  # fmt: skip
+_PREFIXES = {"gs": ("google_",), "az": ("azure_storage_", "azure_")}
+_ALIASES = {
+    "gs": {"endpoint_url": "base_url", "anon": "skip_signature", "anonymous": "skip_signature",
+           "service_account_path": "service_account", "credentials": "application_credentials"},
+    "az": {"endpoint_url": "endpoint", "anon": "skip_signature", "anonymous": "skip_signature",
+           "sas_token": "sas_key", "access_key": "account_key"},
+}  # fmt: skip
+_OTHER_SECRETS = frozenset(("service_account_key", "bearer_token", "account_key",
+                            "client_secret", "sas_key", "token", "fabric_session_token"))
+
+
+def normalize_options(scheme: str, options: StorageOptions | None, origin: str) -> dict[str, Any]:
+    """``options`` for a ``scheme://`` store under obstore's names: s3 through
+    :func:`normalize_s3_options`; gs and az: obstore's keys, with their ``google_`` or
+    ``azure_`` prefixes, and gcsfs's and adlfs's common names (``anon``, ``endpoint_url``,
+    ``sas_token``, ...). An unknown key or two names of one setting with different values
+    is a ValueError in one line naming the key (close matches first)."""
+    if scheme == "s3":
+        return normalize_s3_options(options, origin)
+    keys, aliases = _OBSTORE[scheme], _ALIASES[scheme]
+    out: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    for name, value in (options or {}).items():
+        low = str(name).lower()
+        canon = aliases.get(low, low)
+        for prefix in _PREFIXES[scheme]:
+            if canon not in keys and canon.startswith(prefix):
+                canon = canon[len(prefix):]
+        if canon not in keys:
+            accepted = sorted(keys | set(aliases) | {p + k for p in _PREFIXES[scheme][:1]
+                                                     for k in keys})  # fmt: skip
+            close = difflib.get_close_matches(low, accepted, n=3)
+            hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+            raise ValueError(
+                f"unknown storage option {name!r} for {scheme}:// from {origin}: {hint}"
+                f"accepted: obstore's {scheme} keys ({', '.join(sorted(keys))}), also "
+                f"with {' or '.join(_PREFIXES[scheme])}, and {', '.join(sorted(aliases))}"
+            )
+        if canon == "skip_signature" and not isinstance(value, bool):
+            value = _typed("anonymous", str(name), value, origin)
+        if canon in out and out[canon] != value:
+            shown = "" if canon in _OTHER_SECRETS else f" ({out[canon]!r} and {value!r})"
+            raise ValueError(
+                f"storage options {named[canon]!r} and {name!r} from {origin} both set "
+                f"{canon} to different values{shown}: give one"
+            )
+        out[canon], named[canon] = value, str(name)
+    return out
+
+
 def s3_settings(options: StorageOptions | None) -> dict[str, Any]:
     """The S3 settings in force: site < profile < environment < ``options``; the endpoint
     checked (:func:`check_endpoint`)."""
@@ -388,8 +453,13 @@ class ObjectStore:
                 ),
             )
         else:
-            opts = {**site_options(self.scheme), **(storage_options or {})}
-            self.endpoint = str(opts.get("endpoint_url", f"{self.scheme}://"))
+            opts = {
+                **normalize_options(self.scheme, site_options(self.scheme),
+                                    f"the configuration file's [storage.{self.scheme}]"),
+                **normalize_options(self.scheme, storage_options, "storage_options"),
+            }  # fmt: skip
+            where = opts.get("base_url") or opts.get("endpoint")
+            self.endpoint = str(where or f"{self.scheme}://")
             self._store = _client(
                 (self.scheme, self.bucket, opts, client),
                 lambda: obstores.from_url(

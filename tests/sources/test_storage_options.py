@@ -220,7 +220,7 @@ def test_gs_and_az_names_are_mapped(url: str, opts: dict[str, Any], expect: dict
 def test_gs_and_az_bad_names(url: str, opts: dict[str, Any], says: str) -> None:
     from fastload.sources import store_for
 
-    with pytest.raises(ValueError, match="unknown storage option|both set") as e:
+    with pytest.raises(ValueError, match=r"unknown storage option|both set") as e:
         store_for(url, opts)
     assert says in str(e.value) and "\n" not in str(e.value)
     if "sas" in says:  # a secret's values are not shown

@@ -238,11 +238,15 @@ def test_batch_by_size(four: tuple[Path, list[Sample]]) -> None:
         len(ds)
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
-def test_dataloader_workers(data: tuple[Path, list[Sample]], start: str) -> None:
-    index, samples = data
-    if start == "spawn" and len(samples) != 133:
-        pytest.skip("spawn (slow to start) runs on one data set")
+def test_dataloader_workers(data: tuple[Path, list[Sample]]) -> None:
+    check_workers(*data, "fork")
+
+
+def test_dataloader_workers_spawn(four: tuple[Path, list[Sample]]) -> None:
+    check_workers(*four, "spawn")  # spawned workers are slow to start: one data set
+
+
+def check_workers(index: Path, samples: list[Sample], start: str) -> None:
     ds = make(index, seed=7, fields=["cls"])
     loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=keep_list,
                         multiprocessing_context=multiprocessing.get_context(start))

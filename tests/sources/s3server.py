@@ -91,6 +91,47 @@ class S3Server:
             self.proc.wait()
 
 
+def _tail(root: Path) -> str:
+    return (root / "server.log").read_text(errors="replace")[-2000:]
+
+
+def _start(weed: str, root: Path, stack: contextlib.ExitStack) -> S3Server | None:
+    """The server on free ports, answering; None where a port was taken meanwhile."""
+    s3, master, volume, filer, admin = _ports()
+    cmd = [
+        weed, f"-logdir={root / 'logs'}", "mini", f"-dir={root / 'data'}",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3}",
+        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+        f"-admin.port={admin}", "-admin.ui=false", "-webdav=false",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        # Each bucket gets a volume of its own, and by default the server allows
+        # free space / volume size of them (1 GiB each where the disk is big): with
+        # 29 GB free, the suite's 30th bucket got InternalError on every upload.
+        # Volumes grow as they are written, so a fixed count reserves no space.
+        f"-volume.max={MAX_VOLUMES}",
+    ]  # fmt: skip
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+           "TMPDIR": str(root)}  # fmt: skip
+    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed by the ExitStack
+    stack.callback(log.close)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = S3Server(f"http://127.0.0.1:{s3}", root, proc)
+    stack.callback(server.stop)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            if "address already in use" in _tail(root).lower():
+                return None
+            raise RuntimeError(f"weed exited: {_tail(root)}")
+        try:
+            server.client().list_buckets()
+            return server
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def s3_server(root: Path | None = None) -> Iterator[S3Server]:
     weed = weed_binary()
@@ -101,37 +142,14 @@ def s3_server(root: Path | None = None) -> Iterator[S3Server]:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fl-s3-")))
         (root / "data").mkdir(parents=True, exist_ok=True)
         (root / "logs").mkdir(exist_ok=True)
-        s3, master, volume, filer, admin = _ports()
-        cmd = [
-            weed, f"-logdir={root / 'logs'}", "mini", f"-dir={root / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3}",
-            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
-            f"-admin.port={admin}", "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-            # Each bucket gets a volume of its own, and by default the server allows
-            # free space / volume size of them (1 GiB each where the disk is big): with
-            # 29 GB free, the suite's 30th bucket got InternalError on every upload.
-            # Volumes grow as they are written, so a fixed count reserves no space.
-            f"-volume.max={MAX_VOLUMES}",
-        ]  # fmt: skip
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
-               "TMPDIR": str(root)}  # fmt: skip
-        log = open(root / "server.log", "wb")  # noqa: SIM115 - closed by the ExitStack
-        stack.callback(log.close)
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-        server = S3Server(f"http://127.0.0.1:{s3}", root, proc)
-        stack.callback(server.stop)
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"weed exited: {(root / 'server.log').read_text()[-2000:]}")
-            try:
-                server.client().list_buckets()
+        # The ports are picked free, then bound by the server (weed takes no port 0): a port
+        # another process takes in between fails that start, tried again on other ports.
+        for _attempt in range(3):
+            server = _start(weed, root, stack)
+            if server is not None:
                 break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"weed could not bind its ports: {_tail(root)}")
         yield server
 
 

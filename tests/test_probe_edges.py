@@ -16,17 +16,7 @@ import fastload
 from fastload.cli import main
 from fastload.probing import IN_FLIGHT_STEPS, SCHEMA_VERSION, ProbeEvent
 from sources.s3server import upload
-from test_probe import SCHEMA  # the --json schema of version 2, checked there too
-
-
-def check_schema(doc: dict[str, Any], schema: dict[str, Any], where: str = "") -> None:
-    assert set(doc) == set(schema), f"{where}: keys {sorted(doc)} != {sorted(schema)}"
-    for k, t in schema.items():
-        if isinstance(t, dict):
-            check_schema(doc[k], t, f"{where}.{k}")
-        elif doc[k] is not None:
-            ok = isinstance(doc[k], (int, float)) if t is float else isinstance(doc[k], t)
-            assert ok and not (t is int and isinstance(doc[k], bool)), f"{where}.{k}={doc[k]!r}"
+from test_probe import SCHEMA, check_schema  # the --json schema of version 2
 
 
 def check_plan(plan: dict[str, Any], best: int | None) -> None:

@@ -72,6 +72,26 @@ def packed_fetch(
     return fetch_batch
 
 
+def samples_of(run: Any, chunks: Iterable[np.ndarray], read: Callable[[np.ndarray], list[Any]],
+               transform: Callable[[Any], Any] | None) -> Iterator[Any]:  # fmt: skip
+    """One sample at a time (``batch_size=None``), counted in ``run``."""
+    for ids in chunks:
+        for s in read(ids):
+            run.done += 1
+            yield s if transform is None else transform(s)
+
+
+def batch_of(run: Any, ids: np.ndarray, read: Callable[[np.ndarray], list[Any]],
+             transform: Callable[[Any], Any] | None, collate: Callable[[list[Any]], Any] | None
+             ) -> Any:  # fmt: skip
+    """The batch of samples ``ids``: read, transformed, collated, counted in ``run``."""
+    batch = read(ids)
+    if transform is not None:
+        batch = [transform(s) for s in batch]
+    run.done += len(batch)
+    return batch if collate is None else collate(batch)
+
+
 def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
                  order: EpochOrder) -> Iterator[Any]:
     """The epoch ``run`` of ``ds`` over remote shards: as for local ones, each read with
@@ -99,10 +119,7 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
 
     try:
         if ds.batch_size is None:
-            for ids in chunks:
-                for s in read(ids):
-                    run.done += 1
-                    yield s if transform is None else transform(s)
+            yield from samples_of(run, chunks, read, transform)
         elif ds.batch_by is None:
             collate = _probe.timed(_probe.COLLATE, ds.collate_fn)
             packed = packed_fetch(ds.collate_fn, fields, access) if transform is None else None
@@ -117,11 +134,7 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
                     run.done += len(out)
                     yield out
                     continue
-                batch = read(ids)
-                if transform is not None:
-                    batch = [transform(s) for s in batch]
-                run.done += len(batch)
-                yield batch if collate is None else collate(batch)
+                yield batch_of(run, ids, read, transform, collate)
         else:
             yield from ds._sized_batches(run, chunks, read)
     finally:

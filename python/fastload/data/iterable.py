@@ -26,7 +26,7 @@ from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
 from . import _probe, partition
 from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
-from ._reading import CHUNK, packed_fetch, rechunk, remote_epoch
+from ._reading import CHUNK, batch_of, packed_fetch, rechunk, remote_epoch, samples_of
 from ._remote import RemoteReader, open_remote
 from .partition import Intervals
 from .shuffle import DEFAULT_BLOCK, EpochOrder
@@ -407,11 +407,7 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         read = _probe.timed(_probe.READ, read)
         transform = _probe.timed(_probe.TRANSFORM, transform)
         if self.batch_size is None:
-            for ids in chunks:
-                samples = read(ids)
-                for s in samples:
-                    run.done += 1
-                    yield s if transform is None else transform(s)
+            yield from samples_of(run, chunks, read, transform)
         elif self.batch_by is None:
             collate = _probe.timed(_probe.COLLATE, self.collate_fn)
             packed = packed_fetch(self.collate_fn, fields, access) if transform is None else None
@@ -425,11 +421,7 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
                     yield out
                 return
             for ids in chunks:
-                batch = read(ids)
-                if transform is not None:
-                    batch = [transform(s) for s in batch]
-                run.done += len(batch)
-                yield batch if collate is None else collate(batch)
+                yield batch_of(run, ids, read, transform, collate)
         else:
             yield from self._sized_batches(run, chunks, read)
 

@@ -13,7 +13,7 @@ import pytest
 from s3server import KEY_ID, SECRET, S3Server, tree_of, upload
 
 import fastload
-from fastload.sources.objstore import normalize_s3_options
+from fastload.sources.settings import normalize_s3_options
 
 pytestmark = pytest.mark.slow
 

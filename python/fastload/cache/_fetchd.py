@@ -87,7 +87,8 @@ class _Link:
     def call(self, *request: Any) -> Any:
         """Runs ``request`` where it is served, with this process's site defaults for
         object stores (the configuration file's, which a helper does not read)."""
-        from ..sources.objstore import SCHEMES, site_options
+        from ..sources.objstore import SCHEMES
+        from ..sources.settings import site_options
 
         site = {s: site_options(s) for s in SCHEMES}
         try:
@@ -219,7 +220,7 @@ def _serve(recv: Connection, send: Connection, helper_process: bool) -> None:
             return
         try:
             if helper_process:
-                from ..sources.objstore import set_site_loader
+                from ..sources.settings import set_site_loader
 
                 set_site_loader(functools.partial(dict, site))
             if req[0] == "download":

@@ -14,7 +14,7 @@ May import: ``staging``, ``sources``, ``index``, ``errors``, ``_util``, ``_core`
 
 import os
 
-from ..sources.objstore import set_site_loader
+from ..sources.settings import set_site_loader
 from .base import Context, Detector, Environment, expand
 from .config import config_path, load_config
 from .datasets import DatasetSpec, datasets

@@ -74,3 +74,19 @@ def cache_bytes(cache_dir: Path) -> int:
                 seen.add(st.st_ino)
                 total += st.st_size
     return total
+
+
+def keep(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def epoch_keys(ds: Any, workers: int = 0) -> list[Any]:
+    """One epoch of ``ds`` through a DataLoader (forked workers), as comparable values."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep,
+                        multiprocessing_context=multiprocessing.get_context("fork")
+                        if workers else None)
+    return [plain(s) for s in loader]

@@ -10,15 +10,11 @@ this file runs instead, reading SPEC from its last argument.
 
 from __future__ import annotations
 
-import hashlib
 import http.server
-import io
 import json
 import os
 import signal
 import sys
-import tarfile
-import textwrap
 import threading
 import time
 import urllib.parse
@@ -28,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resolve_kit import clean_environ, env_vars, make_tar, sha256, tree_of
 
 import fastload
 from fastload.env import Environment, detect
@@ -44,36 +41,9 @@ BACKENDS = ["urllib", "fsspec"]
 # --------------------------------------------------------------------------------------
 
 
-# Variables that steer environment detection (FASTLOAD_ENGINE and the like are kept).
-ENV_VARS = {
-    "CC_CLUSTER", "SCRATCH", "FASTLOAD_ENV", "FASTLOAD_CONFIG", "FASTLOAD_TMPDIR",
-    "FASTLOAD_CACHE", "FASTLOAD_SCRATCH", "FASTLOAD_DATASET_ROOTS", "FASTLOAD_CPUS",
-    "FASTLOAD_HTTP",
-}
-
-
 @pytest.fixture(autouse=True)
 def _clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for var in list(os.environ):
-        if var.startswith("SLURM_") or var in ENV_VARS:
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))
-
-
-def env_vars(root: Path, **extra: str) -> dict[str, str]:
-    """The variables of a simulated node: everything under ``root``."""
-    out = {
-        "USER": "bob",
-        "HOME": str(root / "home"),
-        "XDG_CONFIG_HOME": str(root / "no-config"),
-        "FASTLOAD_ENV": "local",
-        "FASTLOAD_TMPDIR": str(root / "node-local"),
-        "FASTLOAD_CACHE": str(root / "cache"),
-        "FASTLOAD_SCRATCH": str(root / "scratch"),
-        "FASTLOAD_DATASET_ROOTS": str(root / "datasets"),
-    }
-    out.update(extra)
-    return out
+    clean_environ(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -82,33 +52,7 @@ def env(tmp_path: Path) -> Environment:
     return detect(env_vars(tmp_path), "node1")
 
 
-def sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def make_tar(path: Path, members: dict[str, bytes], *, gz: bool = False) -> bytes:
-    """Writes a tar (or tar.gz) holding ``members``; returns its bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in sorted(members.items()):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mtime = 1_600_000_000
-            info.mode = 0o644
-            tf.addfile(info, io.BytesIO(data))
-    data = buf.getvalue()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return data
-
-
-def tree_of(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    }
-
+# Variables that steer environment detection (FASTLOAD_ENGINE and the like are kept).
 
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
@@ -262,108 +206,6 @@ def test_not_found_names_every_place_tried(env: Environment, tmp_path: Path) -> 
 
 # --------------------------------------------------------------------------------------
 # The dataset registry on a simulated cluster
-# --------------------------------------------------------------------------------------
-
-
-def mila_env(tmp_path: Path) -> Environment:
-    """Mila as a site would simulate it: /network/datasets under a temporary root, given
-    through the configuration file; the host name says Mila."""
-    network = tmp_path / "network" / "datasets"
-    network.mkdir(parents=True)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(f'[environments.mila]\ndataset_roots = ["{network}"]\n', encoding="utf-8")
-    environ = {
-        "USER": "bob",
-        "HOME": str(tmp_path / "home"),
-        "FASTLOAD_CONFIG": str(cfg),
-        "SLURM_JOB_ID": "1",
-        "SLURM_TMPDIR": str(tmp_path / "slurm_tmpdir"),
-        "SCRATCH": str(tmp_path / "scratch"),
-    }
-    env = detect(environ, "cn-b002.server.mila.quebec")
-    assert env.name == "mila" and env.dataset_roots == (network,)
-    return env
-
-
-def test_registry_cifar10_on_mila(tmp_path: Path) -> None:
-    env = mila_env(tmp_path)
-    batches = env.dataset_roots[0] / "torchvision" / "cifar-10-batches-py"
-    batches.mkdir(parents=True)
-    for name in ("data_batch_1", "test_batch", "batches.meta"):
-        (batches / name).write_bytes(os.urandom(3000))
-    root = fastload.resolve("cifar10", env=env)
-    assert root == env.tmpdir / "cifar10"  # the torchvision root
-    assert tree_of(root / "cifar-10-batches-py") == tree_of(batches)
-    from fastload.env.datasets import datasets
-
-    assert {"imagenet", "cifar10", "cifar100", "mnist", "fashionmnist"} <= set(datasets(env))
-
-
-def test_registry_imagenet_tar_of_tars(tmp_path: Path) -> None:
-    env = mila_env(tmp_path)
-    inet = env.dataset_roots[0] / "imagenet"
-    inner = {}
-    for wnid in ("n01440764", "n01443537"):
-        inner[f"{wnid}.tar"] = make_tar(
-            tmp_path / "build" / f"{wnid}.tar",
-            {f"{wnid}_{i}.JPEG": os.urandom(500 + i) for i in range(3)},
-        )
-    make_tar(inet / "ILSVRC2012_img_train.tar", inner)
-    val = make_tar(inet / "ILSVRC2012_img_val.tar", {"ILSVRC2012_val_00000001.JPEG": b"v"})
-
-    # The registry's checksum is the real archive's: this stand-in does not match it.
-    with pytest.raises(fastload.ChecksumMismatchError):
-        fastload.resolve("imagenet", split="train", env=env, destination=tmp_path / "bad")
-
-    train = fastload.resolve("imagenet", split="train", env=env, checksum=False)
-    assert train == env.tmpdir / "imagenet" / "train"
-    assert sorted(p.name for p in train.iterdir()) == ["n01440764", "n01443537"]
-    assert len(list((train / "n01440764").iterdir())) == 3
-    assert fastload.resolve("imagenet", env=env, checksum=False) == train  # default split
-
-    # No sorted copy of val here: the archive is copied as it is, for torchvision.
-    got = fastload.resolve("imagenet", split="val", env=env, checksum=False)
-    assert got == env.tmpdir / "imagenet" / "ILSVRC2012_img_val.tar"
-    assert got.read_bytes() == val
-    with pytest.raises(ValueError, match="has no split 'test'"):
-        fastload.resolve("imagenet", split="test", env=env)
-
-
-def test_config_adds_datasets(tmp_path: Path) -> None:
-    src = tmp_path / "lab" / "speech"
-    trees.build_small_files(src, 6)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(
-        textwrap.dedent(f"""
-            [datasets.speech]
-            description = "the lab's corpus"
-            [[datasets.speech.sources]]
-            path = "/missing/{{name}}"
-            [[datasets.speech.sources]]
-            path = "{src}"
-            into = "audio"
-        """),
-        encoding="utf-8",
-    )
-    env = detect(env_vars(tmp_path, FASTLOAD_CONFIG=str(cfg)), "node1")
-    assert fastload.resolve("speech", env=env) == env.tmpdir / "speech" / "audio"
-    trees.assert_same_tree(src, env.tmpdir / "speech" / "audio")
-
-    cfg.write_text("[datasets.broken]\nsources = [{ path = 'x', url = 'http://y' }]\n")
-    env = detect(env_vars(tmp_path, FASTLOAD_CONFIG=str(cfg)), "node1")
-    with pytest.raises(ValueError, match="either a path or a url"):
-        fastload.resolve("broken", env=env)
-
-
-def test_registry_file_ships_with_the_package() -> None:
-    from importlib.resources import files
-
-    text = files("fastload.env").joinpath("datasets.toml").read_text(encoding="utf-8")
-    assert "[imagenet]" in text and "[cifar10]" in text
-
-
-# --------------------------------------------------------------------------------------
-# HTTP
 # --------------------------------------------------------------------------------------
 
 

@@ -315,6 +315,7 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     """``fastload pack SRC OUT ...``."""
     from .packing.folder import pack_path
     from .packing.listing import CLS_FIELD
+    from .packing.options import PackOptions
     from .packing.writer import DEFAULT_INDEX
     from .sources import is_store_url
 
@@ -325,28 +326,17 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
         args.num_tasks = n if args.num_tasks is None else args.num_tasks
     elif args.num_tasks is None:
         args.num_tasks = 1
-    r = pack_path(
-        args.src,
-        args.out,
-        shuffle=args.shuffle,
-        seed=args.seed,
-        pattern=args.pattern,
-        max_size=args.max_size,
-        max_count=args.max_count,
-        workers=args.workers,
-        task_index=args.task_index,
-        num_tasks=args.num_tasks,
-        classes=args.classes,
-        index=DEFAULT_INDEX,
-        progress=progress,
-        sync=True,
-    )
+    opts = PackOptions(
+        pattern=args.pattern, max_size=args.max_size, max_count=args.max_count,
+        shuffle=args.shuffle, seed=args.seed, workers=args.workers, index=DEFAULT_INDEX,
+        progress=progress, sync=True, task_index=args.task_index, num_tasks=args.num_tasks,
+    )  # fmt: skip
+    r = pack_path(args.src, args.out, opts, classes=args.classes)
     rate = r.samples / r.seconds if r.seconds > 0 else 0.0
     mbs = r.bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
     who = f"task {args.task_index} of {args.num_tasks}: " if args.num_tasks > 1 else ""
-    # Into a bucket, r names the temporary folder the shards were uploaded from (gone).
     remote = is_store_url(args.out)
-    where = (args.out if args.out.endswith("/") else args.out + "/") if remote else r.out_dir
+    where = r.out_dir  # into a bucket: its URL, ending in /
     print(
         f"{where}: {who}{r.samples} samples in {len(r.shards)} of {r.total_shards} shards "
         f"({human(r.bytes)}) in {r.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:,.0f} MB/s)"
@@ -356,7 +346,7 @@ def _pack_command(args: argparse.Namespace, progress: bool) -> int:
     if r.skipped:
         print(f"  left out {r.skipped} files without KEY.FIELD names, e.g. {r.skipped_examples[0]}")
     if r.index is not None:
-        print(f"  index {f'{where}{r.index.name}' if remote else r.index}")
+        print(f"  index {r.index}")
     elif args.num_tasks > 1 and remote:
         print("  no index: tasks packing into a bucket write none; pack with one task "
               "(--num-tasks 1) for shards with an index")

@@ -76,3 +76,23 @@ def test_cli_pack_to_bucket_reads_back(tmp_path: Path, s3: Any, bucket: str) -> 
     remote = fastload.ShardIterableDataset(f"s3://{bucket}/p/", cache_dir=tmp_path / "c", seed=3)
     here = fastload.ShardIterableDataset(str(tmp_path / "local" / "index.fidx"), seed=3)
     assert [plain(s) for s in remote] == [plain(s) for s in here]
+
+
+def test_pack_into_a_bucket_returns_the_bucket_places(tmp_path: Path, s3: Any, bucket: str) -> None:
+    src = tmp_path / "src"
+    for key, fields in make_samples(30, seed=5, long_keys="none"):
+        for field, data in fields.items():
+            p = src / f"{key}.{field}"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+    r = fastload.pack(src, f"s3://{bucket}/api", max_count=8)
+    base = f"s3://{bucket}/api/"
+    # The result names where the shards are (the bucket), not the temporary folder they
+    # were packed in and uploaded from.
+    assert r.out_dir == base and r.index == base + "index.fidx"
+    assert list(r.shards) == [f"{base}shard-{i:06d}.tar" for i in range(4)]
+    assert keys_in(s3, bucket, "api/") == sorted(
+        ["api/index.fidx", *zst_copy("api/index.fidx.zst")]
+        + [str(s)[len(f"s3://{bucket}/"):] for s in r.shards]
+    )
+    assert r.samples == 30 and r.total_shards == 4

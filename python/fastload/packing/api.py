@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 from .._util import Size
-from .dataset import pack_iterable, pack_map_dataset
+from .dataset import ToSample, pack_iterable, pack_map_dataset
 from .folder import pack_path
+from .options import PackOptions
 from .writer import DEFAULT_INDEX, DEFAULT_PATTERN, PackResult, PathLike
 
 __all__ = ["pack", "pack_dataset"]
@@ -51,40 +52,21 @@ def pack(
     writes every ``num_tasks``-th shard of the same plan; join them with
     ``fastload index OUT`` once all are done.
     """
+    opts = PackOptions(
+        pattern=pattern, max_size=max_size, max_count=max_count, shuffle=shuffle, seed=seed,
+        workers=workers, index=index, progress=progress, sync=sync, task_index=task_index,
+        num_tasks=num_tasks,
+    )  # fmt: skip
     if isinstance(source, (str, os.PathLike)):
-        return pack_path(
-            source,
-            out_dir,
-            shuffle=shuffle,
-            seed=seed,
-            pattern=pattern,
-            max_size=max_size,
-            max_count=max_count,
-            workers=workers,
-            task_index=task_index,
-            num_tasks=num_tasks,
-            classes=classes,
-            index=index,
-            progress=progress,
-            sync=sync,
-        )
+        return pack_path(source, out_dir, opts, classes=classes)
     if shuffle:
         raise ValueError(
             "shuffle=True needs the whole sample list: pack a path, or a map-style "
             "dataset with pack_dataset(), or shuffle the iterable yourself"
         )
-    if num_tasks != 1 or task_index != 0:
+    if opts.tasks:
         raise ValueError("tasks split a path or a dataset, not an iterable")
-    return pack_iterable(
-        source,
-        out_dir,
-        pattern=pattern,
-        max_size=max_size,
-        max_count=max_count,
-        index=index,
-        progress=progress,
-        sync=sync,
-    )
+    return pack_iterable(source, out_dir, opts)
 
 
 def pack_dataset(
@@ -115,19 +97,8 @@ def pack_dataset(
     bytes, str, numbers or numpy arrays need an encoder (:func:`register_encoder`),
     e.g. PIL images.
     """
-    return pack_map_dataset(
-        dataset,
-        out_dir,
-        shuffle=shuffle,
-        seed=seed,
-        pattern=pattern,
-        max_size=max_size,
-        max_count=max_count,
-        workers=workers,
-        fields=fields,
-        to_sample=to_sample,
-        index=index,
-        progress=progress,
-        sync=sync,
-    )
-
+    opts = PackOptions(
+        pattern=pattern, max_size=max_size, max_count=max_count, shuffle=shuffle, seed=seed,
+        workers=workers, index=index, progress=progress, sync=sync,
+    )  # fmt: skip
+    return pack_map_dataset(dataset, out_dir, opts, ToSample.of(to_sample, fields, len(dataset)))

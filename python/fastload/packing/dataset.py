@@ -22,16 +22,14 @@ from typing import Any, Callable
 import numpy as np
 import numpy.typing as npt
 
-from .._util import Size
 from ..index import ShardIndex
+from .options import PackOptions
 from .plan import END_BYTES, permutation
 from .writer import (
     PackResult,
     PathLike,
     ShardWriter,
-    check_pattern,
     encode_sample,
-    parse_size,
     sample_bytes,
 )
 
@@ -40,25 +38,18 @@ _POLL_S = 0.25
 
 
 def pack_iterable(
-    samples: Iterable[Mapping[str, Any]],
-    out_dir: PathLike,
-    *,
-    pattern: str,
-    max_size: Size,
-    max_count: int | None,
-    index: str | None,
-    progress: bool,
-    sync: bool,
+    samples: Iterable[Mapping[str, Any]], out_dir: PathLike, opts: PackOptions
 ) -> PackResult:
     t0 = time.monotonic()
     bar = None
-    if progress:
+    if opts.progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(unit=" samples", unit_scale=True, desc="pack", dynamic_ncols=True)
     w = ShardWriter(
-        out_dir, pattern=pattern, max_size=max_size, max_count=max_count, index=index, sync=sync
-    )
+        out_dir, pattern=opts.pattern, max_size=opts.max_size, max_count=opts.max_count,
+        index=opts.index, sync=opts.sync,
+    )  # fmt: skip
     with w:
         for s in samples:
             w.write(s)
@@ -91,6 +82,16 @@ class ToSample:
         self.to_sample = to_sample
         self.fields = tuple(fields) if fields is not None else None
         self.width = width
+
+    @classmethod
+    def of(
+        cls,
+        to_sample: Callable[[int, Any], Mapping[str, Any]] | None,
+        fields: Sequence[str] | None,
+        n: int,
+    ) -> ToSample:
+        """For a dataset of ``n`` items: keys zero-padded to at least 6 digits."""
+        return cls(to_sample, fields, max(6, len(str(max(n - 1, 0)))))
 
     def __call__(self, i: int, item: Any) -> dict[str, Any]:
         if self.to_sample is not None:
@@ -186,40 +187,27 @@ def _group_size(
 def pack_map_dataset(
     dataset: Any,
     out_dir: PathLike,
-    *,
-    shuffle: bool,
-    seed: int,
-    pattern: str,
-    max_size: Size,
-    max_count: int | None,
-    workers: int | None,
-    fields: Sequence[str] | None,
-    to_sample: Callable[[int, Any], Mapping[str, Any]] | None,
-    index: str | None,
-    progress: bool,
-    sync: bool,
+    opts: PackOptions,
+    convert: ToSample,
     start_method: str | None = None,
 ) -> PackResult:
     t0 = time.monotonic()
-    check_pattern(pattern)
-    limit = parse_size(max_size)
-    if max_count is not None and max_count < 1:
-        raise ValueError(f"max_count must be at least 1, not {max_count}")
+    limit, max_count, index = opts.limit, opts.max_count, opts.index
     n = len(dataset)
     out = Path(os.path.abspath(out_dir))
     out.mkdir(parents=True, exist_ok=True)
-    convert = ToSample(to_sample, fields, max(6, len(str(max(n - 1, 0)))))
-    order = permutation(n, seed) if shuffle else np.arange(n, dtype=np.int64)
+    order = permutation(n, opts.seed) if opts.shuffle else np.arange(n, dtype=np.int64)
     _init(dataset, convert, None, None)
     g = _group_size(dataset, order, convert, limit, max_count) if n else 1
     groups = [order[a : a + g] for a in range(0, n, g)]
-    nworkers = min(workers if workers is not None else (os.cpu_count() or 1), len(groups))
+    workers = opts.workers if opts.workers is not None else (os.cpu_count() or 1)
+    nworkers = min(workers, len(groups))
     token = f"{os.getpid()}-{time.time_ns() & 0xFFFFFFFF:08x}"
-    args = (os.fspath(out), token, limit, max_count, sync)
+    args = (os.fspath(out), token, limit, max_count, opts.sync)
     parts: list[list[tuple[str, int, int]]] = [[] for _ in groups]
     try:
         if nworkers <= 1:
-            bar = _bar(n) if progress else None
+            bar = _bar(n) if opts.progress else None
             _init(dataset, convert, None, None)
             for gi, idx in enumerate(groups):
                 parts[gi] = write_group(gi, idx, *args)
@@ -228,8 +216,9 @@ def pack_map_dataset(
             if bar is not None:
                 bar.close()
         else:
-            _run_pool(dataset, convert, groups, args, nworkers, parts, progress, n, start_method)
-        shards = _rename_parts(out, pattern, parts)
+            _run_pool(dataset, convert, groups, args, nworkers, parts, opts.progress,
+                      start_method)
+        shards = _rename_parts(out, opts.pattern, parts)
     except BaseException:
         for leftover in out.glob(f".pack-{token}-*"):
             leftover.unlink(missing_ok=True)
@@ -262,9 +251,9 @@ def _run_pool(
     nworkers: int,
     parts: list[list[tuple[str, int, int]]],
     progress: bool,
-    n: int,
     start_method: str | None,
 ) -> None:
+    n = sum(len(g) for g in groups)
     method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     ctx = multiprocessing.get_context(method)
     samples = ctx.Value("q", 0)

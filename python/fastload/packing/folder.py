@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import json
@@ -26,18 +27,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core
-from .._util import Size, check_space
+from .._util import check_space
 from ..index import ShardIndex
 from ..staging import archive_compression
 from ..staging.engine import network_fs
 from .listing import group, list_source
+from .options import PackOptions
 from .plan import cut_shards, member_bytes, permutation, task_shards
 from .upload import is_store_url, pack_to_bucket
 from .writer import (
     PackResult,
     PathLike,
     check_pattern,
-    parse_size,
     temp_path,
 )
 
@@ -177,41 +178,24 @@ def default_workers(src: Path) -> int:
     return min(32, 4 * cpus) if network_fs(src) else cpus
 
 
-def pack_path(
-    src: PathLike,
-    out_dir: PathLike,
-    *,
-    shuffle: bool,
-    seed: int,
-    pattern: str,
-    max_size: Size,
-    max_count: int | None,
-    workers: int | None,
-    task_index: int,
-    num_tasks: int,
-    classes: bool | None,
-    index: str | None,
-    progress: bool,
-    sync: bool,
-) -> PackResult:
+def pack_path(src: PathLike, out_dir: PathLike, opts: PackOptions,
+              classes: bool | None = None) -> PackResult:
+    """Packs the tree, tar or tar of tars at ``src`` into ``out_dir`` (a folder, or a
+    bucket URL: packed into a temporary folder and uploaded, index last)."""
     if is_store_url(out_dir):
+        into = dataclasses.replace(opts, sync=False)
         packed: PackResult = pack_to_bucket(
-            pack_path, out_dir, index, src=src, shuffle=shuffle, seed=seed, pattern=pattern,
-            max_size=max_size, max_count=max_count, workers=workers, task_index=task_index,
-            num_tasks=num_tasks, classes=classes, progress=progress, sync=False,
-        )  # fmt: skip
+            lambda local: pack_path(src, local, into, classes), os.fspath(out_dir), opts.index
+        )
         return packed
+    if opts.workers == 0:
+        raise ValueError("workers must be at least 1, not 0 (threads reading the source)")
     t0 = time.monotonic()
-    check_pattern(pattern)
-    limit = parse_size(max_size)
-    if max_count is not None and max_count < 1:
-        raise ValueError(f"max_count must be at least 1, not {max_count}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be at least 1, not {workers}")
-    task_shards(0, task_index, num_tasks)  # checks the task arguments
+    pattern, index = opts.pattern, opts.index
+    task_index, num_tasks = opts.task_index, opts.num_tasks
     source = Path(os.path.abspath(src))
     out = Path(os.path.abspath(out_dir))
-    threads = workers or default_workers(source)
+    threads = opts.workers or default_workers(source)
 
     # A compressed tar cannot be read at random: it is decompressed next to the shards
     # first (the shards are uncompressed anyway), and the copy removed at the end.
@@ -229,8 +213,8 @@ def pack_path(
             )
         mbytes = member_bytes(smp.name_len.astype(np.uint64), smp.size)
         per_sample = np.add.reduceat(mbytes.astype(np.int64), smp.first)
-        order = permutation(n, seed) if shuffle else np.arange(n, dtype=np.int64)
-        cuts = cut_shards(per_sample[order], limit, max_count)
+        order = permutation(n, opts.seed) if opts.shuffle else np.arange(n, dtype=np.int64)
+        cuts = cut_shards(per_sample[order], opts.limit, opts.max_count)
         n_shards = len(cuts) - 1
         names = [pattern.format(s) for s in range(n_shards)]
         mine = task_shards(n_shards, task_index, num_tasks)
@@ -266,7 +250,7 @@ def pack_path(
             sources = os.fsencode(source)
             src_offsets = np.array([0, len(sources)], dtype=np.uint64)
             mode = "scatter"
-        bar = _Progress(len(samples_out), f"pack {source.name}") if progress else None
+        bar = _Progress(len(samples_out), f"pack {source.name}") if opts.progress else None
         try:
             plan = _core.PackPlan(
                 root=root,
@@ -288,7 +272,7 @@ def pack_path(
             options = _core.PackOptions(
                 mode=mode,
                 threads=threads,
-                sync=sync,
+                sync=opts.sync,
                 max_open=_open_files_for(len(mine)) if mode == "scatter" else 256,
             )
             res = _core.pack_run(plan, options, bar)

@@ -10,17 +10,21 @@ uploaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from .. import _core
 from ..cache.remote import header_skeleton
 from ..sources import is_store_url, store_for
 from ..sources.objstore import StorageOptions, split_url
+
+if TYPE_CHECKING:
+    from .writer import PackResult
 
 __all__ = ["UPLOADS_IN_FLIGHT", "Uploader", "compress_index", "is_store_url", "pack_to_bucket"]
 
@@ -89,15 +93,17 @@ def index_from_skeletons(skeletons: list[Path], names: list[str], dest: Path) ->
     _core.build_index([os.fspath(p) for p in skeletons], names, os.fspath(dest), "error", 0)
 
 
-def pack_to_bucket(run: Callable[..., Any], out_url: str, index: str | None,
-                   **kwargs: Any) -> Any:
-    """``run(out_dir=LOCAL, index=index, **kwargs)`` into a temporary folder, then its
-    shards (and other files) uploaded under ``out_url`` and the index last. Returns
-    ``run``'s result."""
+def pack_to_bucket(run: Callable[[Path], PackResult], out_url: str,
+                   index: str | None) -> PackResult:
+    """``run(LOCAL)`` packs into a temporary folder; then its shards (and other files)
+    are uploaded under ``out_url``, the index last. Returns ``run``'s result with the
+    places it names (``out_dir``, ``shards``, ``index``) in the bucket: the local copies
+    are gone."""
     up = Uploader(out_url)
     local = Path(tempfile.mkdtemp(prefix="fastload-pack-"))
+    base = out_url if out_url.endswith("/") else out_url + "/"
     try:
-        result = run(out_dir=local, index=index, **kwargs)
+        result = run(local)
         names = sorted(p.name for p in local.iterdir() if p.is_file())
         last = [n for n in names if index and n == index]
         for n in names:
@@ -107,7 +113,12 @@ def pack_to_bucket(run: Callable[..., Any], out_url: str, index: str | None,
         for n in last:
             up.submit_index(local / n, n)
         up.wait()
-        return result
+        return dataclasses.replace(
+            result,
+            out_dir=base,
+            shards=tuple(base + Path(s).name for s in result.shards),
+            index=base + Path(result.index).name if result.index is not None else None,
+        )
     finally:
         up.close()
         shutil.rmtree(local, ignore_errors=True)

@@ -413,16 +413,20 @@ class ShardWriter:
 class PackResult:
     """What a pack wrote."""
 
-    out_dir: Path
-    shards: tuple[Path, ...]
-    """The shards this call wrote (with ``num_tasks > 1``: this task's)."""
+    out_dir: Path | str
+    """The folder written, or the bucket URL (a ``str`` ending in ``/``) the shards were
+    uploaded to."""
+    shards: tuple[Path | str, ...]
+    """The shards this call wrote (with ``num_tasks > 1``: this task's); URLs when packed
+    into a bucket."""
     samples: int
     """Samples in those shards."""
     bytes: int
     """Bytes of those shards."""
     seconds: float
-    index: Path | None
-    """The index written (None with several tasks: join them with ``fastload index``)."""
+    index: Path | str | None
+    """The index written, a URL when packed into a bucket (None with several tasks: join
+    them with ``fastload index``)."""
     total_shards: int
     """Shards of the whole pack, all tasks together."""
     total_samples: int

@@ -4,8 +4,8 @@ variables SLURM itself sets (three nodes, two tasks each)."""
 from __future__ import annotations
 
 import json
-import socket
 
+from kit.procs import rendezvous
 from kit.slurm import NODES, TASK, Cluster
 
 
@@ -58,17 +58,20 @@ def test_fastload_env_command(slurm: Cluster) -> None:
 
 def test_world_under_torchrun_in_srun(slurm: Cluster) -> None:
     # One torchrun agent per node, two workers each, started the usual way on a SLURM
-    # cluster; torchrun's node numbers are the reverse of SLURM's, so that the test
-    # tells which one world() took: torchrun gave the rank, its GROUP_RANK wins.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # cluster. The agents meet through a store this test serves on a port the kernel
+    # picked (c10d rendezvous; no port is chosen free and bound again). They number the
+    # nodes by their local addresses, which the command line gives in the reverse of
+    # SLURM's order (127.0.0.2 on SLURM's node 0), so that the test tells which one
+    # world() took: torchrun gave the rank, its GROUP_RANK wins.
+    store, _ = rendezvous(4)
     tasks = slurm.task_lines(slurm.srun(
         "-N", "2", "--ntasks-per-node=1", "--cpus-per-task=2", "bash", "-c",
         f"exec {slurm.python} -m torch.distributed.run --nnodes 2 --nproc-per-node 2"
-        f' --node-rank $((1 - SLURM_NODEID)) --master-addr 127.0.0.1 --master-port {port}'
+        f" --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{store.port} --rdzv-id world"
+        f" --rdzv-conf is_host=false --local-addr 127.0.0.$((2 - SLURM_NODEID))"
         f" {TASK} env",
     ).stdout)  # fmt: skip
+    del store
     assert sorted(t["rank"] for t in tasks) == [0, 1, 2, 3]
     for t in tasks:
         assert t["source"] == "torchrun" and t["world_size"] == 4

@@ -24,8 +24,8 @@ streams of equal weights, every window of ``W`` consecutive positions holds
 ``w_s = t_s / N``; for 0.7/0.2/0.1 too. For three or more streams of unequal weights no
 sequence keeps every window within 1 of every weight (balanced words over three letters
 exist only for a few densities: Fraenkel's conjecture, proven for up to seven letters);
-the round-robin keeps them within 2, and every prefix within 1.5 (tests check it over
-many random weight sets).
+the round-robin keeps them within 2, and every prefix of the epoch within 1 (tests check it
+over many random weight sets).
 
 **Per-stream batches** (``batching="per_stream"``): positions are *batches* of ``B``
 samples: stream ``s`` gives ``t_s // B`` whole batches (its takes are cut down to whole

@@ -105,7 +105,7 @@ class Mix(ShardIterableDataset):
     (so in every batch of a fresh epoch) each stream's count is within 1 of its weight x
     ``W`` for two streams, for equal weights and for weights like 0.7/0.2/0.1; for three
     or more unequal weights no interleaving can promise 1 for every weight, and it is
-    within 2 (every prefix within 1.5). See :mod:`fastload.data.mix`.
+    within 2 (every prefix within 1). See :mod:`fastload.data.mix`.
     ``batching="per_stream"`` (needs ``batch_size``, not ``batch_by``): each batch holds
     ``batch_size`` samples of one stream, and the batches are interleaved by the same
     round-robin over each stream's whole batches (takes cut down to whole batches);

@@ -259,6 +259,14 @@ def test_changed_mix_at_resume(sets: dict[str, Path]) -> None:
     changed.load_state_dict(state)
     assert first + keys_of(changed) == reference(sets)
     assert keys_of(changed) == keys_of(_at_epoch(mix(sets, other), 1))
+    # interrupted again on the saved plan: its state still names that plan
+    part = mix(sets, other)
+    part.load_state_dict(state)
+    it2 = iter(part)
+    mid = keys_of(next(it2) for _ in range(30))
+    rest = mix(sets, other)
+    rest.load_state_dict(part.state_dict())
+    assert first + mid + keys_of(rest) == reference(sets)
     # a stream added: the same
     root = sets["web"].parent.parent
     extra = write_set(root, "extra", [12])

@@ -433,6 +433,7 @@ class Mix(ShardIterableDataset):
         if self._override is not None and self._override[0] == epoch:
             per_epoch = self._override[1]
         st["mix"] = [[n, self._sizes.get(n, 0), int(t)] for n, t in per_epoch.items() if t]
+        st["samples"] = sum(self._positions(per_epoch).values())  # the epoch's positions
         st["batching"] = [self.batching, self._per]
         counts = self._read_counts() if self._run is not None else self._carried
         st["stream_counts"] = dict(zip(self.names, counts.tolist(), strict=True))

@@ -299,17 +299,29 @@ class Mix(ShardIterableDataset):
         parts = self._parts
 
         def read(ids: np.ndarray) -> list[Any]:
+            if not len(ids):
+                return []
             which = np.searchsorted(offsets, ids, side="right") - 1
-            out: list[Any] = [None] * len(ids)
-            for s in np.unique(which).tolist():
-                where = np.flatnonzero(which == s)
-                local = (ids[where] - offsets[s]).tolist()
-                got = self._fetch(parts[s], local, lambda ix, part: fetch(ix, part, fields,
-                                                                          copy, access))
+            # the ids stream by stream (stable), fetched per stream, then put back
+            order = np.argsort(which, kind="stable")
+            bounds = np.searchsorted(which[order], np.arange(len(parts) + 1))
+            got: list[Any] = []
+            for s in range(len(parts)):
+                lo, hi = int(bounds[s]), int(bounds[s + 1])
+                if lo == hi:
+                    continue
+                local = (ids[order[lo:hi]] - offsets[s]).tolist()
+                part = self._fetch(parts[s], local, lambda ix, p: fetch(ix, p, fields, copy,
+                                                                        access))  # fmt: skip
                 name = parts[s].name
-                for i, sample in zip(where.tolist(), got, strict=True):
+                for sample in part:
                     sample["__stream__"] = name
-                    out[i] = sample
+                got += part
+            if int(which[0]) == int(which[-1]) and (which == which[0]).all():
+                return got  # one stream: already in order
+            out: list[Any] = [None] * len(ids)
+            for i, sample in zip(order.tolist(), got, strict=True):
+                out[i] = sample
             return out
 
         return read

@@ -292,3 +292,30 @@ def test_changed_mix_at_resume(sets: dict[str, Path]) -> None:
 def _at_epoch(ds: Any, epoch: int) -> Any:
     ds.set_epoch(epoch)
     return ds
+
+
+def test_spawned_workers_read_what_forked_ones_do(sets: dict[str, Path]) -> None:
+    got = {}
+    for method in ("fork", "spawn"):
+        ds = mix(sets, batch_size=8, num_workers=2)
+        ctx = multiprocessing.get_context(method)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=keep_list,
+                            multiprocessing_context=ctx)  # fmt: skip
+        got[method] = keys_of(loader)
+    assert got["spawn"] == got["fork"] and len(got["fork"]) == 200
+
+
+# torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_stats_of_a_loader_state(sets: dict[str, Path]) -> None:
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    ds = mix(sets, batch_size=8)
+    ctx = multiprocessing.get_context("fork")
+    loader = sdl.StatefulDataLoader(ds, batch_size=None, num_workers=2, collate_fn=keep_list,
+                                    multiprocessing_context=ctx)  # fmt: skip
+    it = iter(loader)
+    read = [next(it) for _ in range(7)]
+    want = collections.Counter(s["__stream__"] for b in read for s in b)
+    stats = ds.stats(loader.state_dict())
+    assert stats["streams"] == dict(want) and stats["ranks"] == {0: dict(want)}
+    del it

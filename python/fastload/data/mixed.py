@@ -209,6 +209,7 @@ class Mix(ShardIterableDataset):
         self._resume: dict[str, Any] | None = None
         self._run: _Run | None = None
         self._world = world(os.environ)
+        self.plan()  # the interleaving made once here, inherited by forked workers
 
     # --- the plan -----------------------------------------------------------------------
 

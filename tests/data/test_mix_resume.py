@@ -218,6 +218,10 @@ def test_remote_streams_through_the_cache(tmp_path: Path, s3: Any, bucket: str,
         assert got == want and len(got) == len(remote), config
         assert {s["__stream__"] for b in got for s in b} == {"web", "books", "code"}
         assert cache_bytes(tmp_path / "cache") > 0  # web's shards came through the cache
+    # a cache that cannot hold what 2 readers pin: refused before any shard is fetched
+    with pytest.raises(ValueError, match=r"for num_workers=2 the minimum cache_limit is"):
+        fastload.Mix(streams, samples_per_epoch=200, cache_dir=tmp_path / "small",
+                     cache_limit=60_000, num_workers=2)  # fmt: skip
 
 
 def plain(batch: list[dict[str, Any]]) -> list[dict[str, str]]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 from torch.utils.data import get_worker_info
 
+from .._util import human
 from ..cache import is_remote
 from ..env.world import World, world
 from ..index import ShardIndex
@@ -23,6 +24,7 @@ from ..sources.objstore import StorageOptions
 from . import _probe, partition
 from ._fetch import LocalIndex, Source, check_fields, fetch, index_of
 from ._options import check_options
+from ._prefetch import Prefetcher
 from ._reading import CHUNK, batch_of, packed_fetch, rechunk, samples_of
 from ._remote import RemoteReader, open_remote
 from .iterable import BatchBy, ShardIterableDataset, _find_states, _Run
@@ -121,7 +123,10 @@ class Mix(ShardIterableDataset):
     another ``batching``, is a ValueError saying so.
 
     **Remote streams** are read through the node cache as ShardIterableDataset reads
-    them (one pin per reader at a time, across streams), without prefetching.
+    them: a reader pins one shard at a time across all its streams, so ``cache_limit``
+    must hold the ``k`` largest shards of the remote streams together for ``k`` readers
+    (a ValueError naming that minimum otherwise); each remote stream downloads this
+    reader's next ``prefetch`` shards of it ahead.
     """
 
     def __init__(
@@ -145,9 +150,10 @@ class Mix(ShardIterableDataset):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
         storage_options: StorageOptions | None = None,
+        prefetch: int = 2,
     ) -> None:
         o: dict[str, Any] = dict(
-            access=access, prefetch=0, num_workers=num_workers, seed=seed,
+            access=access, prefetch=prefetch, num_workers=num_workers, seed=seed,
                  shuffle_block=shuffle_block, batch_size=batch_size, batch_by=batch_by,
                  collate_fn=collate_fn)  # fmt: skip
         check_options(o)
@@ -172,8 +178,6 @@ class Mix(ShardIterableDataset):
             if is_remote(s.source):
                 assert isinstance(s.source, (str, list, tuple))
                 remote = open_remote(s.source, cache_dir, cache_limit, storage_options)
-                if num_workers is not None:
-                    remote.check_room(max(1, num_workers), 0, o["shuffle_block"])
                 index = remote.get()
             else:
                 index = index_of(s.source)
@@ -200,7 +204,10 @@ class Mix(ShardIterableDataset):
         self._carried = np.zeros(len(names), dtype=np.int64)
         self._tally: tuple[Any, int, np.ndarray] | None = None
         self._remote = None  # streams hold their own
-        self.prefetch = 0
+        self.prefetch = prefetch
+        self._ahead: dict[int, Prefetcher] = {}
+        if num_workers is not None:
+            self._check_room(max(1, num_workers))
         self.shuffle, self.seed, self.shuffle_block = bool(shuffle), o["seed"], o["shuffle_block"]
         self.drop_last, self.transform, self.batch_by = bool(drop_last), transform, batch_by
         self.collate_fn, self.copy, self.access = collate_fn, copy, access
@@ -331,18 +338,62 @@ class Mix(ShardIterableDataset):
                fn: Callable[[ShardIndex, list[int]], Any]) -> Any:  # fmt: skip
         if part.remote is None:
             return fn(part.index(), local)
-        for other in self._parts:  # one pin at a time across streams
+        self._let_go(part)
+        if local:
+            ahead = self._ahead.get(self._parts.index(part))
+            if ahead is not None:
+                ahead.reading(int(part.remote.shard_of(np.asarray(local[-1:]))[0]))
+        return part.remote.read(local, fn)
+
+    def _let_go(self, part: _Part) -> None:
+        """Lets go of the pins of the other streams: one pin per reader at a time."""
+        for other in self._parts:
             if other is not part and other.remote is not None:
                 other.remote.release()
-        return part.remote.read(local, fn)
+
+    def _check_room(self, readers: int) -> None:
+        """ValueError unless the cache holds the ``readers`` largest shards of the
+        remote streams together (what ``readers`` readers pin at once)."""
+        remotes = [p.remote for p in self._parts if p.remote is not None]
+        if not remotes:
+            return
+        limit = remotes[0].shards.cache.limit
+        sizes = sorted((e.size for r in remotes for e in r.shards.entries), reverse=True)
+        need = sum(sizes[: max(1, readers)])
+        if limit is not None and limit < need:
+            raise ValueError(
+                f"cache_limit {human(limit)} ({limit} bytes) cannot hold the {readers} "
+                f"largest shards of the mix's remote streams that {readers} DataLoader "
+                f"workers keep pinned at once: for num_workers={readers} the minimum "
+                f"cache_limit is {human(need)} ({need} bytes); raise cache_limit or use "
+                "fewer workers"
+            )
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        readers = 1 if info is None else int(info.num_workers)
-        for p in self._parts:
-            if p.remote is not None:
-                p.remote.check_room(readers, 0, self.shuffle_block)
+        self._check_room(1 if info is None else int(info.num_workers))
         return super().__iter__()
+
+    def _prefetchers(self, run: _Run, plan: MixPlan) -> dict[int, Prefetcher]:
+        """Per remote stream, a prefetcher of this reader's shards of it, in the order
+        it reads them."""
+        remote = [s for s, p in enumerate(self._parts) if p.remote is not None]
+        if not remote or not self.prefetch:
+            return {}
+        orders: dict[int, dict[int, None]] = {s: {} for s in remote}
+        for ids in plan.take(run.positions, 1 << 16):
+            which = np.searchsorted(plan.offsets, ids, side="right") - 1
+            for s in remote:
+                part = self._parts[s]
+                assert part.remote is not None
+                local = ids[which == s] - plan.offsets[s]
+                orders[s].update(dict.fromkeys(part.remote.shard_of(local).tolist()))
+        out = {}
+        for s in remote:
+            r = self._parts[s].remote
+            assert r is not None
+            out[s] = Prefetcher(r.shards, list(orders[s]), self.prefetch)
+        return out
 
     def _generate(self, run: _Run) -> Iterator[Any]:
         if self._run is run:
@@ -353,6 +404,7 @@ class Mix(ShardIterableDataset):
         read = _probe.timed(_probe.READ, self._read_fn())
         transform = _probe.timed(_probe.TRANSFORM, self.transform)
         collate = _probe.timed(_probe.COLLATE, self.collate_fn)
+        self._ahead = self._prefetchers(run, plan)
         try:
             if self.batching == "per_stream":
                 yield from self._per_stream(run, plan, read)
@@ -367,6 +419,9 @@ class Mix(ShardIterableDataset):
             else:
                 yield from self._sized_batches(run, chunks, read)
         finally:
+            for ahead in self._ahead.values():
+                ahead.stop()
+            self._ahead = {}
             for p in self._parts:
                 if p.remote is not None:
                     p.remote.release()
@@ -389,7 +444,10 @@ class Mix(ShardIterableDataset):
                 if part.remote is None:
                     out = packed(part.index(), local)
                 else:
-                    self._fetch(part, [], lambda ix, ids: [])  # lets go of other pins
+                    self._let_go(part)
+                    ahead = self._ahead.get(s)
+                    if ahead is not None:
+                        ahead.reading(int(part.remote.shard_of(ids[-1:] - plan.offsets[s])[0]))
                     out = part.remote.read_one_shard(local, packed)
                 if out is None:  # the batch spans shards of a remote stream
                     assert self.collate_fn is not None
@@ -508,6 +566,7 @@ class Mix(ShardIterableDataset):
         state = super().__getstate__()
         state["_plans"] = {}
         state["_tally"] = None
+        state["_ahead"] = {}
         return state
 
     def __repr__(self) -> str:

@@ -318,4 +318,12 @@ def test_stats_of_a_loader_state(sets: dict[str, Path]) -> None:
     want = collections.Counter(s["__stream__"] for b in read for s in b)
     stats = ds.stats(loader.state_dict())
     assert stats["streams"] == dict(want) and stats["ranks"] == {0: dict(want)}
+    saved = loader.state_dict()
     del it
+    # restored in the loader (each worker its own state): the epoch's counts in the end
+    again = sdl.StatefulDataLoader(mix(sets, batch_size=8), batch_size=None, num_workers=2,
+                                   collate_fn=keep_list, multiprocessing_context=ctx)  # fmt: skip
+    again.load_state_dict(saved)
+    rest = list(again)
+    assert sum(len(b) for b in read + rest) == 200
+    assert ds.stats(again.state_dict())["streams"] == ds.takes

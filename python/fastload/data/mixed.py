@@ -114,7 +114,12 @@ class Mix(ShardIterableDataset):
     positions, ``len()`` and states then count batches.
 
     **Which stream.** Every sample has ``"__stream__"``: its stream's name (packed
-    batches keep it in ``batch.meta``). ``stats()`` gives the samples read per stream.
+    batches keep it in ``batch.meta``). ``stats()`` gives the samples read per stream by
+    this reader (in the main process with workers: nothing; pass the loader's
+    ``state_dict()`` to sum its workers', or every rank's states for the world's).
+    After a resume a reader's counts include what it (a worker restored in place), or
+    the same rank number (a state loaded into the dataset: given to worker 0), had read
+    of the epoch before.
 
     **Resume.** As ShardIterableDataset; the state also holds the mix (stream names,
     sizes, takes) and the samples read per stream. Loaded into a mix with other weights
@@ -202,6 +207,7 @@ class Mix(ShardIterableDataset):
         self._override: tuple[int, dict[str, int]] | None = None
         self._plans: dict[tuple[int, tuple[int, ...]], MixPlan] = {}
         self._carried = np.zeros(len(names), dtype=np.int64)
+        self._carry_to = 0  # the worker whose counts include the carried ones
         self._tally: tuple[Any, int, np.ndarray] | None = None
         self._remote = None  # streams hold their own
         self.prefetch = prefetch
@@ -468,7 +474,7 @@ class Mix(ShardIterableDataset):
         run = self._run
         if run is None or self._tally is None or self._tally[0] is not run:
             return self._carried.copy()
-        carried = self._carried if run.world.worker_id == 0 else self._carried * 0
+        carried = self._carried if run.world.worker_id == self._carry_to else self._carried * 0
         _, done, counts = self._tally
         if run.done > done:
             plan = self.plan(run.epoch)
@@ -553,6 +559,8 @@ class Mix(ShardIterableDataset):
         super().load_state_dict(fixed)
         self._override = override if self._resume is not None else None
         self._carried = carried if self._resume is not None else carried * 0
+        own = self._resume is not None and self._resume["scope"] == "consumer"
+        self._carry_to = int(self._resume["worker_id"]) if own else 0  # type: ignore[index]
         self._tally = None
 
     def set_epoch(self, epoch: int) -> None:

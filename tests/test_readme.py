@@ -117,6 +117,12 @@ def _check_monitor(ns: Namespace) -> None:
     assert json.loads(Path("trace.json").read_text())["traceEvents"]
 
 
+def _check_mix(ns: Namespace) -> None:
+    """``fastload.Mix``: 7 web and 3 books samples in every batch, counted by stats()."""
+    assert ns["counts"] == {"web": 700, "books": 300}
+    assert sorted(ns["streams"]) == ["books"] * 3 + ["web"] * 7
+
+
 # What a block promises, checked after its top-level statement holding the phrase.
 CHECKS: dict[str, Callable[[Namespace], None]] = {
     "sample = ds[123]": _check_index_dataset,
@@ -126,6 +132,7 @@ CHECKS: dict[str, Callable[[Namespace], None]] = {
     'fastload.ShardWriter("out"': _check_shard_writer,
     "fastload.pack_dataset(": _check_pack_dataset,
     "stats = loop.stats()": _check_monitor,
+    "counts = mix.stats()": _check_mix,
 }
 
 

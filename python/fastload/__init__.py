@@ -27,7 +27,7 @@ from .probing import ProbeResult, probe
 from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
-    from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset
+    from .data import Mix, PackedBatch, ShardIndexDataset, ShardIterableDataset, Stream
     from .data.collate import collate
     from .data.monitor import Monitor, monitor
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
@@ -52,6 +52,7 @@ __all__ = [
     "ChecksumMismatchError",
     "FastloadError",
     "IndexFormatError",
+    "Mix",
     "Monitor",
     "NotEnoughSpaceError",
     "PackResult",
@@ -64,6 +65,7 @@ __all__ = [
     "SourceChangedError",
     "StageError",
     "StageResult",
+    "Stream",
     "TarFormatError",
     "UnsafeArchiveError",
     "UnsupportedFileError",
@@ -99,6 +101,10 @@ def __getattr__(name: str) -> object:
         from .data import ShardIterableDataset
 
         return ShardIterableDataset
+    if name in ("Mix", "Stream"):
+        from . import data as _data
+
+        return getattr(_data, name)
     if name in ("monitor", "Monitor"):
         from .data import monitor as _monitor
 

@@ -1,5 +1,6 @@
 """The fastload command line: stage datasets to node-local disk (from paths, archives and
-s3:// URLs), verify them, index and pack tar shards, and show the environment."""
+s3:// URLs), verify them, index and pack tar shards, plan mixes of shard sets, and show
+the environment."""
 
 from __future__ import annotations
 
@@ -255,7 +256,37 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--endpoint-url", default=None, metavar="URL", help="s3: the endpoint")
     pr.add_argument("--profile", default=None, help="s3: AWS profile")
     pr.add_argument("--anonymous", action="store_true", help="s3: send no credentials")
+
+    mx = sub.add_parser("mix", help="mixes of shard sets by weight (fastload.Mix)")
+    mxs = mx.add_subparsers(dest="mix_command", required=True)
+    mp = mxs.add_parser(
+        "plan",
+        help="print a mix's epoch plan: samples per stream, per rank, per worker",
+        description="Read the mix FILE.toml describes ([[streams]] with source and "
+        "proportion, choose or repeat; world_size, num_workers, seed, ...) and print its "
+        "next epoch's samples per stream, per rank and per DataLoader worker.",
+    )
+    mp.add_argument("file", help="the mix, a TOML file")
+    mp.add_argument("--world-size", type=int, default=None, help="ranks (default: the file's)")
+    mp.add_argument("--num-workers", type=int, default=None, help="workers per rank")
+    mp.add_argument("--json", action="store_true", help="print it as JSON")
     return p
+
+
+def _mix_command(args: argparse.Namespace) -> int:
+    import json
+
+    from .data.mixfile import format_plan, load_mix, plan_of
+
+    ds, world_size, workers = load_mix(args.file)
+    world_size = world_size if args.world_size is None else args.world_size
+    workers = workers if args.num_workers is None else args.num_workers
+    if world_size < 1 or workers < 0:
+        raise ValueError(f"--world-size must be >= 1 and --num-workers >= 0, not "
+                         f"{world_size} and {workers}")  # fmt: skip
+    plan = plan_of(ds, world_size, workers)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
 
 
 def _index_command(args: argparse.Namespace) -> int:
@@ -471,6 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _index_command(args)
         if args.command == "pack":
             return _pack_command(args, _want_progress(args))
+        if args.command == "mix":
+            return _mix_command(args)
         if args.command == "env":
             from .env.report import env_command
 

@@ -13,8 +13,17 @@ from .. import _core
 from .collate import PackedBatch, PackedField, collate
 from .dataset import ShardIndexDataset
 from .iterable import ShardIterableDataset
+from .mixed import Mix, Stream
 
-__all__ = ["PackedBatch", "PackedField", "ShardIndexDataset", "ShardIterableDataset", "collate"]
+__all__ = [
+    "Mix",
+    "PackedBatch",
+    "PackedField",
+    "ShardIndexDataset",
+    "ShardIterableDataset",
+    "Stream",
+    "collate",
+]
 
 
 def _collate_payloads(batch: list[Any], *, collate_fn_map: Any = None) -> list[Any]:

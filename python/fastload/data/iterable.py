@@ -19,13 +19,13 @@ from typing import Any, Callable, Union
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._util import check_block, check_seed
 from ..cache import is_remote
 from ..env.world import World, world
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
 from . import _probe, partition
-from ._fetch import LocalIndex, Source, check_access, check_fields, fetch, index_of
+from ._fetch import LocalIndex, Source, check_fields, fetch, index_of
+from ._options import check_options
 from ._reading import CHUNK, batch_of, packed_fetch, rechunk, remote_epoch, samples_of
 from ._remote import RemoteReader, open_remote
 from .partition import Intervals
@@ -209,28 +209,12 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         storage_options: StorageOptions | None = None,
         prefetch: int = 2,
     ) -> None:
-        check_access(access)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative integer, not {prefetch!r}")
-        if num_workers is not None and (
-            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
-        ):
-            raise ValueError(
-                f"num_workers must be a non-negative integer or None, not {num_workers!r}"
-            )
-        seed = check_seed(seed)
-        shuffle_block = check_block(shuffle_block)
-        if batch_size is not None and (isinstance(batch_size, bool) or batch_size <= 0):
-            raise ValueError(f"batch_size must be positive, not {batch_size!r}")
-        if batch_by is not None:
-            if batch_size is None:
-                raise ValueError("batch_by needs batch_size: the size limit of a batch")
-            if not callable(batch_by) and batch_by != "bytes":
-                raise ValueError(f"batch_by must be 'bytes' or a function, not {batch_by!r}")
-        elif batch_size is not None and not isinstance(batch_size, int):
-            raise ValueError(f"batch_size must be an integer, not {batch_size!r}")
-        if collate_fn is not None and batch_size is None:
-            raise ValueError("collate_fn needs batch_size (the DataLoader collates single samples)")
+        o: dict[str, Any] = dict(
+            access=access, prefetch=prefetch, num_workers=num_workers, seed=seed,
+                 shuffle_block=shuffle_block, batch_size=batch_size, batch_by=batch_by,
+                 collate_fn=collate_fn)
+        check_options(o)
+        seed, shuffle_block = o["seed"], o["shuffle_block"]
         self._remote: RemoteReader | None = None
         if is_remote(source):
             assert isinstance(source, (str, list, tuple))

@@ -9,6 +9,7 @@ once, at the boundary, by :func:`from_native`, keeping errno, operation and path
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any
 
 __all__ = [
     "ChecksumMismatchError",
@@ -36,6 +37,13 @@ class StageError(OSError, FastloadError):
             return self.args[1]
         return super().__str__()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled by the class this module names (the one stage_error() combines with a
+        # built-in is made at run time), so that an error raised in a DataLoader worker
+        # or a pool process reaches the caller as itself.
+        base = next(c for c in type(self).__mro__ if globals().get(c.__name__) is c)
+        return (_rebuilt, (base, self.errno, str(self), self.filename), self.__dict__ or None)
+
 
 class NotEnoughSpaceError(StageError):
     """The destination's file system has less free space than the data needs."""
@@ -45,6 +53,9 @@ class NotEnoughSpaceError(StageError):
         self.filename = path
         self.needed = needed
         self.free = free
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_no_space, (str(self), self.filename, self.needed, self.free))
 
 
 class SourceChangedError(StageError):
@@ -104,6 +115,19 @@ def stage_error(
     exc = _class_for(base, err)(err, message)
     exc.filename = path
     return exc
+
+
+def _rebuilt(base: type[StageError], err: int | None, message: str,
+             path: str | None) -> StageError:
+    if err is None:
+        exc = base(message)
+        exc.filename = path
+        return exc
+    return stage_error(err, message, path, base)
+
+
+def _no_space(message: str, path: str, needed: int, free: int) -> NotEnoughSpaceError:
+    return NotEnoughSpaceError(message, path=path, needed=needed, free=free)
 
 
 _KINDS: dict[str, type[StageError]] = {

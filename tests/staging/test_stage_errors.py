@@ -246,3 +246,28 @@ def test_source_changes_during_copy(engine: str, tmp_path: Path, small_fs: Any,
                             env=procs.child_env()).expect_result()
     trees.assert_same_tree(src, dst)
     assert res["bytes"] == sum(trees.regular_files(src).values())
+
+
+def _stage_in_child(src: str, dst: str) -> None:
+    fastload.stage(src, dst, progress=False)
+
+
+def test_errors_cross_process_boundaries_as_themselves(tmp_path: Path) -> None:
+    # A DataLoader worker or a pool process sends its error back pickled: the class made
+    # at run time (a StageError that is also FileNotFoundError) must survive it.
+    import concurrent.futures
+    import multiprocessing
+    import pickle
+
+    missing = tmp_path / "no-such-dataset"
+    ctx = multiprocessing.get_context("spawn")
+    with (concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool,
+          pytest.raises(FileNotFoundError) as info):
+        pool.submit(_stage_in_child, str(missing), str(tmp_path / "out")).result()
+    e = info.value
+    assert isinstance(e, fastload.errors.StageError) and e.errno == errno.ENOENT
+    assert e.filename == str(missing) and str(missing) in str(e)
+    full = fastload.errors.NotEnoughSpaceError("no room in /x", path="/x", needed=10, free=3)
+    back = pickle.loads(pickle.dumps(full))
+    assert type(back) is fastload.errors.NotEnoughSpaceError and str(back) == "no room in /x"
+    assert (back.filename, back.needed, back.free, back.errno) == ("/x", 10, 3, errno.ENOSPC)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing.reduction as _reduction
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ class _BlockPool:
         self.pid = os.getpid()
         self.max_idle = max_idle
         self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+        self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
@@ -53,6 +55,7 @@ class _BlockPool:
         spare = [b for b in free if b is not block]
         for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
             del self.blocks[b.address]
+            self.sent.discard(b.inode)
         lease = block.lease()
         return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
 
@@ -71,38 +74,91 @@ def _worker_pool() -> _BlockPool:
 
 
 class _BlockHandover:
-    """Pickles as the descriptor of a pool block (the way torch hands over its own
-    shared storages), retaining a lease for the receiving process to take over."""
+    """Pickles as a reference to a pool block, retaining a lease for the receiving
+    process to take over. The block's descriptor travels only the first time the block
+    is handed over (through multiprocessing's resource sharer: a connection to this
+    process per descriptor, the cost torch pays per batch); after that the receiver
+    already maps it and finds it by (pid, inode). A receiver that has let go of its
+    mapping opens the block again through ``/proc/PID/fd/N``."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "pool")
 
-    def __init__(self, block: _core.ShmBlock) -> None:
+    def __init__(self, block: _core.ShmBlock, pool: _BlockPool) -> None:
         self.block = block
+        self.pool = pool
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         b = self.block
         b.retain()  # before this process's own lease can go
-        return _attach_block, (_reduction.DupFd(b.fd), b.length, os.getpid(), b.inode)
+        first = b.inode not in self.pool.sent
+        self.pool.sent.add(b.inode)
+        handle = _reduction.DupFd(b.fd) if first else None
+        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode)
+
+
+class _Mapped:
+    """The main process's mapping of one worker block: the view, where its mapping starts
+    (for page-locking it: :mod:`.device`) and whether it is registered with CUDA."""
+
+    __slots__ = ("base", "length", "registered", "view")
+
+    def __init__(self, view: _core.ShmView, base: int) -> None:
+        self.view = view
+        self.base = base
+        self.length = view.length
+        self.registered = False
 
 
 # The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
-# from batch to batch, so a block written again costs no new mapping and no page faults
-# here. Those of a worker that has exited are dropped when another block arrives.
-_views: dict[tuple[int, int], _core.ShmView] = {}
+# from batch to batch, so a block written again costs no descriptor, no new mapping and
+# no page faults here. Those of a worker that has exited are dropped when another block
+# arrives; a registered one is unregistered first (device.release_host).
+_views: dict[tuple[int, int], _Mapped] = {}
+_lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
 _MAX_VIEWS_PER_WORKER = 8
+_HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
 
 
-def _attach_block(handle: Any, length: int, pid: int, inode: int) -> torch.Tensor:
-    fd = handle.detach()
+def _open_peer(pid: int, fd: int, inode: int) -> int:
+    """A descriptor of worker ``pid``'s block (its descriptor ``fd``), opened through
+    /proc: the block is alive there while this batch's count is on it."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        new = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot open the batch block of worker {pid} ({e.strerror})",
+                      path) from None
+    if os.fstat(new).st_ino != inode:
+        os.close(new)
+        raise OSError(f"{path} is no longer the batch block (inode {inode}) it was sent as")
+    return new
+
+
+def _attach_block(handle: Any, fdno: int, length: int, pid: int, inode: int) -> torch.Tensor:
+    from . import device
+
+    device.poll()  # leases kept for finished copies go back first
+    fd = handle.detach() if handle is not None else None
     key = (pid, inode)
-    view = _views.get(key)
-    if view is not None and view.length == length:
-        os.close(fd)
-    else:
-        view = _core.ShmView(fd, length)
+    with _lock:
+        m = _views.get(key)
+        if m is not None and m.length == length:
+            if fd is not None:
+                os.close(fd)
+            return torch.frombuffer(m.view.adopt(), dtype=torch.uint8)
+        view = _core.ShmView(fd if fd is not None else _open_peer(pid, fdno, inode), length)
+        t = torch.frombuffer(view.adopt(), dtype=torch.uint8)
         _forget_views(pid)
-        _views[key] = view
-    return torch.frombuffer(view.adopt(), dtype=torch.uint8)
+        _views[key] = _Mapped(view, t.data_ptr() - _HEADER)
+        return t
+
+
+def _drop(key: tuple[int, int]) -> None:
+    m = _views.pop(key)
+    if m.registered:
+        from . import device
+
+        device.release_host(m)
 
 
 def _forget_views(pid: int) -> None:
@@ -113,12 +169,24 @@ def _forget_views(pid: int) -> None:
             os.kill(p, 0)
         except ProcessLookupError:
             for key in [k for k in _views if k[0] == p]:
-                del _views[key]
+                _drop(key)
         except PermissionError:  # pragma: no cover - alive, another user's
             pass
     mine = [k for k in _views if k[0] == pid]
     for key in mine[: max(0, len(mine) + 1 - _MAX_VIEWS_PER_WORKER)]:
-        del _views[key]
+        _drop(key)
+
+
+def mapped_of(t: torch.Tensor) -> _Mapped | None:
+    """The worker block mapped here that holds ``t``'s data, if any."""
+    if t.device.type != "cpu" or not _views:
+        return None
+    p = t.data_ptr()
+    with _lock:
+        for m in _views.values():
+            if m.base <= p < m.base + m.length:
+                return m
+    return None
 
 
 class _Arena:
@@ -180,8 +248,8 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
     """How one storage travels: a pool block by its descriptor, a small private one
     inline as bytes, anything else as a tensor (torch's own sharing)."""
     block = pool.block_of(st) if pool is not None else None
-    if block is not None:
-        return _BlockHandover(block)
+    if block is not None and pool is not None:
+        return _BlockHandover(block, pool)
     base = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
     if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
         return base.numpy().tobytes()

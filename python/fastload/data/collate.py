@@ -112,7 +112,9 @@ class PackedField:
 
     @property
     def nbytes(self) -> int:
-        return self._b()[-1]
+        if self._bounds is None:
+            return int(self.offsets[-1])
+        return self._bounds[-1]
 
     def uniform_size(self) -> int | None:
         """The size every payload has, or ``None`` if they differ or one is missing."""
@@ -301,11 +303,11 @@ class PackedBatch:
             layout.append((name, len(ts) if isinstance(v, PackedField) else 0))
             tensors += ts
         bases, specs = _ship(tensors)
-        return {"keys": self.keys, "meta": self.meta, "layout": layout, "bases": bases,
-                "specs": specs}
+        return {"keys": _join_keys(self.keys), "meta": self.meta, "layout": layout,
+                "bases": bases, "specs": specs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.keys = state["keys"]
+        self.keys = _split_keys(state["keys"])
         self.meta = state["meta"]
         tensors = _land(state["bases"], state["specs"])
         self._fields = {}
@@ -320,6 +322,20 @@ class PackedBatch:
 
     def __repr__(self) -> str:
         return f"PackedBatch({len(self)} samples, fields={self.fields}, {self.nbytes} bytes)"
+
+
+def _join_keys(keys: list[str]) -> tuple[int, str] | list[str]:
+    """The keys as one string (one object to pickle and unpickle, not one per sample),
+    or the list where a key holds the separator."""
+    joined = "\0".join(keys)
+    return (len(keys), joined) if joined.count("\0") == len(keys) - 1 else keys
+
+
+def _split_keys(state: tuple[int, str] | list[str]) -> list[str]:
+    if isinstance(state, list):
+        return state
+    n, joined = state
+    return joined.split("\0") if n else []
 
 
 # --- packing ---------------------------------------------------------------------------

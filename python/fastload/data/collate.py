@@ -209,7 +209,7 @@ class PackedBatch:
     torch moves the blocks between processes through shared memory.
     """
 
-    __slots__ = ("_fields", "keys", "meta")
+    __slots__ = ("_fields", "_keys", "_n", "meta")
 
     def __init__(
         self,
@@ -217,16 +217,30 @@ class PackedBatch:
         fields: Mapping[str, Value],
         meta: Mapping[str, list[Any]] | None = None,
     ) -> None:
-        self.keys: list[str] = list(keys)
+        self._keys: list[str] | tuple[int, str] = list(keys)
+        self._n = len(keys)
         self._fields: dict[str, Value] = dict(fields)
         self.meta: dict[str, list[Any]] = dict(meta or {})
-        n = len(self.keys)
+        n = self._n
         for name, v in self._fields.items():
             if len(v) != n:
                 raise ValueError(f"field {name!r} has {len(v)} rows for {n} keys")
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self._n
+
+    @property
+    def keys(self) -> list[str]:
+        """The samples' keys (split on first use after a batch was received: most loops
+        never look at them)."""
+        if isinstance(self._keys, tuple):
+            self._keys = _split_keys(self._keys)
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: Sequence[str]) -> None:
+        self._keys = list(keys)
+        self._n = len(self._keys)
 
     @property
     def fields(self) -> list[str]:
@@ -303,11 +317,14 @@ class PackedBatch:
             layout.append((name, len(ts) if isinstance(v, PackedField) else 0))
             tensors += ts
         bases, specs = _ship(tensors)
-        return {"keys": _join_keys(self.keys), "meta": self.meta, "layout": layout,
-                "bases": bases, "specs": specs}
+        keys = self._keys if isinstance(self._keys, tuple) else _join_keys(self._keys)
+        return {"keys": keys, "meta": self.meta, "layout": layout, "bases": bases,
+                "specs": specs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.keys = _split_keys(state["keys"])
+        keys = state["keys"]
+        self._keys = keys
+        self._n = keys[0] if isinstance(keys, tuple) else len(keys)
         self.meta = state["meta"]
         tensors = _land(state["bases"], state["specs"])
         self._fields = {}

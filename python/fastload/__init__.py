@@ -29,6 +29,7 @@ from .staging import StageResult, VerifyResult, available_engines, stage, verify
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import PackedBatch, ShardIndexDataset, ShardIterableDataset
     from .data.collate import collate
+    from .data.device import decode_images, to_device
     from .data.monitor import Monitor, monitor
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
@@ -71,6 +72,7 @@ __all__ = [
     "__version__",
     "available_engines",
     "collate",
+    "decode_images",
     "env",
     "monitor",
     "pack",
@@ -79,6 +81,7 @@ __all__ = [
     "register_encoder",
     "resolve",
     "stage",
+    "to_device",
     "verify",
 ]
 
@@ -103,7 +106,7 @@ def __getattr__(name: str) -> object:
         from .data import monitor as _monitor
 
         return getattr(_monitor, name)
-    if name in ("collate", "PackedBatch"):
+    if name in ("collate", "PackedBatch", "to_device", "decode_images"):
         from . import data
 
         return getattr(data, name)

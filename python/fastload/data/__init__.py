@@ -12,9 +12,18 @@ from torch.utils.data import _utils as _torch_data_utils
 from .. import _core
 from .collate import PackedBatch, PackedField, collate
 from .dataset import ShardIndexDataset
+from .device import decode_images, to_device
 from .iterable import ShardIterableDataset
 
-__all__ = ["PackedBatch", "PackedField", "ShardIndexDataset", "ShardIterableDataset", "collate"]
+__all__ = [
+    "PackedBatch",
+    "PackedField",
+    "ShardIndexDataset",
+    "ShardIterableDataset",
+    "collate",
+    "decode_images",
+    "to_device",
+]
 
 
 def _collate_payloads(batch: list[Any], *, collate_fn_map: Any = None) -> list[Any]:

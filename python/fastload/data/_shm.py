@@ -10,8 +10,9 @@ from __future__ import annotations
 import multiprocessing.reduction as _reduction
 import os
 import threading
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import get_worker_info
@@ -19,6 +20,7 @@ from torch.utils.data import get_worker_info
 from .. import _core
 
 _ALIGN = 64  # each field's payload block starts on a cache line (and an int64 boundary)
+_cu: Any = torch.cuda  # its constructors are untyped; used only where CUDA is available
 
 
 # --- allocation ------------------------------------------------------------------------
@@ -98,7 +100,7 @@ class _BlockHandover:
 
 class _Mapped:
     """The main process's mapping of one worker block: the view, where its mapping starts
-    (for page-locking it: :mod:`.device`) and whether it is registered with CUDA."""
+    (for page-locking it: register_host) and whether it is registered with CUDA."""
 
     __slots__ = ("base", "length", "registered", "view")
 
@@ -112,7 +114,7 @@ class _Mapped:
 # The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
 # from batch to batch, so a block written again costs no descriptor, no new mapping and
 # no page faults here. Those of a worker that has exited are dropped when another block
-# arrives; a registered one is unregistered first (device.release_host).
+# arrives; a registered one is unregistered first (release_host).
 _views: dict[tuple[int, int], _Mapped] = {}
 _lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
 _MAX_VIEWS_PER_WORKER = 8
@@ -135,9 +137,7 @@ def _open_peer(pid: int, fd: int, inode: int) -> int:
 
 
 def _attach_block(handle: Any, fdno: int, length: int, pid: int, inode: int) -> torch.Tensor:
-    from . import device
-
-    device.poll()  # leases kept for finished copies go back first
+    poll()  # leases kept for finished copies go back first
     fd = handle.detach() if handle is not None else None
     key = (pid, inode)
     with _lock:
@@ -156,9 +156,7 @@ def _attach_block(handle: Any, fdno: int, length: int, pid: int, inode: int) -> 
 def _drop(key: tuple[int, int]) -> None:
     m = _views.pop(key)
     if m.registered:
-        from . import device
-
-        device.release_host(m)
+        release_host(m)
 
 
 def _forget_views(pid: int) -> None:
@@ -187,6 +185,138 @@ def mapped_of(t: torch.Tensor) -> _Mapped | None:
             if m.base <= p < m.base + m.length:
                 return m
     return None
+
+
+# --- the host side of copies to CUDA -------------------------------------------------
+#
+# A worker block the main process maps is page-locked in place (cudaHostRegister, once
+# per block, on the first pin_memory() or .to("cuda") of a batch in it), so copies read
+# it at the link's speed with no pinned copy first. The lease rule: a block goes back to
+# its worker's pool when the last lease on it is gone (cpp/shm/block.hpp). A non-blocking
+# copy reads the block after .to() has returned, so its source tensors (each holding its
+# lease) are kept, with an event recorded after the copy, until event.query() says it
+# has completed (checked whenever a batch arrives or is moved; event.synchronize() when
+# more than MAX_PENDING wait, and before a block is unregistered).
+
+
+class Event(Protocol):
+    """What a fence waits on (``torch.cuda.Event``, or a stand-in in tests)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+MAX_PENDING = 64
+
+
+class Fences:
+    """Objects (the source tensors of non-blocking copies, so their leases) kept alive
+    until the event recorded after the copy has completed. Events are let go of in the
+    order they were held: one still running keeps the later ones (a conservative wait:
+    they are usually on one stream)."""
+
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self.max_pending = max_pending
+        self._pending: deque[tuple[Event, Any]] = deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def hold(self, event: Event, keep: Any) -> None:
+        with self._lock:
+            self._pending.append((event, keep))
+            while len(self._pending) > self.max_pending:
+                ev, _ = self._pending.popleft()
+                ev.synchronize()
+        self.poll()
+
+    def poll(self) -> int:
+        """Lets go of what completed copies kept; returns how many are still pending."""
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self._pending.popleft()
+            return len(self._pending)
+
+    def drain(self) -> None:
+        """Waits for every pending copy, then lets go of what they kept."""
+        with self._lock:
+            while self._pending:
+                ev, _ = self._pending.popleft()
+                ev.synchronize()
+
+
+FENCES = Fences()
+
+
+def poll() -> None:
+    if len(FENCES):
+        FENCES.poll()
+
+
+# --- host registration ---------------------------------------------------------------------
+
+
+def _rc(res: Any) -> int:
+    return int(getattr(res, "value", res))
+
+
+def register_host(m: _Mapped) -> bool:
+    """Page-locks a mapped worker block for CUDA (once; ``cudaHostRegister``), so copies
+    from it run at the link's speed and ``is_pinned()`` holds for tensors over it. False
+    where CUDA is not available or registration failed (the block is then copied
+    through ordinary pinning)."""
+    if m.registered:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    with _lock:
+        if not m.registered and m.base:
+            rc = _rc(_cu.cudart().cudaHostRegister(m.base, m.length, 0))
+            m.registered = rc == 0
+    return m.registered
+
+
+def release_host(m: _Mapped) -> None:
+    """Unregisters a block whose mapping this process lets go of, after every copy that
+    may read it (a mapping is never unmapped while registered)."""
+    if not m.registered:
+        return
+    FENCES.drain()
+    _cu.cudart().cudaHostUnregister(m.base)
+    m.registered = False
+
+
+def registered(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a worker block page-locked here (registering it if CUDA is
+    available and it is not yet)."""
+    m = mapped_of(t)
+    return m is not None and register_host(m)
+
+
+def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
+    """``t`` in page-locked memory: itself when it lies in a registered worker block (no
+    copy), else ``t.pin_memory()``."""
+    if registered(t):
+        return t
+    return t.pin_memory() if device is None else t.pin_memory(device)
+
+
+def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
+    """The tensors moved to ``device``; a non-blocking copy to CUDA from registered
+    blocks keeps its sources (their leases) until an event recorded after it completes."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not non_blocking:
+        return [t.to(dev, non_blocking=non_blocking) for t in tensors]
+    sources = [t for t in tensors if registered(t)]
+    out = [t.to(dev, non_blocking=True) for t in tensors]
+    if sources:
+        ev = _cu.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        FENCES.hold(ev, sources)
+    return out
+
 
 
 class _Arena:

@@ -1,31 +1,24 @@
-"""Batches to an accelerator: the usual CUDA prefetcher (:func:`to_device`), the workers'
-shared-memory blocks page-locked in place so a packed batch is copied straight from its
-block (host registration), the leases of those blocks kept until the copies reading them
-have completed (fences), and image decoding of a packed field (:func:`decode_images`).
+"""Batches to an accelerator: the usual CUDA prefetcher (:func:`to_device`) and image
+decoding of a packed field (:func:`decode_images`). The host side of a packed batch's
+trip (its worker block page-locked in place, the block's lease kept until the copy
+reading it has completed) is in :mod:`._shm`, under ``PackedBatch.pin_memory`` and
+``PackedBatch.to``.
 
-Nothing here needs CUDA to import or to run on the CPU: registration is skipped where
-``torch.cuda.is_available()`` is false, and :func:`to_device` to ``"cpu"`` moves batches
-with ``.to()`` only.
-
-The lease rule: a block goes back to its worker's pool when the last lease on it is gone
-(cpp/shm/block.hpp). A non-blocking copy from a registered block reads it after
-``.to()`` has returned, so the source tensors (each holding its lease) are kept here
-with an event recorded after the copy, and let go of once ``event.query()`` says it has
-completed (checked whenever a batch arrives or is moved; ``event.synchronize()`` when
-more than ``MAX_PENDING`` are waiting, or before a block is unregistered).
+Nothing here needs CUDA to import or to run on the CPU: :func:`to_device` to ``"cpu"``
+moves batches with ``.to()`` only, and asks nothing of ``torch.cuda`` but whether it is
+available when a CUDA device is named.
 """
 
 from __future__ import annotations
 
 import io
-import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 
-from . import _shm
+from .collate import PackedBatch, PackedField
 
 __all__ = ["decode_images", "to_device"]
 
@@ -33,138 +26,14 @@ T = TypeVar("T")
 _cu: Any = torch.cuda  # its constructors are untyped; used only where CUDA is available
 
 
-# --- fences: leases kept until a copy has completed ---------------------------------------
-
-
-class Event(Protocol):
-    """What a fence waits on (``torch.cuda.Event``, or a stand-in in tests)."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-MAX_PENDING = 64
-
-
-class Fences:
-    """Objects (the source tensors of non-blocking copies, so their leases) kept alive
-    until the event recorded after the copy has completed. Events are let go of in the
-    order they were held: one still running keeps the later ones (a conservative wait:
-    they are usually on one stream)."""
-
-    def __init__(self, max_pending: int = MAX_PENDING) -> None:
-        self.max_pending = max_pending
-        self._pending: deque[tuple[Event, Any]] = deque()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def hold(self, event: Event, keep: Any) -> None:
-        with self._lock:
-            self._pending.append((event, keep))
-            while len(self._pending) > self.max_pending:
-                ev, _ = self._pending.popleft()
-                ev.synchronize()
-        self.poll()
-
-    def poll(self) -> int:
-        """Lets go of what completed copies kept; returns how many are still pending."""
-        with self._lock:
-            while self._pending and self._pending[0][0].query():
-                self._pending.popleft()
-            return len(self._pending)
-
-    def drain(self) -> None:
-        """Waits for every pending copy, then lets go of what they kept."""
-        with self._lock:
-            while self._pending:
-                ev, _ = self._pending.popleft()
-                ev.synchronize()
-
-
-FENCES = Fences()
-
-
-def poll() -> None:
-    if len(FENCES):
-        FENCES.poll()
-
-
-# --- host registration ---------------------------------------------------------------------
-
-
 def _cuda() -> bool:
     return bool(torch.cuda.is_available())
-
-
-def _rc(res: Any) -> int:
-    return int(getattr(res, "value", res))
-
-
-def register_host(m: _shm._Mapped) -> bool:
-    """Page-locks a mapped worker block for CUDA (once; ``cudaHostRegister``), so copies
-    from it run at the link's speed and ``is_pinned()`` holds for tensors over it. False
-    where CUDA is not available or registration failed (the block is then copied
-    through ordinary pinning)."""
-    if m.registered:
-        return True
-    if not _cuda():
-        return False
-    with _shm._lock:
-        if not m.registered and m.base:
-            rc = _rc(_cu.cudart().cudaHostRegister(m.base, m.length, 0))
-            m.registered = rc == 0
-    return m.registered
-
-
-def release_host(m: _shm._Mapped) -> None:
-    """Unregisters a block whose mapping this process lets go of, after every copy that
-    may read it (a mapping is never unmapped while registered)."""
-    if not m.registered:
-        return
-    FENCES.drain()
-    _cu.cudart().cudaHostUnregister(m.base)
-    m.registered = False
-
-
-def registered(t: torch.Tensor) -> bool:
-    """Whether ``t`` lies in a worker block page-locked here (registering it if CUDA is
-    available and it is not yet)."""
-    m = _shm.mapped_of(t)
-    return m is not None and register_host(m)
-
-
-def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
-    """``t`` in page-locked memory: itself when it lies in a registered worker block (no
-    copy), else ``t.pin_memory()``."""
-    if registered(t):
-        return t
-    return t.pin_memory() if device is None else t.pin_memory(device)
-
-
-def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
-    """The tensors moved to ``device``; a non-blocking copy to CUDA from registered
-    blocks keeps its sources (their leases) until an event recorded after it completes."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or not non_blocking:
-        return [t.to(dev, non_blocking=non_blocking) for t in tensors]
-    sources = [t for t in tensors if registered(t)]
-    out = [t.to(dev, non_blocking=True) for t in tensors]
-    if sources:
-        ev = _cu.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        FENCES.hold(ev, sources)
-    return out
 
 
 # --- to_device: the prefetcher ---------------------------------------------------------------
 
 
 def _move(batch: Any, dev: torch.device, non_blocking: bool) -> Any:
-    from .collate import PackedBatch, PackedField
-
     if isinstance(batch, torch.Tensor):
         return batch.to(dev, non_blocking=non_blocking)
     if isinstance(batch, (PackedBatch, PackedField)):
@@ -188,8 +57,6 @@ def _rebuild(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:
 
 def tensors_of(batch: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a batch (nested dicts, lists, tuples; packed batches' blocks)."""
-    from .collate import PackedBatch, PackedField
-
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, PackedField):

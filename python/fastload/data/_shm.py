@@ -304,19 +304,20 @@ def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
 
 
 def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
-    """The tensors moved to ``device``; a non-blocking copy to CUDA from registered
-    blocks keeps its sources (their leases) until an event recorded after it completes."""
+    """The tensors moved to ``device``. To CUDA, worker blocks are registered first (a
+    copy from page-locked memory runs at the link's speed, blocking or not); a
+    non-blocking copy keeps its registered sources (their leases) until an event
+    recorded after it has completed."""
     dev = torch.device(device)
-    if dev.type != "cuda" or not non_blocking:
+    if dev.type != "cuda":
         return [t.to(dev, non_blocking=non_blocking) for t in tensors]
     sources = [t for t in tensors if registered(t)]
-    out = [t.to(dev, non_blocking=True) for t in tensors]
-    if sources:
+    out = [t.to(dev, non_blocking=non_blocking) for t in tensors]
+    if sources and non_blocking:
         ev = _cu.Event()
         ev.record(torch.cuda.current_stream(dev))
         FENCES.hold(ev, sources)
     return out
-
 
 
 class _Arena:

@@ -22,6 +22,10 @@ processes this also counts the main process running slower beside busy workers),
 Workers are persistent and one epoch runs first, untimed: the steady state is measured,
 not the workers' start or the first mapping of each block.
 
+Group ``unpickle-batch``: the hand-over alone, without DataLoader's queues: a batch
+pickled as a worker pickles it, unpickled here, ``nbytes`` read, dropped
+(``cpu_us_per_batch``), fastload-packed against torch-tensor.
+
 Scale: full = 6,000 samples (1,000 per shard), 3 rounds; small (CI smoke,
 ``--benchmark-disable``) = 1,024 samples.
 """
@@ -96,11 +100,12 @@ class _Null:
 
 def _plain_tensors(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """torch's plain path: the payloads as one uint8 tensor and their offsets."""
+    import numpy as np
     import torch
 
-    jpg = [torch.frombuffer(s["jpg"], dtype=torch.uint8) for s in samples]
-    sizes = torch.tensor([0] + [t.numel() for t in jpg], dtype=torch.int64)
-    return {"jpg": torch.cat(jpg), "offsets": sizes.cumsum(0)}
+    jpg = [np.frombuffer(s["jpg"], np.uint8) for s in samples]
+    sizes = torch.tensor([0] + [len(a) for a in jpg], dtype=torch.int64)
+    return {"jpg": torch.from_numpy(np.concatenate(jpg)), "offsets": sizes.cumsum(0)}
 
 
 def _identity(b: Any) -> Any:
@@ -173,6 +178,7 @@ def _quiet(tool: str, s: IndexedShards, workers: int) -> float:
     return sorted(cpu[1:])[len(cpu) // 2 - 1]  # the median
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
 @pytest.mark.parametrize("workers", [2, 4])
 @pytest.mark.parametrize("tool", TOOLS)
 def test_main_cpu_per_batch(
@@ -201,3 +207,59 @@ def test_main_cpu_per_batch(
     )
     print(f"\nmain-cpu-{workers} {tool}: loop {min(cpu) * 1e6:.0f} us/batch, "
           f"quiet {quiet * 1e6:.0f} us/batch")
+
+
+# --- the hand-over alone: one batch unpickled in the receiving process ---------------------
+
+UNPICKLE_TOOLS = ["fastload-packed", "torch-tensor"]
+UNPICKLES = 200
+
+
+def _pickled_batches(tool: str, s: IndexedShards, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A function making ``UNPICKLES`` batches pickled as a worker pickles them for the
+    main process (torch's ForkingPickler), in this process: for fastload the batch is
+    read into this process's block pool, as in a worker (``_in_worker`` answers yes)."""
+    import importlib
+    from multiprocessing.reduction import ForkingPickler
+
+    fl = import_fastload(torch=True)
+    collate_module = importlib.import_module("fastload.data.collate")
+    monkeypatch.setattr(collate_module, "_in_worker", lambda: True)
+    ds, collate_fn = _dataset(tool, s)
+    batches = [collate_fn(ds.__getitems__(list(range(i * BATCH, (i + 1) * BATCH))))
+               for i in range(2)]
+    assert fl is not None
+
+    def make() -> tuple[tuple[list[bytes]], dict[str, Any]]:
+        return ([bytes(ForkingPickler.dumps(batches[i % 2])) for i in range(UNPICKLES)],), {}
+
+    return make
+
+
+@pytest.mark.parametrize("tool", UNPICKLE_TOOLS)
+def test_unpickle_per_batch(
+    benchmark: Any, tool: str, shards: IndexedShards, scale: Scale,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Main-process CPU to receive one 256-sample batch of 60 KB samples (unpickle, read
+    ``nbytes``, drop), without DataLoader's queues: fastload's block reference against
+    torch's descriptor per storage."""
+    import pickle
+
+    make = _pickled_batches(tool, shards, monkeypatch)
+    make()  # the first hand-over of each block (its descriptor, the mapping) untimed
+    for data in make()[0][0][:4]:
+        _nbytes(pickle.loads(data))
+    describe(benchmark, group="unpickle-batch", tool=tool, src=shards.source(), cache="warm",
+             scale=scale, batch=BATCH)
+    cpu: list[float] = []
+
+    def receive(datas: list[bytes]) -> int:
+        t0 = time.process_time()
+        total = sum(_nbytes(pickle.loads(d)) for d in datas)
+        cpu.append((time.process_time() - t0) / len(datas))
+        return total
+
+    assert benchmark.pedantic(receive, setup=make, rounds=3, iterations=1) > 0
+    benchmark.extra_info["cpu_us_per_batch"] = round(min(cpu) * 1e6, 1)
+    print(f"\nunpickle-batch {tool}: {min(cpu) * 1e6:.1f} us/batch")

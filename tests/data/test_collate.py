@@ -190,6 +190,13 @@ def test_pickle_carries_tensors_not_bytes() -> None:
     small = fastload.collate([{"__key__": "a", "c": b"1"}, {"__key__": "b", "c": b"2"}], ints="c")
     assert all(type(x) is bytes for x in small.__getstate__()["bases"])
     assert torch.equal(pickle.loads(pickle.dumps(small))["c"], torch.tensor([1, 2]))
+    # A storage no element of the tensor's dtype divides (12 bytes, an int64 in it).
+    odd_storage = torch.zeros(12, dtype=torch.uint8)
+    odd_storage[:8] = torch.tensor([7], dtype=torch.int64).view(torch.uint8)
+    field = PackedField(torch.zeros(0, dtype=torch.uint8),
+                        torch.empty(0, dtype=torch.int64).set_(odd_storage.untyped_storage(),
+                                                               0, (1,), (1,)))
+    assert pickle.loads(pickle.dumps(field)).offsets.tolist() == [7]
 
 
 def test_fetch_packed(shards: tuple[Path, list[Sample]]) -> None:

@@ -388,14 +388,26 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
 
 
 def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
-    storages = [
-        b.untyped_storage() if not isinstance(b, bytes)
-        else torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage() if b
-        else torch.empty(0, dtype=torch.uint8).untyped_storage()
+    flat = [
+        b if not isinstance(b, bytes)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+        else torch.empty(0, dtype=torch.uint8)
         for b in bases
-    ]
+    ]  # each a 1-D uint8 tensor over its whole storage
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     out = []
     for k, offset, shape, stride, dtype in specs:
-        st = storages[k]
-        out.append(torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride))
+        base = typed.get((k, dtype))
+        if base is None:
+            base = flat[k]
+            if dtype != torch.uint8:
+                try:
+                    base = base.view(dtype)
+                except RuntimeError:  # a storage of a size no dtype element divides
+                    st = base.untyped_storage()
+                    out.append(torch.empty(0, dtype=dtype, device=st.device).set_(
+                        st, offset, shape, stride))
+                    continue
+            typed[(k, dtype)] = base
+        out.append(base.as_strided(shape, stride, offset))
     return out

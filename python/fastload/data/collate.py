@@ -167,7 +167,12 @@ class PackedField:
 
     @classmethod
     def _of(cls, tensors: Sequence[torch.Tensor]) -> PackedField:
-        return cls(tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None)
+        """A field of tensors that were one already (moved, pinned or received)."""
+        f = cls.__new__(cls)
+        f.data, f.offsets = tensors[0], tensors[1]
+        f.present = tensors[2] if len(tensors) > 2 else None
+        f._bounds = None
+        return f
 
     def __getstate__(self) -> tuple[list[Any], list[_Spec]]:
         return _ship(self._tensors())

@@ -75,8 +75,9 @@ def test_non_blocking_copy_from_the_block(shards: tuple[Path, list[Sample]]) -> 
     for b in _loader(path, pin=True):
         block = _shm.mapped_of(b["jpg"].data)
         assert block is not None
+        torch.cuda._sleep(50_000_000)  # the copy queued behind work: still running below
         g = b.to("cuda", non_blocking=True)
-        assert g["jpg"].data.is_cuda and len(_shm.FENCES) >= 1
+        assert g["jpg"].data.is_cuda and len(_shm.FENCES) >= 1  # the lease kept
         del b
         gc.collect()
         torch.cuda.synchronize()

@@ -353,7 +353,7 @@ def test_a_block_descriptor_travels_once() -> None:
     first = _shm._BlockHandover(block, pool).__reduce__()[1]
     again = _shm._BlockHandover(block, pool).__reduce__()[1]
     assert first[0] is not None and again[0] is None  # a DupFd, then nothing
-    assert first[1:] == again[1:] == (block.fd, block.length, os.getpid(), block.inode)
+    assert first[1:] == again[1:] == (block.fd, block.length, os.getpid(), block.inode, ())
     got = _shm._attach_block(*first)  # maps the block (the descriptor taken over)
     assert got[:4].numpy().tobytes() == b"abcd"
     assert _shm._attach_block(*again).data_ptr() == got.data_ptr()  # the same mapping
@@ -373,6 +373,32 @@ def test_a_block_descriptor_travels_once() -> None:
     # Through a real pickle, as a worker's batch goes to the main process.
     batch_state = ForkingPickler.dumps(_shm._BlockHandover(block, pool))
     assert pickle.loads(batch_state)[:4].numpy().tobytes() == b"abcd"
+    _shm._views.clear()
+
+
+def test_a_pool_names_the_blocks_it_let_go_of() -> None:
+    """A block the worker's pool drops (a spare beyond max_idle) is named in its next
+    hand-over, and the receiver drops its mapping of it then."""
+    import os
+
+    from fastload.data import _shm
+
+    pool = _shm._BlockPool(max_idle=0)
+    small = pool.take(10_000)
+    a = pool.block_of(small.untyped_storage())
+    assert a is not None
+    got = _shm._attach_block(*_shm._BlockHandover(a, pool).__reduce__()[1])
+    assert (os.getpid(), a.inode) in _shm._views
+    del small, got
+    gc.collect()
+    big = pool.take(5 << 20)  # a does not fit: a new block, and the free a is let go of
+    b = pool.block_of(big.untyped_storage())
+    assert b is not None and b.inode != a.inode and pool.retired == [a.inode]
+    args = _shm._BlockHandover(b, pool).__reduce__()[1]
+    assert args[-1] == (a.inode,) and pool.retired == []
+    landed = _shm._attach_block(*args)
+    assert (os.getpid(), a.inode) not in _shm._views and (os.getpid(), b.inode) in _shm._views
+    del landed, big
     _shm._views.clear()
 
 

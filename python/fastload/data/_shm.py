@@ -42,6 +42,7 @@ class _BlockPool:
         self.max_idle = max_idle
         self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
         self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
+        self.retired: list[int] = []  # of those, let go of since the last hand-over
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
@@ -57,7 +58,9 @@ class _BlockPool:
         spare = [b for b in free if b is not block]
         for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
             del self.blocks[b.address]
-            self.sent.discard(b.inode)
+            if b.inode in self.sent:
+                self.sent.discard(b.inode)
+                self.retired.append(b.inode)
         lease = block.lease()
         return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
 
@@ -95,7 +98,8 @@ class _BlockHandover:
         first = b.inode not in self.pool.sent
         self.pool.sent.add(b.inode)
         handle = _reduction.DupFd(b.fd) if first else None
-        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode)
+        gone, self.pool.retired = tuple(self.pool.retired), []
+        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode, gone)
 
 
 class _Mapped:
@@ -113,11 +117,12 @@ class _Mapped:
 
 # The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
 # from batch to batch, so a block written again costs no descriptor, no new mapping and
-# no page faults here. Those of a worker that has exited are dropped when another block
-# arrives; a registered one is unregistered first (release_host).
+# no page faults here. Those the worker's pool let go of are named by its next hand-over
+# and dropped then; those of a worker that has exited, when another block arrives; a
+# registered one is unregistered first (release_host).
 _views: dict[tuple[int, int], _Mapped] = {}
 _lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
-_MAX_VIEWS_PER_WORKER = 8
+_MAX_VIEWS_PER_WORKER = 64  # a bound only: a worker names the blocks it let go of
 _HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
 
 
@@ -136,11 +141,19 @@ def _open_peer(pid: int, fd: int, inode: int) -> int:
     return new
 
 
-def _attach_block(handle: Any, fdno: int, length: int, pid: int, inode: int) -> torch.Tensor:
+def _attach_block(
+    handle: Any, fdno: int, length: int, pid: int, inode: int, gone: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """The received block's payload as a uint8 tensor holding the lease the sender
+    retained; ``gone``: the inodes of blocks the sender's pool let go of since its last
+    hand-over (their mappings here are dropped)."""
     poll()  # leases kept for finished copies go back first
     fd = handle.detach() if handle is not None else None
     key = (pid, inode)
     with _lock:
+        for g in gone:
+            if (pid, g) in _views:
+                _drop((pid, g))
         m = _views.get(key)
         if m is not None and m.length == length:
             if fd is not None:
@@ -161,7 +174,7 @@ def _drop(key: tuple[int, int]) -> None:
 
 def _forget_views(pid: int) -> None:
     """Drops the mappings of exited workers, and the oldest of ``pid``'s beyond
-    ``_MAX_VIEWS_PER_WORKER`` (blocks its pool has let go)."""
+    ``_MAX_VIEWS_PER_WORKER`` (a bound: a worker names the blocks it let go of)."""
     for p in {p for p, _ in _views} - {pid}:
         try:
             os.kill(p, 0)

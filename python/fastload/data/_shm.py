@@ -1,7 +1,9 @@
 """Shared memory for packed batches: the blocks a DataLoader worker allocates a batch's
 payloads in and reuses once the main process has dropped them (``_core.ShmBlock``, memfd),
-the main process's mappings of them, and how a batch's tensors travel between processes
-(every storage once: a pool block by its descriptor, a small one inline). Used by
+the main process's mappings of them, how a batch's tensors travel between processes
+(every storage once: a pool block by reference, its descriptor the first time only; a
+small one inline), and the host side of copies to CUDA (blocks page-locked in place, and
+the fences that keep a block's lease until the copy reading it has completed). Used by
 :mod:`.collate`, which owns the packed types.
 """
 

@@ -27,6 +27,7 @@ NEEDS_ELSEWHERE = {
     'resolve("imagenet"': "the dataset registry on a cluster, and a download",
     "/network/scratch/me/shards": "a job's nodes (tests/staging/test_fanout.py runs three)",
     "s3://bucket/train-": "shards in a bucket (tests/cache/ reads them from loopback S3)",
+    'fastload.to_device(loader, "cuda"': "a CUDA device (tests/gpu/test_gpu.py, where one is)",
 }
 
 

@@ -29,6 +29,7 @@ from .staging import StageResult, VerifyResult, available_engines, stage, verify
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import Mix, PackedBatch, ShardIndexDataset, ShardIterableDataset, Stream
     from .data.collate import collate
+    from .data.device import decode_images, to_device
     from .data.monitor import Monitor, monitor
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
 
@@ -73,6 +74,7 @@ __all__ = [
     "__version__",
     "available_engines",
     "collate",
+    "decode_images",
     "env",
     "monitor",
     "pack",
@@ -81,6 +83,7 @@ __all__ = [
     "register_encoder",
     "resolve",
     "stage",
+    "to_device",
     "verify",
 ]
 
@@ -109,7 +112,7 @@ def __getattr__(name: str) -> object:
         from .data import monitor as _monitor
 
         return getattr(_monitor, name)
-    if name in ("collate", "PackedBatch"):
+    if name in ("collate", "PackedBatch", "to_device", "decode_images"):
         from . import data
 
         return getattr(data, name)

@@ -179,11 +179,24 @@ def test_pickle_carries_tensors_not_bytes() -> None:
     state = b.__getstate__()
     (block,) = state["bases"]  # data and offsets: one storage, carried once
     assert isinstance(block, torch.Tensor) and block.numel() >= 2 * len(payload)
-    assert all(type(k) is str for k in state["keys"])
+    assert state["keys"] == (2, "a\0b")  # the keys as one string: one object to unpickle
+    odd = fastload.collate([{"__key__": "a\0b", "x": b"1"}, {"__key__": "", "x": b"2"}])
+    assert odd.__getstate__()["keys"] == ["a\0b", ""]
+    assert pickle.loads(pickle.dumps(odd)).keys == ["a\0b", ""]
+    assert pickle.loads(pickle.dumps(fastload.collate([]))).keys == []
+    one_empty = fastload.collate([{"__key__": "", "x": b"1"}])
+    assert pickle.loads(pickle.dumps(one_empty)).keys == [""]
     # Small private tensors (labels) travel inline.
     small = fastload.collate([{"__key__": "a", "c": b"1"}, {"__key__": "b", "c": b"2"}], ints="c")
     assert all(type(x) is bytes for x in small.__getstate__()["bases"])
     assert torch.equal(pickle.loads(pickle.dumps(small))["c"], torch.tensor([1, 2]))
+    # A storage no element of the tensor's dtype divides (12 bytes, an int64 in it).
+    odd_storage = torch.zeros(12, dtype=torch.uint8)
+    odd_storage[:8] = torch.tensor([7], dtype=torch.int64).view(torch.uint8)
+    field = PackedField(torch.zeros(0, dtype=torch.uint8),
+                        torch.empty(0, dtype=torch.int64).set_(odd_storage.untyped_storage(),
+                                                               0, (1,), (1,)))
+    assert pickle.loads(pickle.dumps(field)).offsets.tolist() == [7]
 
 
 def test_fetch_packed(shards: tuple[Path, list[Sample]]) -> None:
@@ -320,6 +333,79 @@ def test_block_leases() -> None:
         _core.ShmView(fd, 1 << 16)
     with pytest.raises(OSError, match="were announced"):
         _core.ShmView(os.dup(block.fd), block.length * 2)
+
+
+def test_a_block_descriptor_travels_once() -> None:
+    """A pool block is handed over with its descriptor the first time only; after that
+    the receiver finds its mapping by (pid, inode), or, having let go of it, opens the
+    block again through /proc/PID/fd/N. A descriptor that is no longer that block is an
+    OSError naming it."""
+    import os
+    from multiprocessing.reduction import ForkingPickler
+
+    from fastload.data import _shm
+
+    pool = _shm._BlockPool()
+    t = pool.take(10_000)
+    t[:4] = torch.tensor(list(b"abcd"), dtype=torch.uint8)
+    block = pool.block_of(t.untyped_storage())
+    assert block is not None
+    first = _shm._BlockHandover(block, pool).__reduce__()[1]
+    again = _shm._BlockHandover(block, pool).__reduce__()[1]
+    assert first[0] is not None and again[0] is None  # a DupFd, then nothing
+    assert first[1:] == again[1:] == (block.fd, block.length, os.getpid(), block.inode, ())
+    got = _shm._attach_block(*first)  # maps the block (the descriptor taken over)
+    assert got[:4].numpy().tobytes() == b"abcd"
+    assert _shm._attach_block(*again).data_ptr() == got.data_ptr()  # the same mapping
+    _shm._views.clear()  # the receiver let go of it: reopened through /proc
+    reopened = _shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1])
+    assert reopened[:4].numpy().tobytes() == b"abcd" and reopened.data_ptr() != got.data_ptr()
+    assert block.users == 3  # t, got and reopened (the second view was dropped at once)
+    del got, reopened
+    gc.collect()
+    assert block.users == 1
+    _shm._views.clear()
+    other = _core_block()
+    with pytest.raises(OSError, match="no longer the batch block"):
+        _shm._attach_block(None, other.fd, block.length, os.getpid(), block.inode)
+    with pytest.raises(OSError, match=f"/proc/{os.getpid()}/fd/"):
+        _shm._attach_block(None, 10**6, block.length, os.getpid(), block.inode + 1)
+    # Through a real pickle, as a worker's batch goes to the main process.
+    batch_state = ForkingPickler.dumps(_shm._BlockHandover(block, pool))
+    assert pickle.loads(batch_state)[:4].numpy().tobytes() == b"abcd"
+    _shm._views.clear()
+
+
+def test_a_pool_names_the_blocks_it_let_go_of() -> None:
+    """A block the worker's pool drops (a spare beyond max_idle) is named in its next
+    hand-over, and the receiver drops its mapping of it then."""
+    import os
+
+    from fastload.data import _shm
+
+    pool = _shm._BlockPool(max_idle=0)
+    small = pool.take(10_000)
+    a = pool.block_of(small.untyped_storage())
+    assert a is not None
+    got = _shm._attach_block(*_shm._BlockHandover(a, pool).__reduce__()[1])
+    assert (os.getpid(), a.inode) in _shm._views
+    del small, got
+    gc.collect()
+    big = pool.take(5 << 20)  # a does not fit: a new block, and the free a is let go of
+    b = pool.block_of(big.untyped_storage())
+    assert b is not None and b.inode != a.inode and pool.retired == [a.inode]
+    args = _shm._BlockHandover(b, pool).__reduce__()[1]
+    assert args[-1] == (a.inode,) and pool.retired == []
+    landed = _shm._attach_block(*args)
+    assert (os.getpid(), a.inode) not in _shm._views and (os.getpid(), b.inode) in _shm._views
+    del landed, big
+    _shm._views.clear()
+
+
+def _core_block() -> Any:
+    from fastload import _core
+
+    return _core.ShmBlock(1000)
 
 
 def test_views_outlive_the_loader(shards: tuple[Path, list[Sample]]) -> None:

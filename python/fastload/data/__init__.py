@@ -12,6 +12,7 @@ from torch.utils.data import _utils as _torch_data_utils
 from .. import _core
 from .collate import PackedBatch, PackedField, collate
 from .dataset import ShardIndexDataset
+from .device import decode_images, to_device
 from .iterable import ShardIterableDataset
 from .mixed import Mix, Stream
 
@@ -23,6 +24,8 @@ __all__ = [
     "ShardIterableDataset",
     "Stream",
     "collate",
+    "decode_images",
+    "to_device",
 ]
 
 

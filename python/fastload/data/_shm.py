@@ -1,7 +1,9 @@
 """Shared memory for packed batches: the blocks a DataLoader worker allocates a batch's
 payloads in and reuses once the main process has dropped them (``_core.ShmBlock``, memfd),
-the main process's mappings of them, and how a batch's tensors travel between processes
-(every storage once: a pool block by its descriptor, a small one inline). Used by
+the main process's mappings of them, how a batch's tensors travel between processes
+(every storage once: a pool block by reference, its descriptor the first time only; a
+small one inline), and the host side of copies to CUDA (blocks page-locked in place, and
+the fences that keep a block's lease until the copy reading it has completed). Used by
 :mod:`.collate`, which owns the packed types.
 """
 
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing.reduction as _reduction
 import os
+import threading
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import get_worker_info
@@ -18,6 +22,7 @@ from torch.utils.data import get_worker_info
 from .. import _core
 
 _ALIGN = 64  # each field's payload block starts on a cache line (and an int64 boundary)
+_cu: Any = torch.cuda  # its constructors are untyped; used only where CUDA is available
 
 
 # --- allocation ------------------------------------------------------------------------
@@ -38,6 +43,8 @@ class _BlockPool:
         self.pid = os.getpid()
         self.max_idle = max_idle
         self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+        self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
+        self.retired: list[int] = []  # of those, let go of since the last hand-over
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
@@ -53,6 +60,9 @@ class _BlockPool:
         spare = [b for b in free if b is not block]
         for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
             del self.blocks[b.address]
+            if b.inode in self.sent:
+                self.sent.discard(b.inode)
+                self.retired.append(b.inode)
         lease = block.lease()
         return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
 
@@ -71,54 +81,258 @@ def _worker_pool() -> _BlockPool:
 
 
 class _BlockHandover:
-    """Pickles as the descriptor of a pool block (the way torch hands over its own
-    shared storages), retaining a lease for the receiving process to take over."""
+    """Pickles as a reference to a pool block, retaining a lease for the receiving
+    process to take over. The block's descriptor travels only the first time the block
+    is handed over (through multiprocessing's resource sharer: a connection to this
+    process per descriptor, the cost torch pays per batch); after that the receiver
+    already maps it and finds it by (pid, inode). A receiver that has let go of its
+    mapping opens the block again through ``/proc/PID/fd/N``."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "pool")
 
-    def __init__(self, block: _core.ShmBlock) -> None:
+    def __init__(self, block: _core.ShmBlock, pool: _BlockPool) -> None:
         self.block = block
+        self.pool = pool
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         b = self.block
         b.retain()  # before this process's own lease can go
-        return _attach_block, (_reduction.DupFd(b.fd), b.length, os.getpid(), b.inode)
+        first = b.inode not in self.pool.sent
+        self.pool.sent.add(b.inode)
+        handle = _reduction.DupFd(b.fd) if first else None
+        gone, self.pool.retired = tuple(self.pool.retired), []
+        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode, gone)
+
+
+class _Mapped:
+    """The main process's mapping of one worker block: the view, where its mapping starts
+    (for page-locking it: register_host) and whether it is registered with CUDA."""
+
+    __slots__ = ("base", "length", "registered", "view")
+
+    def __init__(self, view: _core.ShmView, base: int) -> None:
+        self.view = view
+        self.base = base
+        self.length = view.length
+        self.registered = False
 
 
 # The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
-# from batch to batch, so a block written again costs no new mapping and no page faults
-# here. Those of a worker that has exited are dropped when another block arrives.
-_views: dict[tuple[int, int], _core.ShmView] = {}
-_MAX_VIEWS_PER_WORKER = 8
+# from batch to batch, so a block written again costs no descriptor, no new mapping and
+# no page faults here. Those the worker's pool let go of are named by its next hand-over
+# and dropped then; those of a worker that has exited, when another block arrives; a
+# registered one is unregistered first (release_host).
+_views: dict[tuple[int, int], _Mapped] = {}
+_lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
+_MAX_VIEWS_PER_WORKER = 64  # a bound only: a worker names the blocks it let go of
+_HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
 
 
-def _attach_block(handle: Any, length: int, pid: int, inode: int) -> torch.Tensor:
-    fd = handle.detach()
+def _open_peer(pid: int, fd: int, inode: int) -> int:
+    """A descriptor of worker ``pid``'s block (its descriptor ``fd``), opened through
+    /proc: the block is alive there while this batch's count is on it."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        new = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot open the batch block of worker {pid} ({e.strerror})",
+                      path) from None
+    if os.fstat(new).st_ino != inode:
+        os.close(new)
+        raise OSError(f"{path} is no longer the batch block (inode {inode}) it was sent as")
+    return new
+
+
+def _attach_block(
+    handle: Any, fdno: int, length: int, pid: int, inode: int, gone: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """The received block's payload as a uint8 tensor holding the lease the sender
+    retained; ``gone``: the inodes of blocks the sender's pool let go of since its last
+    hand-over (their mappings here are dropped)."""
+    poll()  # leases kept for finished copies go back first
+    fd = handle.detach() if handle is not None else None
     key = (pid, inode)
-    view = _views.get(key)
-    if view is not None and view.length == length:
-        os.close(fd)
-    else:
-        view = _core.ShmView(fd, length)
+    with _lock:
+        for g in gone:
+            if (pid, g) in _views:
+                _drop((pid, g))
+        m = _views.get(key)
+        if m is not None and m.length == length:
+            if fd is not None:
+                os.close(fd)
+            return torch.frombuffer(m.view.adopt(), dtype=torch.uint8)
+        view = _core.ShmView(fd if fd is not None else _open_peer(pid, fdno, inode), length)
+        t = torch.frombuffer(view.adopt(), dtype=torch.uint8)
         _forget_views(pid)
-        _views[key] = view
-    return torch.frombuffer(view.adopt(), dtype=torch.uint8)
+        _views[key] = _Mapped(view, t.data_ptr() - _HEADER)
+        return t
+
+
+def _drop(key: tuple[int, int]) -> None:
+    m = _views.pop(key)
+    if m.registered:
+        release_host(m)
 
 
 def _forget_views(pid: int) -> None:
     """Drops the mappings of exited workers, and the oldest of ``pid``'s beyond
-    ``_MAX_VIEWS_PER_WORKER`` (blocks its pool has let go)."""
+    ``_MAX_VIEWS_PER_WORKER`` (a bound: a worker names the blocks it let go of)."""
     for p in {p for p, _ in _views} - {pid}:
         try:
             os.kill(p, 0)
         except ProcessLookupError:
             for key in [k for k in _views if k[0] == p]:
-                del _views[key]
+                _drop(key)
         except PermissionError:  # pragma: no cover - alive, another user's
             pass
     mine = [k for k in _views if k[0] == pid]
     for key in mine[: max(0, len(mine) + 1 - _MAX_VIEWS_PER_WORKER)]:
-        del _views[key]
+        _drop(key)
+
+
+def mapped_of(t: torch.Tensor) -> _Mapped | None:
+    """The worker block mapped here that holds ``t``'s data, if any."""
+    if t.device.type != "cpu" or not _views:
+        return None
+    p = t.data_ptr()
+    with _lock:
+        for m in _views.values():
+            if m.base <= p < m.base + m.length:
+                return m
+    return None
+
+
+# --- the host side of copies to CUDA -------------------------------------------------
+#
+# A worker block the main process maps is page-locked in place (cudaHostRegister, once
+# per block, on the first pin_memory() or .to("cuda") of a batch in it), so copies read
+# it at the link's speed with no pinned copy first. The lease rule: a block goes back to
+# its worker's pool when the last lease on it is gone (cpp/shm/block.hpp). A non-blocking
+# copy reads the block after .to() has returned, so its source tensors (each holding its
+# lease) are kept, with an event recorded after the copy, until event.query() says it
+# has completed (checked whenever a batch arrives or is moved; event.synchronize() when
+# more than MAX_PENDING wait, and before a block is unregistered).
+
+
+class Event(Protocol):
+    """What a fence waits on (``torch.cuda.Event``, or a stand-in in tests)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+MAX_PENDING = 64
+
+
+class Fences:
+    """Objects (the source tensors of non-blocking copies, so their leases) kept alive
+    until the event recorded after the copy has completed. Events are let go of in the
+    order they were held: one still running keeps the later ones (a conservative wait:
+    they are usually on one stream)."""
+
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self.max_pending = max_pending
+        self._pending: deque[tuple[Event, Any]] = deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def hold(self, event: Event, keep: Any) -> None:
+        with self._lock:
+            self._pending.append((event, keep))
+            while len(self._pending) > self.max_pending:
+                ev, _ = self._pending.popleft()
+                ev.synchronize()
+        self.poll()
+
+    def poll(self) -> int:
+        """Lets go of what completed copies kept; returns how many are still pending."""
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self._pending.popleft()
+            return len(self._pending)
+
+    def drain(self) -> None:
+        """Waits for every pending copy, then lets go of what they kept."""
+        with self._lock:
+            while self._pending:
+                ev, _ = self._pending.popleft()
+                ev.synchronize()
+
+
+FENCES = Fences()
+
+
+def poll() -> None:
+    if len(FENCES):
+        FENCES.poll()
+
+
+# --- host registration ---------------------------------------------------------------------
+
+
+def _rc(res: Any) -> int:
+    return int(getattr(res, "value", res))
+
+
+def register_host(m: _Mapped) -> bool:
+    """Page-locks a mapped worker block for CUDA (once; ``cudaHostRegister``), so copies
+    from it run at the link's speed and ``is_pinned()`` holds for tensors over it. False
+    where CUDA is not available or registration failed (the block is then copied
+    through ordinary pinning)."""
+    if m.registered:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    with _lock:
+        if not m.registered and m.base:
+            rc = _rc(_cu.cudart().cudaHostRegister(m.base, m.length, 0))
+            m.registered = rc == 0
+    return m.registered
+
+
+def release_host(m: _Mapped) -> None:
+    """Unregisters a block whose mapping this process lets go of, after every copy that
+    may read it (a mapping is never unmapped while registered)."""
+    if not m.registered:
+        return
+    FENCES.drain()
+    _cu.cudart().cudaHostUnregister(m.base)
+    m.registered = False
+
+
+def registered(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a worker block page-locked here (registering it if CUDA is
+    available and it is not yet)."""
+    m = mapped_of(t)
+    return m is not None and register_host(m)
+
+
+def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
+    """``t`` in page-locked memory: itself when it lies in a registered worker block (no
+    copy), else ``t.pin_memory()``."""
+    if registered(t):
+        return t
+    return t.pin_memory() if device is None else t.pin_memory(device)
+
+
+def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
+    """The tensors moved to ``device``. To CUDA, worker blocks are registered first (a
+    copy from page-locked memory runs at the link's speed, blocking or not); a
+    non-blocking copy keeps its registered sources (their leases) until an event
+    recorded after it has completed."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return [t.to(dev, non_blocking=non_blocking) for t in tensors]
+    sources = [t for t in tensors if registered(t)]
+    out = [t.to(dev, non_blocking=non_blocking) for t in tensors]
+    if sources and non_blocking:
+        ev = _cu.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        FENCES.hold(ev, sources)
+    return out
 
 
 class _Arena:
@@ -180,8 +394,8 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
     """How one storage travels: a pool block by its descriptor, a small private one
     inline as bytes, anything else as a tensor (torch's own sharing)."""
     block = pool.block_of(st) if pool is not None else None
-    if block is not None:
-        return _BlockHandover(block)
+    if block is not None and pool is not None:
+        return _BlockHandover(block, pool)
     base = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
     if base.device.type == "cpu" and st.nbytes() <= _INLINE and not st.is_shared():
         return base.numpy().tobytes()
@@ -189,14 +403,26 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
 
 
 def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
-    storages = [
-        b.untyped_storage() if not isinstance(b, bytes)
-        else torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage() if b
-        else torch.empty(0, dtype=torch.uint8).untyped_storage()
+    flat = [
+        b if not isinstance(b, bytes)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+        else torch.empty(0, dtype=torch.uint8)
         for b in bases
-    ]
+    ]  # each a 1-D uint8 tensor over its whole storage
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     out = []
     for k, offset, shape, stride, dtype in specs:
-        st = storages[k]
-        out.append(torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride))
+        base = typed.get((k, dtype))
+        if base is None:
+            base = flat[k]
+            if dtype != torch.uint8:
+                try:
+                    base = base.view(dtype)
+                except RuntimeError:  # a storage of a size no dtype element divides
+                    st = base.untyped_storage()
+                    out.append(torch.empty(0, dtype=dtype, device=st.device).set_(
+                        st, offset, shape, stride))
+                    continue
+            typed[(k, dtype)] = base
+        out.append(base.as_strided(shape, stride, offset))
     return out

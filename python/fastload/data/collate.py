@@ -13,13 +13,13 @@ main process. :class:`PackedBatch` is what comes out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import torch
 
 from .. import _core
 from ..index import ShardIndex
-from ._shm import _Arena, _in_worker, _land, _ship, _Spec
+from ._shm import _Arena, _in_worker, _land, _ship, _Spec, copy_to, pin
 
 __all__ = ["PackedBatch", "PackedField", "collate", "fetch_packed"]
 
@@ -112,7 +112,9 @@ class PackedField:
 
     @property
     def nbytes(self) -> int:
-        return self._b()[-1]
+        if self._bounds is None:
+            return int(self.offsets[-1])
+        return self._bounds[-1]
 
     def uniform_size(self) -> int | None:
         """The size every payload has, or ``None`` if they differ or one is missing."""
@@ -150,28 +152,27 @@ class PackedField:
         return torch.tensor(values, dtype=torch.int64)
 
     def pin_memory(self, device: Any = None) -> PackedField:
-        """The field with its payload block and offsets in pinned memory (one block
-        each)."""
-        pin: Callable[[torch.Tensor], torch.Tensor] = (
-            (lambda t: t.pin_memory()) if device is None else (lambda t: t.pin_memory(device))
-        )
-        present = None if self.present is None else pin(self.present)
-        return PackedField(pin(self.data), pin(self.offsets), present)
+        """The field in page-locked memory: as it is where its block is a worker's block
+        registered with CUDA in this process (registered here on first use; no copy),
+        else its payload block and offsets pinned (one copy each)."""
+        return PackedField._of([pin(t, device) for t in self._tensors()])
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedField:
-        """The field on ``device`` (one transfer for the block, one for the offsets)."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        present = None if self.present is None else move(self.present)
-        return PackedField(move(self.data), move(self.offsets), present)
+        """The field on ``device`` (one transfer per tensor; a non-blocking one from a
+        registered block keeps the block until the copy has completed)."""
+        return PackedField._of(copy_to(self._tensors(), device, non_blocking))
 
     def _tensors(self) -> list[torch.Tensor]:
         return [self.data, self.offsets] + ([] if self.present is None else [self.present])
 
     @classmethod
     def _of(cls, tensors: Sequence[torch.Tensor]) -> PackedField:
-        return cls(tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None)
+        """A field of tensors that were one already (moved, pinned or received)."""
+        f = cls.__new__(cls)
+        f.data, f.offsets = tensors[0], tensors[1]
+        f.present = tensors[2] if len(tensors) > 2 else None
+        f._bounds = None
+        return f
 
     def __getstate__(self) -> tuple[list[Any], list[_Spec]]:
         return _ship(self._tensors())
@@ -207,7 +208,7 @@ class PackedBatch:
     torch moves the blocks between processes through shared memory.
     """
 
-    __slots__ = ("_fields", "keys", "meta")
+    __slots__ = ("_fields", "_keys", "_n", "meta")
 
     def __init__(
         self,
@@ -215,16 +216,30 @@ class PackedBatch:
         fields: Mapping[str, Value],
         meta: Mapping[str, list[Any]] | None = None,
     ) -> None:
-        self.keys: list[str] = list(keys)
+        self._keys: list[str] | tuple[int, str] = list(keys)
+        self._n = len(keys)
         self._fields: dict[str, Value] = dict(fields)
         self.meta: dict[str, list[Any]] = dict(meta or {})
-        n = len(self.keys)
+        n = self._n
         for name, v in self._fields.items():
             if len(v) != n:
                 raise ValueError(f"field {name!r} has {len(v)} rows for {n} keys")
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self._n
+
+    @property
+    def keys(self) -> list[str]:
+        """The samples' keys (split on first use after a batch was received: most loops
+        never look at them)."""
+        if isinstance(self._keys, tuple):
+            self._keys = _split_keys(self._keys)
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: Sequence[str]) -> None:
+        self._keys = list(keys)
+        self._n = len(self._keys)
 
     @property
     def fields(self) -> list[str]:
@@ -276,50 +291,79 @@ class PackedBatch:
                     d[name] = x
         return out
 
-    def _map(self, f: Callable[[Value], Value]) -> PackedBatch:
-        return PackedBatch(self.keys, {k: f(v) for k, v in self._fields.items()}, self.meta)
-
     def pin_memory(self, device: Any = None) -> PackedBatch:
-        """The batch with each field's block in pinned (page-locked) memory."""
-
-        def pin(v: Value) -> Value:
-            if isinstance(v, PackedField):
-                return v.pin_memory(device)
-            return v.pin_memory() if device is None else v.pin_memory(device)
-
-        return self._map(pin)
+        """The batch in page-locked memory (what ``DataLoader(pin_memory=True)`` calls):
+        as it is where its blocks are workers' blocks registered with CUDA here (each
+        registered once, on first use), else one pinned copy per block."""
+        tensors, layout = self._flat()
+        return self._with(layout, [pin(t, device) for t in tensors])
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
-        """The batch on ``device``: one transfer per block."""
-        return self._map(lambda v: v.to(device, non_blocking=non_blocking))
+        """The batch on ``device``: one transfer per tensor. ``non_blocking=True`` to CUDA
+        from registered blocks keeps the blocks' leases until the copies have completed
+        (an event recorded after them), so a worker cannot reuse a block being read."""
+        tensors, layout = self._flat()
+        return self._with(layout, copy_to(tensors, device, non_blocking))
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _flat(self) -> tuple[list[torch.Tensor], list[tuple[str, int]]]:
+        """Every tensor, and per field its name and tensor count (0: a plain tensor)."""
         tensors: list[torch.Tensor] = []
-        layout: list[tuple[str, int]] = []  # per field: its name and tensor count (0: plain)
+        layout: list[tuple[str, int]] = []
         for name, v in self._fields.items():
             ts = v._tensors() if isinstance(v, PackedField) else [v]
             layout.append((name, len(ts) if isinstance(v, PackedField) else 0))
             tensors += ts
+        return tensors, layout
+
+    def _with(self, layout: list[tuple[str, int]], tensors: list[torch.Tensor]) -> PackedBatch:
+        out = PackedBatch.__new__(PackedBatch)
+        out._keys, out._n, out.meta = self._keys, self._n, self.meta
+        out._fields = _unflat(layout, tensors)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        tensors, layout = self._flat()
         bases, specs = _ship(tensors)
-        return {"keys": self.keys, "meta": self.meta, "layout": layout, "bases": bases,
+        keys = self._keys if isinstance(self._keys, tuple) else _join_keys(self._keys)
+        return {"keys": keys, "meta": self.meta, "layout": layout, "bases": bases,
                 "specs": specs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.keys = state["keys"]
+        keys = state["keys"]
+        self._keys = keys
+        self._n = keys[0] if isinstance(keys, tuple) else len(keys)
         self.meta = state["meta"]
-        tensors = _land(state["bases"], state["specs"])
-        self._fields = {}
-        at = 0
-        for name, count in state["layout"]:
-            if count == 0:
-                self._fields[name] = tensors[at]
-                at += 1
-            else:
-                self._fields[name] = PackedField._of(tensors[at : at + count])
-                at += count
+        self._fields = _unflat(state["layout"], _land(state["bases"], state["specs"]))
 
     def __repr__(self) -> str:
         return f"PackedBatch({len(self)} samples, fields={self.fields}, {self.nbytes} bytes)"
+
+
+def _unflat(layout: list[tuple[str, int]], tensors: list[torch.Tensor]) -> dict[str, Value]:
+    fields: dict[str, Value] = {}
+    at = 0
+    for name, count in layout:
+        if count == 0:
+            fields[name] = tensors[at]
+            at += 1
+        else:
+            fields[name] = PackedField._of(tensors[at : at + count])
+            at += count
+    return fields
+
+
+def _join_keys(keys: list[str]) -> tuple[int, str] | list[str]:
+    """The keys as one string (one object to pickle and unpickle, not one per sample),
+    or the list where a key holds the separator."""
+    joined = "\0".join(keys)
+    return (len(keys), joined) if joined.count("\0") == len(keys) - 1 else keys
+
+
+def _split_keys(state: tuple[int, str] | list[str]) -> list[str]:
+    if isinstance(state, list):
+        return state
+    n, joined = state
+    return joined.split("\0") if n else []
 
 
 # --- packing ---------------------------------------------------------------------------

@@ -47,6 +47,9 @@ struct CopyOptions {
   uint64_t small_size = 256u << 10; // files below this use one small buffer
   unsigned files_in_flight = 64;
   unsigned big_buffers = 16;
+  // Threads each driving an engine of their own over a share of the files (0: from the
+  // core count, default_submitters()).
+  unsigned submitters = 0;
   bool write = true;
 };
 

@@ -27,7 +27,7 @@ from .archive import (
     suffix_kind,
 )
 from .destination import Destination, stage_into
-from .job import Patterns, Progress, job_kwargs, progress_callback, run_job
+from .job import Patterns, Progress, copy_options, progress_callback, run_job
 from .readers import LocalArchive
 from .remote import open_remote
 from .request import Source, StageRequest
@@ -287,17 +287,15 @@ def verify(
             mismatched.append(p)
     total = sum(sizes)
     if names:
-        job = _core.CopyJob(
-            str(root),
-            "",
+        files = _core.CopyFiles(
             names,
             None,
             sizes,
             [(s + 511) // 512 for s in sizes],
             [0o644] * len(names),
             [0] * len(names),
-            **job_kwargs(engine, workers, stripe),
         )
+        job = _core.CopyJob(str(root), "", files, copy_options(engine, workers, stripe))
         on_progress, bar = progress_callback(progress, f"verify {dst_abs.name}", total, 0)
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:

@@ -175,7 +175,8 @@ void register_copy(py::module_& m) {
       .def_property_readonly("files_done", &copy::CopyJob::files_done)
       .def_property_readonly("bytes_total", &copy::CopyJob::bytes_total)
       .def_property_readonly("files_total", &copy::CopyJob::files_total)
-      .def_property_readonly("engine", &copy::CopyJob::engine_name);
+      .def_property_readonly("engine", &copy::CopyJob::engine_name)
+      .def_property_readonly("submitters", &copy::CopyJob::submitters);
 }
 
 }  // namespace fastload::bindings

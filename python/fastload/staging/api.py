@@ -87,8 +87,9 @@ def stage(
             output is not marked complete.
         include, exclude: glob patterns on paths relative to ``src`` (``*`` also matches
             ``/``; a pattern without ``/`` also matches the base name).
-        engine: ``"auto"`` (io_uring, else a pool of pread threads), ``"uring"`` or
-            ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
+        engine: ``"auto"`` (a pool of pread threads for a source on a network or FUSE
+            file system, else io_uring where it can be set up, else the pool), ``"uring"``
+            or ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
         progress: ``True`` for a progress bar, or ``cb(bytes_done, bytes_total,
             files_done, files_total)`` called a few times a second.
         workers: files in flight at once (default 64).

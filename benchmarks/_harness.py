@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import pytest
 
+from _cpu import CpuMeter, CpuRound, summary
+
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
@@ -139,6 +141,11 @@ def check_cache(cache: str) -> None:
         pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
 
 
+# Peers that do their work in one single-threaded process: their CPU over the wall time
+# is their busiest thread's share.
+ONE_PROCESS_TOOLS = frozenset({"cp -r", "cp", "tar -xf", "tar -xzf", "GNU tar"})
+
+
 class Rounds:
     """Runs ``fn(dst)`` under pytest-benchmark with a fresh, not yet existing destination
     per round; setup (remove the previous round's copy, flush, set the cache state) is
@@ -155,6 +162,7 @@ class Rounds:
         self.last: Path | None = None
         self.result: Any = None
         self._n = 0
+        self.cpu: list[CpuRound] = []
         spread_subdirs(work)
 
     def run(
@@ -177,16 +185,29 @@ class Rounds:
             return (dst,), {}
 
         def target(dst: Path) -> None:
-            self.result = fn(dst)
-            if self.sync:
-                syncfs(dst.parent)
+            with CpuMeter() as meter:
+                self.result = fn(dst)
+                if self.sync:
+                    syncfs(dst.parent)
+            assert meter.result is not None
+            self.cpu.append(meter.result)
 
+        self.cpu = []
         self.benchmark.pedantic(
             target,
             setup=setup,
             rounds=rounds or self.scale.rounds,
             iterations=1,
             warmup_rounds=0,
+        )
+        info = self.benchmark.extra_info
+        info.update(
+            summary(
+                self.cpu,
+                int(info.get("files", 0)),
+                int(info.get("bytes", 0)),
+                one_process=str(info.get("tool", "")) in ONE_PROCESS_TOOLS,
+            )
         )
         return self.result
 

@@ -80,4 +80,11 @@ void run_cancellable(const std::function<void()>& work, CancelToken& cancel,
   if (error) std::rethrow_exception(error);
 }
 
+io::Kind engine_kind(const std::string& name) {
+  io::Kind kind;
+  if (!io::parse_kind(name, &kind))
+    throw py::value_error("unknown engine '" + name + "' (expected 'auto', 'uring' or 'pread')");
+  return kind;
+}
+
 }  // namespace fastload::bindings

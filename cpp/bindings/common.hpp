@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/cancel.hpp"
+#include "io/engine.hpp"
 
 namespace fastload::bindings {
 
@@ -30,6 +31,10 @@ std::span<const char> contiguous_bytes(const py::buffer_info& info, const char* 
 // What work() throws is rethrown here.
 void run_cancellable(const std::function<void()>& work, CancelToken& cancel,
                      const std::function<void()>& tick);
+
+// An engine name ("auto", "uring", "io_uring", "pread") as a kind; anything else raises
+// ValueError naming it.
+io::Kind engine_kind(const std::string& name);
 
 void register_errors(py::module_& m);
 void register_io(py::module_& m);

@@ -6,7 +6,20 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <memory>
+
 namespace fastload::bindings {
+
+namespace {
+
+// The files of a CopyJob, converted once from Python's per-file lists.
+struct CopyFiles {
+  std::vector<copy::FileTask> tasks;
+  bool write = true;
+};
+
+}  // namespace
 
 void register_copy(py::module_& m) {
   py::class_<copy::Tree>(m, "Tree", "A listed source tree, sorted by path.")
@@ -57,49 +70,90 @@ void register_copy(py::module_& m) {
   m.def("temp_name", [](const py::object& rel) { return fs_str(copy::temp_name(fs_bytes(rel))); },
         py::arg("path"));
 
-  py::class_<copy::CopyJob>(m, "CopyJob", "A copy (or, with dst=None, a digest-only read).")
-      .def(py::init([](const py::object& src_root, const py::object& dst_root,
-                       const py::list& src, const py::object& dst, const std::vector<uint64_t>& size,
-                       const std::vector<uint64_t>& blocks, const std::vector<uint32_t>& mode,
-                       const std::vector<int64_t>& mtime_ns, const std::string& engine,
-                       unsigned depth, unsigned threads, unsigned files_in_flight,
-                       uint64_t stripe_size, unsigned big_buffers) {
+  py::class_<CopyFiles>(m, "CopyFiles",
+                        "The files of a CopyJob: per-file lists of equal length.")
+      .def(py::init([](const py::list& src, const py::object& dst,
+                       const std::vector<uint64_t>& size, const std::vector<uint64_t>& blocks,
+                       const std::vector<uint32_t>& mode, const std::vector<int64_t>& mtime_ns) {
              size_t n = src.size();
              if (size.size() != n || blocks.size() != n || mode.size() != n || mtime_ns.size() != n)
-               throw py::value_error("CopyJob: per-file lists differ in length");
+               throw py::value_error("CopyFiles: per-file lists differ in length");
+             auto out = std::make_unique<CopyFiles>();
              std::vector<std::string> dsts;
-             bool write = !dst.is_none();
-             if (write) {
+             out->write = !dst.is_none();
+             if (out->write) {
                dsts = fs_list(dst);
-               if (dsts.size() != n) throw py::value_error("CopyJob: dst list length differs");
+               if (dsts.size() != n) throw py::value_error("CopyFiles: dst list length differs");
              }
-             std::vector<copy::FileTask> tasks(n);
+             out->tasks.resize(n);
              for (size_t i = 0; i < n; ++i) {
-               tasks[i].src = fs_bytes(src[i]);
-               if (write) tasks[i].dst = std::move(dsts[i]);
-               tasks[i].size = size[i];
-               tasks[i].blocks = blocks[i];
-               tasks[i].mode = mode[i];
-               tasks[i].mtime_ns = mtime_ns[i];
+               copy::FileTask& t = out->tasks[i];
+               t.src = fs_bytes(src[i]);
+               if (out->write) t.dst = std::move(dsts[i]);
+               t.size = size[i];
+               t.blocks = blocks[i];
+               t.mode = mode[i];
+               t.mtime_ns = mtime_ns[i];
              }
-             copy::CopyOptions opt;
-             if (!io::parse_kind(engine, &opt.engine.kind))
-               throw py::value_error("unknown engine '" + engine +
-                                     "' (expected 'auto', 'uring' or 'pread')");
-             opt.engine.depth = depth;
-             opt.engine.threads = threads;
-             opt.files_in_flight = files_in_flight;
-             opt.stripe_size = stripe_size;
-             opt.small_size = std::min<uint64_t>(opt.small_size, stripe_size);
-             opt.big_buffers = big_buffers;
-             opt.write = write;
-             return new copy::CopyJob(fs_bytes(src_root), write ? fs_bytes(dst_root) : "",
-                                      std::move(tasks), opt);
+             return out;
            }),
-           py::arg("src_root"), py::arg("dst_root"), py::arg("src"), py::arg("dst"),
-           py::arg("size"), py::arg("blocks"), py::arg("mode"), py::arg("mtime_ns"),
-           py::arg("engine"), py::arg("depth"), py::arg("threads"), py::arg("files_in_flight"),
-           py::arg("stripe_size"), py::arg("big_buffers"))
+           py::arg("src"), py::arg("dst"), py::arg("size"), py::arg("blocks"), py::arg("mode"),
+           py::arg("mtime_ns"),
+           "src: paths under the source root; dst: paths under the destination root, or "
+           "None to read and digest only (verify).")
+      .def("__len__", [](const CopyFiles& f) { return f.tasks.size(); });
+
+  const copy::CopyOptions defaults;
+  py::class_<copy::CopyOptions>(m, "CopyOptions", "How a CopyJob runs.")
+      .def(py::init([](const std::string& engine, const py::object& engine_path, unsigned depth,
+                       unsigned threads, unsigned files_in_flight, uint64_t stripe_size,
+                       unsigned big_buffers, unsigned submitters) {
+             copy::CopyOptions o;
+             o.engine.kind = engine_kind(engine);
+             if (!engine_path.is_none()) o.engine.where = fs_bytes(engine_path);
+             o.engine.depth = depth;
+             o.engine.threads = threads;
+             o.files_in_flight = files_in_flight;
+             o.stripe_size = stripe_size;
+             o.big_buffers = big_buffers;
+             o.submitters = submitters;
+             return o;
+           }),
+           py::kw_only(), py::arg("engine") = "auto", py::arg("engine_path") = py::none(),
+           py::arg("depth") = defaults.engine.depth, py::arg("threads") = defaults.engine.threads,
+           py::arg("files_in_flight") = defaults.files_in_flight,
+           py::arg("stripe_size") = defaults.stripe_size,
+           py::arg("big_buffers") = defaults.big_buffers,
+           py::arg("submitters") = defaults.submitters)
+      .def_property(
+          "engine", [](const copy::CopyOptions& o) { return io::kind_name(o.engine.kind); },
+          [](copy::CopyOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
+      .def_property_readonly("engine_path",
+                             [](const copy::CopyOptions& o) -> py::object {
+                               if (o.engine.where.empty()) return py::none();
+                               return fs_str(o.engine.where);
+                             })
+      .def_property(
+          "depth", [](const copy::CopyOptions& o) { return o.engine.depth; },
+          [](copy::CopyOptions& o, unsigned v) { o.engine.depth = v; })
+      .def_property(
+          "threads", [](const copy::CopyOptions& o) { return o.engine.threads; },
+          [](copy::CopyOptions& o, unsigned v) { o.engine.threads = v; })
+      .def_readwrite("files_in_flight", &copy::CopyOptions::files_in_flight)
+      .def_readwrite("stripe_size", &copy::CopyOptions::stripe_size)
+      .def_readwrite("big_buffers", &copy::CopyOptions::big_buffers)
+      .def_readwrite("submitters", &copy::CopyOptions::submitters);
+
+  py::class_<copy::CopyJob>(m, "CopyJob", "A copy (or, with dst=None, a digest-only read).")
+      .def(py::init([](const py::object& src_root, const py::object& dst_root,
+                       const CopyFiles& files, const copy::CopyOptions& options) {
+             copy::CopyOptions opt = options;
+             opt.small_size = std::min<uint64_t>(opt.small_size, opt.stripe_size);
+             opt.write = files.write;
+             return new copy::CopyJob(fs_bytes(src_root), opt.write ? fs_bytes(dst_root) : "",
+                                      files.tasks, opt);
+           }),
+           py::arg("src_root"), py::arg("dst_root"), py::arg("files"), py::arg("options"))
       .def("start", &copy::CopyJob::start, py::call_guard<py::gil_scoped_release>())
       .def("wait", &copy::CopyJob::wait, py::arg("timeout_ms"),
            py::call_guard<py::gil_scoped_release>())
@@ -121,7 +175,8 @@ void register_copy(py::module_& m) {
       .def_property_readonly("files_done", &copy::CopyJob::files_done)
       .def_property_readonly("bytes_total", &copy::CopyJob::bytes_total)
       .def_property_readonly("files_total", &copy::CopyJob::files_total)
-      .def_property_readonly("engine", &copy::CopyJob::engine_name);
+      .def_property_readonly("engine", &copy::CopyJob::engine_name)
+      .def_property_readonly("submitters", &copy::CopyJob::submitters);
 }
 
 }  // namespace fastload::bindings

@@ -63,17 +63,19 @@ void register_extract(py::module_& m) {
                                {py::ssize_t(b.size)}, {py::ssize_t(1)}, false);
       });
 
-  py::class_<copy::ExtractJob>(m, "ExtractJob", "Streaming extraction of a tar archive.")
-      .def(py::init([](const py::object& dst, const py::object& name, const std::string& compression,
-                       bool nested, const std::vector<std::string>& include,
+  const copy::ExtractOptions defaults;
+  py::class_<copy::ExtractOptions>(m, "ExtractOptions", "How an ExtractJob runs.")
+      .def(py::init([](const std::string& compression, bool nested,
+                       const std::vector<std::string>& include,
                        const std::vector<std::string>& exclude, const py::dict& complete,
-                       const std::string& engine, unsigned threads, unsigned files_in_flight,
-                       uint64_t chunk_size, bool adopt_existing, size_t read_block_size,
-                       unsigned read_blocks, uint64_t direct_write_min) {
+                       const std::string& engine, const py::object& engine_path,
+                       unsigned threads, unsigned files_in_flight, uint64_t chunk_size,
+                       bool adopt_existing, size_t read_block_size, unsigned read_blocks,
+                       uint64_t direct_write_min) {
              copy::ExtractOptions opt;
              opt.compression = parse_compression(compression);
-             if (!io::parse_kind(engine, &opt.engine.kind))
-               throw py::value_error("unknown engine '" + engine + "'");
+             opt.engine.kind = engine_kind(engine);
+             if (!engine_path.is_none()) opt.engine.where = fs_bytes(engine_path);
              opt.engine.threads = threads;
              opt.nested = nested;
              opt.include = include;
@@ -89,16 +91,48 @@ void register_extract(py::module_& m) {
              if (read_block_size) opt.read_block_size = read_block_size;
              if (read_blocks) opt.read_blocks = read_blocks;
              opt.direct_write_min = direct_write_min;
+             return opt;
+           }),
+           py::kw_only(), py::arg("compression") = "none", py::arg("nested") = false,
+           py::arg("include") = std::vector<std::string>{},
+           py::arg("exclude") = std::vector<std::string>{}, py::arg("complete") = py::dict(),
+           py::arg("engine") = "auto", py::arg("engine_path") = py::none(),
+           py::arg("threads") = defaults.engine.threads,
+           py::arg("files_in_flight") = defaults.files_in_flight,
+           py::arg("chunk_size") = defaults.chunk_size, py::arg("adopt_existing") = false,
+           py::arg("read_block_size") = 0, py::arg("read_blocks") = 0,
+           py::arg("direct_write_min") = defaults.direct_write_min)
+      .def_property_readonly("compression",
+                             [](const copy::ExtractOptions& o) {
+                               switch (o.compression) {
+                                 case copy::Compression::kGzip: return "gzip";
+                                 case copy::Compression::kZstd: return "zstd";
+                                 default: return "none";
+                               }
+                             })
+      .def_property(
+          "engine", [](const copy::ExtractOptions& o) { return io::kind_name(o.engine.kind); },
+          [](copy::ExtractOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
+      .def_property(
+          "threads", [](const copy::ExtractOptions& o) { return o.engine.threads; },
+          [](copy::ExtractOptions& o, unsigned v) { o.engine.threads = v; })
+      .def_readwrite("nested", &copy::ExtractOptions::nested)
+      .def_readwrite("files_in_flight", &copy::ExtractOptions::files_in_flight)
+      .def_readwrite("chunk_size", &copy::ExtractOptions::chunk_size)
+      .def_readwrite("adopt_existing", &copy::ExtractOptions::adopt_existing)
+      .def_readwrite("read_block_size", &copy::ExtractOptions::read_block_size)
+      .def_readwrite("read_blocks", &copy::ExtractOptions::read_blocks)
+      .def_readwrite("direct_write_min", &copy::ExtractOptions::direct_write_min);
+
+  py::class_<copy::ExtractJob>(m, "ExtractJob", "Streaming extraction of a tar archive.")
+      .def(py::init([](const py::object& dst, const py::object& name,
+                       const copy::ExtractOptions& options) {
              std::string d = fs_bytes(dst), n = fs_bytes(name);
+             copy::ExtractOptions opt = options;
              py::gil_scoped_release nogil;
              return new copy::ExtractJob(d, n, std::move(opt));
            }),
-           py::arg("dst"), py::arg("name"), py::arg("compression"), py::arg("nested"),
-           py::arg("include"), py::arg("exclude"), py::arg("complete"), py::arg("engine"),
-           py::arg("threads"), py::arg("files_in_flight"), py::arg("chunk_size"),
-           py::arg("adopt_existing") = false, py::arg("read_block_size") = 0,
-           py::arg("read_blocks") = 0,
-           py::arg("direct_write_min") = copy::ExtractOptions{}.direct_write_min)
+           py::arg("dst"), py::arg("name"), py::arg("options"))
       .def(
           "feed",
           [](copy::ExtractJob& j, const py::buffer& data) {

@@ -1,6 +1,8 @@
 // The I/O layer's queries at the boundary: io_uring availability, the file system under
 // a path (io/fs.hpp) and its table of known kinds, page-cache residency, syncfs; and the
 // positional writer of the Python side (common/write.hpp).
+#include <cstdlib>
+
 #include "bindings/common.hpp"
 #include "common/error.hpp"
 #include "common/write.hpp"
@@ -13,6 +15,26 @@ namespace fastload::bindings {
 void register_io(py::module_& m) {
   m.def("uring_available", &io::uring_available,
         "True when io_uring can be set up here (not refused by the kernel or seccomp).");
+  m.def(
+      "resolve_engine",
+      [](const std::string& engine, const py::object& where) {
+        io::Kind requested = engine_kind(engine), kind;
+        std::string w = where.is_none() ? std::string() : fs_bytes(where);
+        int r;
+        {
+          py::gil_scoped_release nogil;
+          r = io::resolve_kind(requested, w, true, &kind);
+        }
+        if (r != 0) {
+          const char* e = std::getenv("FASTLOAD_ENGINE");
+          throw py::value_error(std::string("FASTLOAD_ENGINE='") + (e ? e : "") +
+                                "' is not 'auto', 'uring' or 'pread'");
+        }
+        return std::string(io::kind_name(kind));
+      },
+      py::arg("engine"), py::arg("where") = py::none(),
+      "The backend a job asked for `engine` runs here: 'uring' or 'pread' (the one rule, "
+      "io::resolve_kind: FASTLOAD_ENGINE, where's file system, io_uring's availability).");
   m.def(
       "fs_type",
       [](const py::object& path) {

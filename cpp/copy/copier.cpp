@@ -1,6 +1,7 @@
 #include "copy/copier.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <memory>
 
 #include "common/unique_fd.hpp"
 #include "hash/digest.hpp"
@@ -17,6 +19,7 @@ namespace {
 
 constexpr uint32_t kPad = 4096;  // room after each buffer for the one-byte EOF probe
 constexpr int kPollMs = 100;     // how often the loop looks at the cancel flag
+constexpr size_t kFilesPerSubmitter = 32;  // fewer files than this per submitter: fewer of them
 
 // user_data layout: [file slot:32][buffer:27][big:1][op:4]
 enum Kind : uint64_t { kOpenSrc = 1, kOpenDst, kRead, kWrite, kCloseSrc, kCloseDst };
@@ -81,10 +84,12 @@ std::string temp_name(const std::string& rel) {
   return dir + "." + base + ".fl-tmp";
 }
 
-// The state machine of one run; lives on the job's thread.
+// The state machine of one submitter: its own engine, buffers and files in flight, on
+// its own thread. Submitters share nothing on the hot path but the job's next-task
+// counter (one fetch_add per file), the counters of progress and the done list.
 class Runner {
  public:
-  explicit Runner(CopyJob& job) : job_(job), opt_(job.opt_), tasks_(job.tasks_) {}
+  Runner(CopyJob& job, CopyOptions opt) : job_(job), opt_(std::move(opt)), tasks_(job.tasks_) {}
 
   ~Runner() {
     if (region_ != MAP_FAILED) ::munmap(region_, region_size_);
@@ -100,9 +105,12 @@ class Runner {
     while (true) {
       if (!error_ && job_.cancel_.cancelled())
         fail(Error(ErrorKind::kCancelled, 0, "staging cancelled", job_.dst_root_));
+      // Another submitter failed: stop as if cancelled (the job keeps its error).
+      if (!error_ && job_.halt_.load(std::memory_order_relaxed))
+        fail(Error(ErrorKind::kCancelled, 0, "staging stopped", job_.dst_root_));
       if (!error_) admit();
       if (eng_->in_flight() == 0) {
-        if (error_ || (next_task_ >= tasks_.size() && active_ == 0)) break;
+        if (error_ || (exhausted_ && active_ == 0)) break;
       }
       int n = eng_->reap(cq.data(), unsigned(cq.size()), eng_->in_flight() ? 1 : 0, kPollMs);
       if (n < 0) {
@@ -156,11 +164,15 @@ class Runner {
   // ---- admission ---------------------------------------------------------------------
 
   void admit() {
-    while (!free_files_.empty() && next_task_ < tasks_.size() &&
-           eng_->in_flight() + 2 <= eng_->capacity()) {
+    while (!free_files_.empty() && !exhausted_ && eng_->in_flight() + 2 <= eng_->capacity()) {
+      size_t task = job_.next_task_.fetch_add(1, std::memory_order_relaxed);
+      if (task >= tasks_.size()) {
+        exhausted_ = true;
+        break;
+      }
       uint32_t slot = free_files_.front();
       free_files_.pop_front();
-      start_file(slot, uint32_t(next_task_++));
+      start_file(slot, uint32_t(task));
     }
     // Stripes of active big files waiting for a buffer.
     while (!free_big_.empty() && !want_big_.empty() && eng_->in_flight() < eng_->capacity()) {
@@ -532,7 +544,9 @@ class Runner {
   }
 
   void fail(Error e) {
-    if (!error_) error_ = std::move(e);
+    if (error_) return;
+    if (e.kind() != ErrorKind::kCancelled) job_.halt_.store(true, std::memory_order_relaxed);
+    error_ = std::move(e);
   }
 
   // After an error: once a file has nothing in flight, close its descriptors and remove
@@ -556,7 +570,7 @@ class Runner {
   }
 
   CopyJob& job_;
-  const CopyOptions& opt_;
+  const CopyOptions opt_;
   const std::vector<FileTask>& tasks_;
   io::Engine* eng_ = nullptr;
   UniqueFd src_root_;
@@ -572,7 +586,7 @@ class Runner {
   std::vector<Stripe> big_;
   std::deque<uint32_t> free_big_;
   std::deque<uint32_t> want_big_;
-  size_t next_task_ = 0;
+  bool exhausted_ = false;  // the job's task list is used up
   size_t active_ = 0;
   std::optional<Error> error_;
 };
@@ -593,24 +607,85 @@ CopyJob::~CopyJob() {
   }
 }
 
+unsigned default_submitters() {
+  // One per core up to 8: each submitter keeps one thread busy issuing, completing and
+  // setting metadata; past 8 the files in flight per submitter get too few to hide the
+  // storage's latency (RESULTS.md, issue 33).
+  // The cores this process may run on (taskset, a cgroup's cpuset), not the machine's.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  unsigned cores = ::sched_getaffinity(0, sizeof set, &set) == 0
+                       ? unsigned(CPU_COUNT(&set))
+                       : std::thread::hardware_concurrency();
+  return std::clamp(cores, 1u, 8u);
+}
+
+namespace {
+
+// Submitter i's share of the job's options: the files in flight, big buffers, queue depth
+// and pool threads divided between n submitters (each at least what one file needs).
+CopyOptions share_of(const CopyOptions& opt, unsigned n) {
+  CopyOptions o = opt;
+  auto div = [n](unsigned v, unsigned least) { return std::max(least, (v + n - 1) / n); };
+  o.files_in_flight = div(opt.files_in_flight, 1);
+  o.big_buffers = div(opt.big_buffers, 2);
+  o.engine.depth = div(opt.engine.depth, 8);
+  o.engine.threads = div(opt.engine.threads, 2);
+  return o;
+}
+
+}  // namespace
+
 void CopyJob::run() {
+  // The first error a submitter met wins over the cancellations it caused in the others.
+  auto keep = [this](const Error& e) {
+    std::lock_guard lk(mu_);
+    if (!error_ || (error_->kind() == ErrorKind::kCancelled && e.kind() != ErrorKind::kCancelled))
+      error_ = e;
+  };
+  auto run_one = [&](Runner& r, io::Engine& engine) {
+    try {
+      r.run(engine);
+    } catch (const Error& e) {
+      // An error before the loop (the roots, the buffers) stops the others too.
+      if (e.kind() != ErrorKind::kCancelled) halt_.store(true, std::memory_order_relaxed);
+      keep(e);
+    } catch (const std::exception& e) {
+      halt_.store(true, std::memory_order_relaxed);
+      keep(Error(ErrorKind::kOs, EIO, "internal error", dst_root_, e.what()));
+    }
+  };
   try {
-    int err = 0;
-    auto engine = io::make_engine(opt_.engine, &err);
-    if (!engine) throw Error::os(-err, "start the I/O engine", "");
+    unsigned n = opt_.submitters ? opt_.submitters : default_submitters();
+    // A short list is not split: a submitter needs files enough to keep its share in
+    // flight, and a few big files keep their stripes in one submitter's buffers.
+    n = unsigned(std::clamp<size_t>(tasks_.size() / kFilesPerSubmitter, 1, n));
+    const CopyOptions each = share_of(opt_, n);
+    std::vector<std::unique_ptr<io::Engine>> engines;
+    for (unsigned i = 0; i < n; ++i) {
+      int err = 0;
+      auto engine = io::make_engine(each.engine, &err);
+      if (!engine) throw Error::os(-err, "start the I/O engine", "");
+      engines.push_back(std::move(engine));
+    }
     {
       std::lock_guard lk(mu_);
-      engine_name_ = engine->name();
+      engine_name_ = engines[0]->name();
+      submitters_ = n;
       started_ = true;
     }
     cv_.notify_all();
-    Runner(*this).run(*engine);
+    std::vector<std::unique_ptr<Runner>> runners;
+    for (unsigned i = 0; i < n; ++i) runners.push_back(std::make_unique<Runner>(*this, each));
+    std::vector<std::thread> others;
+    for (unsigned i = 1; i < n; ++i)
+      others.emplace_back([&, i] { run_one(*runners[i], *engines[i]); });
+    run_one(*runners[0], *engines[0]);
+    for (auto& t : others) t.join();
   } catch (const Error& e) {
-    std::lock_guard lk(mu_);
-    error_ = e;
+    keep(e);
   } catch (const std::exception& e) {
-    std::lock_guard lk(mu_);
-    error_ = Error(ErrorKind::kOs, EIO, "internal error", dst_root_, e.what());
+    keep(Error(ErrorKind::kOs, EIO, "internal error", dst_root_, e.what()));
   }
   {
     std::lock_guard lk(mu_);

@@ -1,6 +1,10 @@
 // The copier: many files in flight, big files in stripes, digests on the way.
 //
-// One thread (the job's) drives an io::Engine. Each admitted file goes through
+// Several submitters (CopyOptions::submitters, by default one per core up to 8), each a
+// thread driving an io::Engine of its own (a ring per thread, or a pool per thread),
+// take files from the one task list in turn; the metadata work of a file (its opens,
+// ftruncate, fchmod, futimens, closes and the rename) is done by the submitter that
+// copies it, so no single thread carries it all. Each admitted file goes through
 //   open src (+ open a hidden temporary in the destination) -> stripes of
 //   read -> digest -> write at the same offset -> fchmod/futimens -> close -> rename
 // and up to `files_in_flight` files advance at once, so on network storage the
@@ -47,6 +51,9 @@ struct CopyOptions {
   uint64_t small_size = 256u << 10; // files below this use one small buffer
   unsigned files_in_flight = 64;
   unsigned big_buffers = 16;
+  // Threads each driving an engine of their own over a share of the files (0: from the
+  // core count, default_submitters()).
+  unsigned submitters = 0;
   bool write = true;
 };
 
@@ -54,6 +61,9 @@ struct FileDone {
   uint32_t index;                // into the task list
   std::vector<uint64_t> digests; // one per stripe_size chunk (one for an empty file)
 };
+
+// Submitters of a job whose options leave them at 0: one per core, at most 8.
+unsigned default_submitters();
 
 // Name of the hidden temporary a file is written to before it is renamed into place.
 std::string temp_name(const std::string& rel_path);
@@ -84,6 +94,11 @@ class CopyJob {
   uint64_t bytes_total() const { return bytes_total_; }
   uint64_t files_total() const { return tasks_.size(); }
   std::string engine_name() const;
+  // Submitters the job runs (known once started).
+  unsigned submitters() const {
+    std::lock_guard lk(mu_);
+    return submitters_;
+  }
 
  private:
   friend class Runner;
@@ -95,6 +110,9 @@ class CopyJob {
   CancelToken cancel_;
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint64_t> files_done_{0};
+  std::atomic<size_t> next_task_{0};  // the next task a submitter claims
+  std::atomic<bool> halt_{false};     // a submitter failed: the others stop
+  unsigned submitters_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "io/faults.hpp"
+#include "io/fs.hpp"
 #include "io/pread_pool.hpp"
 #include "io/uring.hpp"
 
@@ -49,6 +50,31 @@ bool parse_kind(const std::string& text, Kind* kind) {
   return true;
 }
 
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::kUring: return "uring";
+    case Kind::kPread: return "pread";
+    case Kind::kAuto: break;
+  }
+  return "auto";
+}
+
+int resolve_kind(Kind requested, const std::string& where, bool honour_env, Kind* out) {
+  Kind kind = requested;
+  // A malformed variable is an error, not silently "auto": a test that asked for a
+  // backend must not pass by running something else.
+  if (const char* e = env_value("FASTLOAD_ENGINE"); honour_env && e && kind == Kind::kAuto)
+    if (!parse_kind(e, &kind)) return -EINVAL;
+  if (kind == Kind::kAuto && !where.empty()) {
+    uint32_t magic = 0;
+    const FsKind* fs = fs_magic(where, &magic) == 0 ? find_fs(magic) : nullptr;
+    if (fs && fs->network) kind = Kind::kPread;
+  }
+  if (kind == Kind::kAuto) kind = uring_available() ? Kind::kUring : Kind::kPread;
+  *out = kind;
+  return 0;
+}
+
 bool uring_available() {
   // A function-local static is initialised once, thread-safely; the answer cannot
   // change during the life of the process (seccomp filters are never relaxed).
@@ -62,18 +88,17 @@ bool uring_available() {
 std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
   int dummy;
   if (!err) err = &dummy;
-  Kind kind = options.kind;
+  Kind kind = Kind::kAuto;
+  if (int r = resolve_kind(options.kind, options.where, options.honour_env, &kind); r != 0) {
+    *err = r;
+    return nullptr;
+  }
+  // Only a choice the rule made may fall back: an io_uring that was asked for and fails
+  // to start is an error, one the rule picked becomes the pool.
+  const bool may_fall_back = options.kind == Kind::kAuto;
   FaultSpec faults;
   bool inject = false;
   if (options.honour_env) {
-    // A malformed variable is an error, not silently "auto": a test that asked for
-    // faults or a backend must not pass by running something else.
-    if (const char* e = env_value("FASTLOAD_ENGINE"); e && kind == Kind::kAuto) {
-      if (!parse_kind(e, &kind)) {
-        *err = -EINVAL;
-        return nullptr;
-      }
-    }
     if (const char* f = env_value("FASTLOAD_FAULTS")) {
       if (!parse_fault_spec(f, &faults)) {
         *err = -EINVAL;
@@ -84,20 +109,11 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err) {
   }
 
   std::unique_ptr<Engine> engine;
-  switch (kind) {
-    case Kind::kUring:
-      engine = make_uring(options, err);
-      break;
-    case Kind::kPread:
-      engine = PreadPool::create(options.depth, options.threads, err);
-      break;
-    case Kind::kAuto:
-      // Any io_uring failure (ENOSYS, EPERM/EACCES from seccomp or
-      // kernel.io_uring_disabled, ENOMEM from memlock accounting...) means the pool.
-      if (uring_available()) engine = make_uring(options, err);
-      if (!engine) engine = PreadPool::create(options.depth, options.threads, err);
-      break;
-  }
+  if (kind == Kind::kUring) engine = make_uring(options, err);
+  // Any io_uring failure of a ring the rule chose (ENOMEM from memlock accounting when
+  // many rings are up, ...) means the pool.
+  if (!engine && (kind == Kind::kPread || may_fall_back))
+    engine = PreadPool::create(options.depth, options.threads, err);
   if (!engine) return nullptr;  // *err set by the backend
   // The wrapper goes outermost, so faults hit the caller exactly as the backend's own
   // completions would, whichever backend was chosen.

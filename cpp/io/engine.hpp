@@ -7,10 +7,9 @@
 //   io_uring  (uring.cpp): raw syscalls over <linux/io_uring.h>, no liburing.
 //   pread     (pread_pool.cpp): a pool of threads doing the blocking system calls.
 //
-// make_engine(kAuto) picks io_uring and falls back to the pool when the kernel or a
-// seccomp profile refuses io_uring_setup (ENOSYS, EPERM, ...). FASTLOAD_ENGINE=pread|uring
-// in the environment overrides kAuto. FASTLOAD_FAULTS (see faults.hpp) wraps the chosen
-// backend in a fault-injecting engine, for tests.
+// Which backend runs is decided in one place, resolve_kind() (issue 31): Python's
+// staging, `fastload probe` and every native job ask it. FASTLOAD_FAULTS (see faults.hpp)
+// wraps the chosen backend in a fault-injecting engine, for tests.
 #pragma once
 
 #include <fcntl.h>
@@ -92,6 +91,9 @@ enum class Kind { kAuto, kUring, kPread };
 
 struct EngineOptions {
   Kind kind = Kind::kAuto;
+  // A path whose file system the kAuto rule looks at (the source of a tree copy, the
+  // destination of an extraction); empty: none.
+  std::string where;
   unsigned depth = 64;    // operations in flight (ring size, or queue bound of the pool)
   unsigned threads = 16;  // pread backend: worker threads
   bool honour_env = true; // read FASTLOAD_ENGINE and FASTLOAD_FAULTS
@@ -103,6 +105,20 @@ std::unique_ptr<Engine> make_engine(const EngineOptions& options, int* err);
 
 // Parses "auto" | "uring" | "io_uring" | "pread". Returns false on anything else.
 bool parse_kind(const std::string& text, Kind* kind);
+
+// "auto", "uring" or "pread".
+const char* kind_name(Kind kind);
+
+// The one rule that turns a requested kind into the backend a job runs:
+//   - an explicit kUring or kPread is kept;
+//   - kAuto takes FASTLOAD_ENGINE when set (honour_env), else
+//   - kPread when `where` is on a network or FUSE file system (io_uring punts every open
+//     and uncached read there to its kernel workers anyway; the pool keeps as many
+//     requests in flight for less CPU: RESULTS.md, issue 24),
+//   - kPread when io_uring cannot be set up here,
+//   - else kUring.
+// Returns 0 with *out set (never kAuto), or -EINVAL when FASTLOAD_ENGINE is malformed.
+int resolve_kind(Kind requested, const std::string& where, bool honour_env, Kind* out);
 
 // True when io_uring_setup works here (cached after the first call).
 bool uring_available();

@@ -454,7 +454,28 @@ void factory_and_env(bool have_uring) {
   e = make_engine(o, &err);
   CHECK(!e);
   CHECK_EQ(err, -EINVAL);
+  Kind got = Kind::kAuto;
+  CHECK_EQ(resolve_kind(Kind::kAuto, "", true, &got), -EINVAL);
+  CHECK_EQ(resolve_kind(Kind::kPread, "", true, &got), 0);  // an explicit kind ignores it
+  CHECK(got == Kind::kPread);
   unsetenv("FASTLOAD_ENGINE");
+
+  // resolve_kind: the one rule. kAuto never comes out; a local path changes nothing.
+  const Kind plain = have_uring ? Kind::kUring : Kind::kPread;
+  CHECK_EQ(resolve_kind(Kind::kAuto, "", true, &got), 0);
+  CHECK(got == plain);
+  CHECK_EQ(resolve_kind(Kind::kAuto, "/", true, &got), 0);
+  CHECK(got == plain);
+  CHECK_EQ(resolve_kind(Kind::kAuto, "/no/such/path", true, &got), 0);  // cannot tell: plain
+  CHECK(got == plain);
+  setenv("FASTLOAD_ENGINE", "PREAD", 1);
+  CHECK_EQ(resolve_kind(Kind::kAuto, "/", true, &got), 0);
+  CHECK(got == Kind::kPread);
+  CHECK_EQ(resolve_kind(Kind::kAuto, "/", false, &got), 0);
+  CHECK(got == plain);
+  unsetenv("FASTLOAD_ENGINE");
+  CHECK(std::string(kind_name(Kind::kPread)) == "pread");
+  CHECK(std::string(kind_name(Kind::kUring)) == "uring");
 
   // FASTLOAD_FAULTS wraps; the wrapper keeps the backend's name.
   setenv("FASTLOAD_FAULTS", "eio=1,ops=read", 1);

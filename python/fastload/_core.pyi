@@ -11,6 +11,7 @@ from typing_extensions import Buffer
 _Path = Union[str, bytes, os.PathLike[str]]
 
 def uring_available() -> bool: ...
+def resolve_engine(engine: str, where: _Path | None = None) -> str: ...
 def syncfs(path: _Path) -> None: ...
 def pwrite_all(fd: int, data: Buffer, offset: int, path: _Path) -> None: ...
 def fs_type(path: _Path) -> int: ...
@@ -41,23 +42,44 @@ def walk(
 ) -> Tree: ...
 def stat_file(root: _Path, name: _Path) -> Tree: ...
 
-class CopyJob:
+class CopyFiles:
     def __init__(
         self,
-        src_root: _Path,
-        dst_root: _Path,
         src: Sequence[_Path],
         dst: Sequence[_Path] | None,
         size: Sequence[int],
         blocks: Sequence[int],
         mode: Sequence[int],
         mtime_ns: Sequence[int],
-        engine: str,
-        depth: int,
-        threads: int,
-        files_in_flight: int,
-        stripe_size: int,
-        big_buffers: int,
+    ) -> None: ...
+    def __len__(self) -> int: ...
+
+class CopyOptions:
+    def __init__(
+        self,
+        *,
+        engine: str = "auto",
+        engine_path: _Path | None = None,
+        depth: int = 64,
+        threads: int = 16,
+        files_in_flight: int = 64,
+        stripe_size: int = 4194304,
+        big_buffers: int = 16,
+        submitters: int = 0,
+    ) -> None: ...
+    engine: str
+    @property
+    def engine_path(self) -> str | None: ...
+    depth: int
+    threads: int
+    files_in_flight: int
+    stripe_size: int
+    big_buffers: int
+    submitters: int
+
+class CopyJob:
+    def __init__(
+        self, src_root: _Path, dst_root: _Path, files: CopyFiles, options: CopyOptions
     ) -> None: ...
     def start(self) -> None: ...
     def wait(self, timeout_ms: int) -> bool: ...
@@ -74,6 +96,8 @@ class CopyJob:
     def files_total(self) -> int: ...
     @property
     def engine(self) -> str: ...
+    @property
+    def submitters(self) -> int: ...
 
 def zstd_available() -> bool: ...
 def zstd_compress(data: Buffer, level: int, name: str) -> bytes: ...
@@ -82,25 +106,39 @@ def decompress_to(data: Buffer, compression: str, fd: int, limit: int, name: str
 class ReadBlock:
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
-class ExtractJob:
+class ExtractOptions:
     def __init__(
         self,
-        dst: _Path,
-        name: _Path,
-        compression: str,
-        nested: bool,
-        include: Sequence[str],
-        exclude: Sequence[str],
-        complete: dict[str, tuple[int, int]],
-        engine: str,
-        threads: int,
-        files_in_flight: int,
-        chunk_size: int,
+        *,
+        compression: str = "none",
+        nested: bool = False,
+        include: Sequence[str] = ...,
+        exclude: Sequence[str] = ...,
+        complete: dict[str, tuple[int, int]] = ...,
+        engine: str = "auto",
+        engine_path: _Path | None = None,
+        threads: int = 16,
+        files_in_flight: int = 64,
+        chunk_size: int = 4194304,
         adopt_existing: bool = False,
         read_block_size: int = 0,
         read_blocks: int = 0,
         direct_write_min: int = 65536,
     ) -> None: ...
+    @property
+    def compression(self) -> str: ...
+    engine: str
+    threads: int
+    nested: bool
+    files_in_flight: int
+    chunk_size: int
+    adopt_existing: bool
+    read_block_size: int
+    read_blocks: int
+    direct_write_min: int
+
+class ExtractJob:
+    def __init__(self, dst: _Path, name: _Path, options: ExtractOptions) -> None: ...
     def feed(self, data: Buffer) -> None: ...
     def lend(self, wait: bool) -> tuple[int, ReadBlock] | None: ...
     def feed_block(self, block: int, n: int) -> None: ...

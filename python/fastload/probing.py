@@ -7,7 +7,7 @@ throughput of one sequential stream; the rate of whole small requests (open, rea
 close; a ranged GET for an object store) at 1, 2, 4, ... 64 in flight, and the fewest in
 flight that reach nearly the best rate; whether io_uring is allowed in this process; the
 free space and file system type of the node-local destination. The plan (engine, files
-in flight, stripe size) comes from the staging code itself (``job_kwargs``,
+in flight, stripe size) comes from the staging code itself (``copy_options``,
 ``resolve_engine``), not from a copy of its rules.
 
 Each measurement is reported as it is made (``on_event``: a :class:`ProbeEvent`; the
@@ -51,8 +51,8 @@ from ._util import human
 from .env import current
 from .errors import stage_error
 from .sources import is_store_url, store_for
-from .staging.engine import network_fs
-from .staging.job import DEFAULT_STRIPE, job_kwargs
+from .staging.engine import network_fs, resolve_engine
+from .staging.job import DEFAULT_STRIPE, copy_options
 from .staging.remote import DEFAULT_OBJECTS_IN_FLIGHT
 
 SCHEMA_VERSION = 2  # 2: plan.reason
@@ -510,11 +510,11 @@ def probe(
         m = _probe_files(src, seconds, emit)
         kind = "network" if network_fs(src) else "local"
         fs = fs_name(src)
-        kw = job_kwargs("auto", None, DEFAULT_STRIPE, src if src.is_dir() else src.parent)
-        engine = kw["engine"]
-        if engine == "auto":
-            engine = "uring" if _core.uring_available() else "pread"
-        plan = Plan(engine, kw["files_in_flight"], kw["threads"], kw["stripe_size"])
+        where = src if src.is_dir() else src.parent
+        opts = copy_options("auto", None, DEFAULT_STRIPE, where)
+        # The rule stage() runs (FASTLOAD_ENGINE included), asked before any job runs.
+        engine = resolve_engine(opts.engine, where)
+        plan = Plan(engine, opts.files_in_flight, opts.threads, opts.stripe_size)
     steps: list[InFlightStep] = m["steps"]
     top = max(steps, key=lambda s: s.requests_per_s) if steps else None
     best = _best(steps)

@@ -121,8 +121,9 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
         pytest.skip(f"{engine} is not available here")
     out = tmp_path / "out"
     out.mkdir()
-    job = _core.ExtractJob(str(out), str(made.archive), "none", False, [], [], {}, engine,
-                           4, 8, 1 << 20, read_block_size=MiB, read_blocks=8)
+    options = _core.ExtractOptions(engine=engine, threads=4, files_in_flight=8,
+                                   chunk_size=1 << 20, read_block_size=MiB, read_blocks=8)
+    job = _core.ExtractJob(str(out), str(made.archive), options)
     blocks = -(-made.size // MiB)
     drop(made.archive)
     warm(made.archive, 8 * MiB, 8 * MiB)

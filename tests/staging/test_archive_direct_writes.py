@@ -172,9 +172,11 @@ def _run_job(archive: Path, out: Path, engine: str, *, compression: str = "none"
     """Extracts ``archive`` through the job's lent read blocks (64 KiB, so members span
     many of them), or feeds ``data`` (a compressed archive) as it is."""
     out.mkdir()
-    job = _core.ExtractJob(str(out), str(archive), compression, nested, [], [], {}, engine,
-                           4, 16, 1 << 20, read_block_size=64 << 10, read_blocks=16,
-                           direct_write_min=direct_write_min)
+    options = _core.ExtractOptions(compression=compression, nested=nested, engine=engine,
+                                   threads=4, files_in_flight=16, chunk_size=1 << 20,
+                                   read_block_size=64 << 10, read_blocks=16,
+                                   direct_write_min=direct_write_min)
+    job = _core.ExtractJob(str(out), str(archive), options)
     if data is not None:
         for i in range(0, len(data), 100_000):
             job.feed(data[i:i + 100_000])

@@ -144,8 +144,9 @@ def test_members_selected_by_globs_from_the_mapping(stage: Stage, made: Made, tm
 def _mapped_job(archive: Path, out: Path, engine: str, *, nested: bool = False,
                 direct_write_min: int = 8192) -> Any:
     out.mkdir()
-    job = _core.ExtractJob(str(out), str(archive), "none", nested, [], [], {}, engine, 4, 16,
-                           1 << 20, direct_write_min=direct_write_min)
+    options = _core.ExtractOptions(nested=nested, engine=engine, threads=4, files_in_flight=16,
+                                   chunk_size=1 << 20, direct_write_min=direct_write_min)
+    job = _core.ExtractJob(str(out), str(archive), options)
     fd = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
     try:
         job.map_source(fd, os.fstat(fd).st_size)
@@ -262,7 +263,8 @@ import faulthandler, mmap, os, sys
 faulthandler.enable()
 from fastload import _core
 archive, out, other = sys.argv[1:]
-job = _core.ExtractJob(out, archive, "none", False, [], [], {}, "pread", 2, 4, 1 << 20)
+options = _core.ExtractOptions(engine="pread", threads=2, files_in_flight=4, chunk_size=1 << 20)
+job = _core.ExtractJob(out, archive, options)
 fd = os.open(archive, os.O_RDONLY)
 job.map_source(fd, os.fstat(fd).st_size)  # installs the SIGBUS handler
 os.close(fd)

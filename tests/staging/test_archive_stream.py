@@ -303,10 +303,8 @@ def _job(dst: Path, name: Path, **kw: Any) -> Any:
     from fastload import _core
 
     dst.mkdir(parents=True, exist_ok=True)
-    return _core.ExtractJob(
-        str(dst), str(name), "none", kw.pop("nested", False), [], [], {},
-        kw.pop("engine", "auto"), 4, 8, 1 << 20, **kw,
-    )
+    options = _core.ExtractOptions(threads=4, files_in_flight=8, chunk_size=1 << 20, **kw)
+    return _core.ExtractJob(str(dst), str(name), options)
 
 
 def test_read_blocks_lend_release_and_outlive_the_job(tmp_path: Path) -> None:

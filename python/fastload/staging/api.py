@@ -27,7 +27,7 @@ from .archive import (
     suffix_kind,
 )
 from .destination import Destination, stage_into
-from .job import Patterns, Progress, job_kwargs, progress_callback, run_job
+from .job import Patterns, Progress, copy_options, progress_callback, run_job
 from .readers import LocalArchive
 from .remote import open_remote
 from .request import Source, StageRequest
@@ -87,8 +87,9 @@ def stage(
             output is not marked complete.
         include, exclude: glob patterns on paths relative to ``src`` (``*`` also matches
             ``/``; a pattern without ``/`` also matches the base name).
-        engine: ``"auto"`` (io_uring, else a pool of pread threads), ``"uring"`` or
-            ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
+        engine: ``"auto"`` (a pool of pread threads for a source on a network or FUSE
+            file system, else io_uring where it can be set up, else the pool), ``"uring"``
+            or ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
         progress: ``True`` for a progress bar, or ``cb(bytes_done, bytes_total,
             files_done, files_total)`` called a few times a second.
         workers: files in flight at once (default 64).
@@ -287,17 +288,15 @@ def verify(
             mismatched.append(p)
     total = sum(sizes)
     if names:
-        job = _core.CopyJob(
-            str(root),
-            "",
+        files = _core.CopyFiles(
             names,
             None,
             sizes,
             [(s + 511) // 512 for s in sizes],
             [0o644] * len(names),
             [0] * len(names),
-            **job_kwargs(engine, workers, stripe),
         )
+        job = _core.CopyJob(str(root), "", files, copy_options(engine, workers, stripe))
         on_progress, bar = progress_callback(progress, f"verify {dst_abs.name}", total, 0)
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:

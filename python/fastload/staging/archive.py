@@ -228,24 +228,25 @@ class _Extraction:
         can_seek = compression == "none" and hasher is None and not data.stream
         files_in_flight = max(1, req.workers or 64)
         journal = dest.journal
-        job = _core.ExtractJob(
-            str(dest.path),
-            data.name,
-            "none" if pydecomp else compression,
-            req.nested,
-            list(req.include),
-            list(req.exclude),
-            {p: (r.size, r.mtime_ns) for p, r in self.done.items()},
+        resolve_engine(req.engine)  # a malformed FASTLOAD_ENGINE: a ValueError naming it
+        options = _core.ExtractOptions(
+            compression="none" if pydecomp else compression,
+            nested=req.nested,
+            include=list(req.include),
+            exclude=list(req.exclude),
+            complete={p: (r.size, r.mtime_ns) for p, r in self.done.items()},
             # The engine only writes the members (a prefetching thread reads the archive):
-            # chosen for the destination, so an archive on NFS or Lustre is still written
-            # through io_uring.
-            resolve_engine(req.engine, dest.path),
-            min(64, max(4, files_in_flight // 2)),
-            files_in_flight,
-            req.stripe,
-            journal.found and journal.same_boot,
+            # its rule looks at the destination, so an archive on NFS or Lustre is still
+            # written through io_uring.
+            engine=req.engine,
+            engine_path=dest.path,
+            threads=min(64, max(4, files_in_flight // 2)),
+            files_in_flight=files_in_flight,
+            chunk_size=req.stripe,
+            adopt_existing=journal.found and journal.same_boot,
             direct_write_min=data.direct_write_min(dest.path),
         )
+        job = _core.ExtractJob(str(dest.path), data.name, options)
         reader = data.reader(job, hasher, can_seek)
         try:
             self._feed(job, reader, pydecomp, can_seek, flusher)

@@ -1,4 +1,11 @@
-"""Choosing the I/O backend for a source."""
+"""The I/O backend a job runs, and the file systems under a path.
+
+The rule that turns ``engine="auto"`` into a backend is the native one
+(``io::resolve_kind``, cpp/io/engine.hpp): ``FASTLOAD_ENGINE``, the file system under
+the path the job names (a network or FUSE one means the pool of pread threads), whether
+io_uring can be set up here. Native jobs apply it themselves; ``resolve_engine`` asks it
+for a report (``fastload probe``) before any job runs.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,7 @@ from pathlib import Path
 from .. import _core
 
 # statfs(2) magic numbers of network and FUSE file systems (the native table,
-# cpp/io/fs.cpp). There io_uring punts every open and uncached read to its kernel
-# workers anyway, and a pool of blocking threads keeps more requests in flight for less
-# CPU (measured through netsim: see RESULTS.md).
+# cpp/io/fs.cpp).
 _NETWORK_FS = frozenset(
     magic for magic, (_, network) in _core.file_systems().items() if network
 )
@@ -24,9 +29,8 @@ def network_fs(path: Path | str) -> bool | None:
         return None
 
 
-def resolve_engine(engine: str, src: Path | None) -> str:
-    """``"auto"`` becomes ``"pread"`` for a path on a network file system (the source of a
-    tree copy, whose reads go through the engine)."""
-    if engine != "auto" or os.environ.get("FASTLOAD_ENGINE") or src is None:
-        return engine
-    return "pread" if network_fs(src) else engine
+def resolve_engine(engine: str, where: Path | str | None = None) -> str:
+    """The backend (``"uring"`` or ``"pread"``) a job asking for ``engine`` runs when
+    its rule looks at ``where`` (a tree copy's source, an extraction's destination).
+    A malformed ``FASTLOAD_ENGINE`` raises ValueError naming it."""
+    return _core.resolve_engine(engine, None if where is None else os.fspath(where))

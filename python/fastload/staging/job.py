@@ -111,36 +111,38 @@ def run_job(
     report()
 
 
-def job_kwargs(
+def copy_options(
     engine: str, workers: int | None, stripe_size: int, src: Path | None = None
-) -> dict[str, Any]:
+) -> _core.CopyOptions:
+    """A CopyJob's options: ``workers`` files in flight (default 64), the engine's rule
+    looking at ``src`` (the source of a tree copy)."""
+    resolve_engine(engine)  # a malformed FASTLOAD_ENGINE: a ValueError naming it, up front
     files_in_flight = max(1, workers or DEFAULT_FILES_IN_FLIGHT)
     big = DEFAULT_BIG_BUFFERS
-    return {
-        "engine": resolve_engine(engine, src),
-        "depth": 2 * files_in_flight + big + 8,
-        "threads": min(max(4, files_in_flight // 2), 64),
-        "files_in_flight": files_in_flight,
-        "stripe_size": stripe_size,
-        "big_buffers": big,
-    }
+    return _core.CopyOptions(
+        engine=engine,
+        engine_path=src,
+        depth=2 * files_in_flight + big + 8,
+        threads=min(max(4, files_in_flight // 2), 64),
+        files_in_flight=files_in_flight,
+        stripe_size=stripe_size,
+        big_buffers=big,
+    )
 
 
 def digest_local(
     root: Path, entries: list[tuple[Any, ...]], engine: str, workers: int | None, stripe: int
 ) -> Records:
     """Reads files already in the destination and returns their journal records."""
-    job = _core.CopyJob(
-        str(root),
-        "",
+    files = _core.CopyFiles(
         [e[0] for e in entries],
         None,
         [e[2] for e in entries],
         [e[3] for e in entries],
         [e[4] for e in entries],
         [e[5] for e in entries],
-        **job_kwargs(engine, workers, stripe),
     )
+    job = _core.CopyJob(str(root), "", files, copy_options(engine, workers, stripe))
     out: Records = {}
 
     def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:

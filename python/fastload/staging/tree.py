@@ -29,8 +29,8 @@ from .job import (
     FILE,
     LINK,
     ProgressCallback,
+    copy_options,
     digest_local,
-    job_kwargs,
     progress_callback,
     run_job,
 )
@@ -265,13 +265,15 @@ class LocalTree:
         job = _core.CopyJob(
             str(root),
             str(dest.root),
-            [self.src.name] if self.single else [files[i].path for i in todo],
-            [files[i].path for i in todo],
-            [files[i].size for i in todo],
-            [files[i].blocks for i in todo],
-            [files[i].mode for i in todo],
-            [files[i].mtime_ns for i in todo],
-            **job_kwargs(req.engine, req.workers, req.stripe, root),
+            _core.CopyFiles(
+                [self.src.name] if self.single else [files[i].path for i in todo],
+                [files[i].path for i in todo],
+                [files[i].size for i in todo],
+                [files[i].blocks for i in todo],
+                [files[i].mode for i in todo],
+                [files[i].mtime_ns for i in todo],
+            ),
+            copy_options(req.engine, req.workers, req.stripe, root),
         )
         job.start()
         run_job(

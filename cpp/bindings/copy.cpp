@@ -176,7 +176,12 @@ void register_copy(py::module_& m) {
       .def_property_readonly("bytes_total", &copy::CopyJob::bytes_total)
       .def_property_readonly("files_total", &copy::CopyJob::files_total)
       .def_property_readonly("engine", &copy::CopyJob::engine_name)
-      .def_property_readonly("submitters", &copy::CopyJob::submitters);
+      .def_property_readonly("submitters", &copy::CopyJob::submitters)
+      .def_property_readonly("read_seconds", [](const copy::CopyJob& j) { return j.busy_seconds(0); })
+      .def_property_readonly("write_seconds",
+                             [](const copy::CopyJob& j) { return j.busy_seconds(1); })
+      .def_property_readonly("meta_seconds",
+                             [](const copy::CopyJob& j) { return j.busy_seconds(2); });
 }
 
 }  // namespace fastload::bindings

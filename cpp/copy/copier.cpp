@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -120,6 +121,8 @@ class Runner {
       }
       for (int i = 0; i < n; ++i) complete(cq[size_t(i)]);
     }
+    for (int k = 0; k < kBusyKinds; ++k)
+      job_.busy_ns_[k].fetch_add(busy_ns_[k], std::memory_order_relaxed);
     if (error_) {
       cleanup_after_error();
       throw *error_;
@@ -283,6 +286,22 @@ class Runner {
       return;
     }
     ++files_[slot].ops;
+    busy_begin(busy_kind(Kind(user_data & 15)));
+  }
+
+  // ---- where the time goes: the time each kind of operation had one in flight -------
+
+  static int busy_kind(Kind k) { return k == kRead ? 0 : k == kWrite ? 1 : 2; }
+  static uint64_t now_ns() {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch())
+                        .count());
+  }
+  void busy_begin(int k) {
+    if (busy_open_[k]++ == 0) busy_since_[k] = now_ns();
+  }
+  void busy_end(int k) {
+    if (busy_open_[k] > 0 && --busy_open_[k] == 0) busy_ns_[k] += now_ns() - busy_since_[k];
   }
 
   // ---- completions -------------------------------------------------------------------
@@ -294,6 +313,7 @@ class Runner {
     uint32_t b = uint32_t((c.user_data >> 5) & ((1u << 27) - 1));
     FileState& f = files_[slot];
     --f.ops;
+    busy_end(busy_kind(kind));
     int64_t res = c.res;
     bool retry = res == -EINTR || res == -EAGAIN;
     switch (kind) {
@@ -569,6 +589,9 @@ class Runner {
     }
   }
 
+  uint32_t busy_open_[kBusyKinds] = {};
+  uint64_t busy_since_[kBusyKinds] = {};
+  uint64_t busy_ns_[kBusyKinds] = {};
   CopyJob& job_;
   const CopyOptions opt_;
   const std::vector<FileTask>& tasks_;

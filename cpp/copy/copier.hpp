@@ -62,6 +62,9 @@ struct FileDone {
   std::vector<uint64_t> digests; // one per stripe_size chunk (one for an empty file)
 };
 
+// Kinds of operation whose busy time a job counts: reads, writes, metadata (open, close).
+inline constexpr int kBusyKinds = 3;
+
 // Submitters of a job whose options leave them at 0: one per core, at most 8.
 unsigned default_submitters();
 
@@ -94,6 +97,11 @@ class CopyJob {
   uint64_t bytes_total() const { return bytes_total_; }
   uint64_t files_total() const { return tasks_.size(); }
   std::string engine_name() const;
+  // Seconds during which at least one operation of kind k (0 reads, 1 writes, 2 opens
+  // and closes) was in flight, summed over the submitters: where a copy waits.
+  double busy_seconds(int k) const {
+    return double(busy_ns_[k].load(std::memory_order_relaxed)) * 1e-9;
+  }
   // Submitters the job runs (known once started).
   unsigned submitters() const {
     std::lock_guard lk(mu_);
@@ -112,6 +120,7 @@ class CopyJob {
   std::atomic<uint64_t> files_done_{0};
   std::atomic<size_t> next_task_{0};  // the next task a submitter claims
   std::atomic<bool> halt_{false};     // a submitter failed: the others stop
+  std::atomic<uint64_t> busy_ns_[kBusyKinds] = {};
   unsigned submitters_ = 0;
 
   mutable std::mutex mu_;

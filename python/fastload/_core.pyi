@@ -98,6 +98,15 @@ class CopyJob:
     def engine(self) -> str: ...
     @property
     def submitters(self) -> int: ...
+    @property
+    def read_seconds(self) -> float:
+        """Seconds with at least one read in flight, summed over the submitters."""
+    @property
+    def write_seconds(self) -> float:
+        """Seconds with at least one write in flight, summed over the submitters."""
+    @property
+    def meta_seconds(self) -> float:
+        """Seconds with at least one open or close in flight, summed over the submitters."""
 
 def zstd_available() -> bool: ...
 def zstd_compress(data: Buffer, level: int, name: str) -> bytes: ...

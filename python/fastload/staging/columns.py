@@ -511,7 +511,7 @@ class Done(Mapping[str, Record]):
         kept = self.base.take(
             sorted(b for k, b in zip(self._at, self.base_rows, strict=True) if k < 0 and b >= 0)
         )
-        places = [k for k in self._at if k >= 0]  # this stage's, in the listing's order
+        places = array("q", (k for k in self._at if k >= 0))  # in the listing's order
         files = self.files
         paths, off = _gather(files.paths, files.offsets, (self._row[k] for k in places))
         dig, doff = _gather(self._dig, self._dend, places)

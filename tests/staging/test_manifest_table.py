@@ -160,6 +160,28 @@ def test_verify_reads_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert res.mismatched == sorted([names[0], names[-1]]) and res.missing == [names[40]]
 
 
+def test_a_tree_is_copied_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More files than one copy job takes: every batch copied and journalled, progress
+    counted across batches, one manifest at the end; a changed file alone re-copied."""
+    from fastload.staging.tree import LocalTree
+
+    monkeypatch.setattr(LocalTree, "batch", 7)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    trees.build_small_files(src, 50, per_dir=10)
+    seen: list[tuple[int, int, int, int]] = []
+    r = fastload.stage(src, dst, progress=lambda *a: seen.append(a))
+    assert r.copied_files == 50 and r.files == 50
+    total = sum(trees.regular_files(src).values())
+    assert seen[-1] == (total, total, 50, 50)
+    assert [s[2] for s in seen] == sorted(s[2] for s in seen)  # files done never go back
+    trees.assert_same_tree(src, dst)
+    victim = sorted(trees.regular_files(src))[33]
+    (src / victim).write_bytes(b"new")
+    assert fastload.stage(src, dst).copied_files == 1
+    assert fastload.verify(dst).ok
+    trees.assert_same_tree(src, dst)
+
+
 def test_columns_cost_few_bytes_per_file() -> None:
     """A listing, the stage's done set and the manifest's table of 100,000 files stay
     within a fixed number of bytes per file (Python objects per file would be ~10x)."""

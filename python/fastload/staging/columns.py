@@ -436,11 +436,21 @@ class Done(Mapping[str, Record]):
         self._row, self._size, self._mtime = array("q"), array("q"), array("q")
         self._mode, self._dig, self._dend = array("I"), bytearray(), array("q", [0])
         self._rows: dict[str, int] | None = None
+        bsize = self.base.size
+        held = [r for r in self.base_rows if r >= 0]
+        self._count, self._bytes = len(held), sum(bsize[r] for r in held)  # kept up by set()
 
     def set(self, i: int, rec: Record | tuple[int, int, int, Any]) -> None:
         """Row ``i`` is complete with record ``rec`` (digests as hex or bytes); set again,
         the last record wins."""
-        d = rec[3]
+        d, k, b = rec[3], self._at[i], self.base_rows[i]
+        if k >= 0:
+            self._bytes -= self._size[k]
+        elif b >= 0:
+            self._bytes -= self.base.size[b]
+        else:
+            self._count += 1
+        self._bytes += rec[0]
         self._at[i] = len(self._row)
         self._row.append(i)
         self._size.append(rec[0])
@@ -466,7 +476,7 @@ class Done(Mapping[str, Record]):
         return list(compress(range(len(self.files)), self.mask()))
 
     def __len__(self) -> int:
-        return sum(self.mask())
+        return self._count
 
     def is_done(self, i: int) -> bool:
         return self._at[i] >= 0 or self.base_rows[i] >= 0
@@ -501,9 +511,7 @@ class Done(Mapping[str, Record]):
 
     @property
     def total_bytes(self) -> int:
-        base, size = self.base.size, self._size
-        return sum(size[k] if k >= 0 else base[b] if b >= 0 else 0
-                   for k, b in zip(self._at, self.base_rows, strict=True))  # fmt: skip
+        return int(self._bytes)
 
     def table(self) -> FileTable:
         """The complete files as a table: the earlier table's rows kept, this stage's

@@ -169,9 +169,15 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
     )
     flusher = dest.begin(done)
     try:
-        engine, copied_files, copied_bytes = source.transfer(
-            req, dest, plan, done, flusher, on_progress
-        )
+        engine, copied_files, copied_bytes = "none", 0, 0
+        # A source with a ``batch`` transfers that many files at a time: what the copier
+        # holds per file (and the lists it is made from) stays bounded on huge trees.
+        step = getattr(source, "batch", 0) or max(1, len(plan.todo))
+        for k in range(0, max(1, len(plan.todo)), step):
+            part = dataclasses.replace(plan, todo=plan.todo[k : k + step])
+            used, files, nbytes = source.transfer(req, dest, part, done, flusher, on_progress)
+            engine = used if used != "none" else engine
+            copied_files, copied_bytes = copied_files + files, copied_bytes + nbytes
         flusher.close()
         source.finish(plan, dest)
     finally:
@@ -193,6 +199,8 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
 
 class LocalTree:
     """A directory, or one file (``single``), on a file system (:class:`Source`)."""
+
+    batch = 65536  # files per copy job (run_plan)
 
     def __init__(self, src: Path, req: StageRequest, *, single: bool) -> None:
         self.src = src  # absolute, symbolic links resolved

@@ -135,10 +135,18 @@ def plan_against(
     return TreePlan(listing, files, fingerprint, False, Done(files, known, rows), todo)
 
 
+def _raw(col: Any) -> bytes:
+    return memoryview(col).cast("B").tobytes()
+
+
 def _rows_in(table: FileTable, files: Listing) -> array[int]:
     """Each file's row in ``table``, or -1."""
     if not len(table):
         return array("q", [-1]) * len(files)
+    if len(table) == len(files) and _raw(table.offsets) == _raw(files.offsets) and _raw(
+        table.paths
+    ) == _raw(files.paths):
+        return array("q", range(len(files)))  # the same paths (an unchanged tree's)
     if files.is_sorted():
         return table.matches(files.path_bytes())
     return array("q", (table.find(p) for p in files.path_bytes()))

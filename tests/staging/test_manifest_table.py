@@ -160,6 +160,24 @@ def test_verify_reads_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert res.mismatched == sorted([names[0], names[-1]]) and res.missing == [names[40]]
 
 
+def test_a_listing_is_converted_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload.staging import columns
+
+    monkeypatch.setattr(columns, "_SLICE", 4)
+    raw = [(f"p{i:03d}", i % 3, i, 1, 0o644, 10 + i, f"t{i}") for i in range(11)]
+    kept = Listing.of(raw)
+    assert len(raw) == 11  # not consumed unless asked
+    eaten = Listing.of(list(raw), consume=True)
+    for listing in (kept, eaten):
+        assert [tuple(e) for e in listing] == [
+            (p, k, s, b, m, t, tgt if k == 2 else "") for p, k, s, b, m, t, tgt in raw
+        ]
+        assert listing.targets == {i: f"t{i}" for i in range(11) if i % 3 == 2}
+    consumed = list(raw)
+    Listing.of(consumed, consume=True)
+    assert consumed == []
+
+
 def test_a_tree_is_copied_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """More files than one copy job takes: every batch copied and journalled, progress
     counted across batches, one manifest at the end; a changed file alone re-copied."""

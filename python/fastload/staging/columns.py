@@ -114,16 +114,25 @@ class Listing(Sequence[Entry]):
         self.targets = targets  # row -> a link's target
 
     @classmethod
-    def of(cls, entries: Iterable[tuple[Any, ...]]) -> Listing:
+    def of(cls, entries: Iterable[tuple[Any, ...]], *, consume: bool = False) -> Listing:
         """From entries (``Entry`` or the native walk's tuples), in their order; taken a
-        slice at a time, column by column (C loops, no Python loop per entry)."""
+        slice at a time, column by column (C loops, no Python loop per entry). With
+        ``consume``, a list given is emptied as it is converted, so its tuples are freed
+        while the columns grow."""
         kind, size, blocks = array("B"), array("q"), array("q")
         mode, mtime, ends = array("I"), array("q"), array("q", [0])
         blob = bytearray()
         targets: dict[int, str] = {}
         rows = entries if isinstance(entries, list) else list(entries)
-        for k in range(0, len(rows), _SLICE):
-            cols = list(zip(*rows[k : k + _SLICE], strict=True))
+        start = 0
+        while rows:
+            k = start
+            cols = list(zip(*rows[:_SLICE], strict=True))
+            if consume or rows is not entries:
+                del rows[:_SLICE]
+            else:
+                rows = rows[_SLICE:]
+            start += len(cols[0])
             paths = [p.encode("utf-8", "surrogateescape") for p in cols[0]]
             ends.extend(islice(accumulate(map(len, paths), initial=len(blob)), 1, None))
             blob += b"".join(paths)

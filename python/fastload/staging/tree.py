@@ -227,8 +227,9 @@ class LocalTree:
         tree = _core.walk(
             str(self.src), list(req.include), list(req.exclude), req.on_special == "skip", threads
         )
-        entries = Listing.of(tree.entries())
-        del tree
+        raw = tree.entries()
+        del tree  # the native listing, before the columns are made
+        entries = Listing.of(raw, consume=True)
         if req.include:
             # With include patterns, keep only the directories leading to something taken.
             keep: set[str] = set()

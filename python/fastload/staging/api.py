@@ -26,8 +26,9 @@ from .archive import (
     not_an_archive,
     suffix_kind,
 )
+from .columns import FileTable
 from .destination import Destination, stage_into
-from .job import Patterns, Progress, copy_options, progress_callback, run_job
+from .job import Patterns, Progress, ProgressCallback, copy_options, progress_callback, run_job
 from .readers import LocalArchive
 from .remote import open_remote
 from .request import Source, StageRequest
@@ -263,63 +264,36 @@ def verify(
         )
     root = dst_abs.parent if manifest["kind"] == "file" else dst_abs
     stripe = int(manifest["chunk_size"])
+    files: FileTable = manifest["files"]
     mismatched: list[str] = []
     missing: list[str] = []
-    names: list[str] = []
-    expected: list[str] = []
-    sizes: list[int] = []
-    for p, (size, _mtime, _mode, digests) in manifest["files"].items():
-        try:
-            st = os.lstat(root / p)
-        except FileNotFoundError:
-            missing.append(p)
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            mismatched.append(p)
-            continue
-        names.append(p)
-        expected.append(digests)
-        sizes.append(size)
     for p, target in manifest.get("symlinks", {}).items():
         link = root / p
         if not os.path.lexists(link):
             missing.append(p)
         elif not os.path.islink(link) or os.readlink(link) != target:
             mismatched.append(p)
-    total = sum(sizes)
-    if names:
-        files = _core.CopyFiles(
-            names,
-            None,
-            sizes,
-            [(s + 511) // 512 for s in sizes],
-            [0o644] * len(names),
-            [0] * len(names),
-        )
-        job = _core.CopyJob(str(root), "", files, copy_options(engine, workers, stripe))
-        on_progress, bar = progress_callback(progress, f"verify {dst_abs.name}", total, 0)
+    total = files.total_bytes
+    on_progress, bar = progress_callback(progress, f"verify {dst_abs.name}", total, 0)
+    base = [0, 0]  # bytes and files read by the batches before
 
-        def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
-            for idx, digests in batch:
-                if digests.hex() != expected[idx]:
-                    mismatched.append(names[idx])
+    def batch_progress(bytes_done: int, _bt: int, files_done: int, _ft: int) -> None:
+        if on_progress is not None:
+            on_progress(base[0] + bytes_done, total, base[1] + files_done, len(files))
 
-        job.start()
-        try:
-            run_job(
-                job,
-                on_progress=on_progress,
-                base_bytes=0,
-                base_files=0,
-                total_bytes=total,
-                total_files=len(names),
-                on_done=on_done,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
+    try:
+        # A batch of files at a time: memory stays bounded whatever the tree's size.
+        for start in range(0, len(files), VERIFY_BATCH):
+            rows = range(start, min(len(files), start + VERIFY_BATCH))
+            read = _verify_batch(root, files, rows, (mismatched, missing),
+                                 copy_options(engine, workers, stripe), batch_progress)  # fmt: skip
+            base[0] += read[0]
+            base[1] += read[1]
+    finally:
+        if bar is not None:
+            bar.close()
     result = VerifyResult(
-        dst_abs, len(manifest["files"]), int(manifest["bytes"]), sorted(mismatched), sorted(missing)
+        dst_abs, len(files), int(manifest["bytes"]), sorted(mismatched), sorted(missing)
     )
     if not result.ok:
         # The next stage() re-copies exactly these (it would otherwise find the source
@@ -327,3 +301,54 @@ def verify(
         mark_damaged(dst_abs, manifest, result.mismatched + result.missing)
     return result
 
+
+
+VERIFY_BATCH = 65536  # files per read-back job of verify()
+
+
+def _verify_batch(
+    root: Path,
+    files: FileTable,
+    rows: range,
+    found: tuple[list[str], list[str]],
+    options: _core.CopyOptions,
+    on_progress: ProgressCallback,
+) -> tuple[int, int]:
+    """Reads back the files of ``rows``; adds the paths that differ and those missing to
+    ``found``; returns the bytes and files read."""
+    mismatched, missing = found
+    prefix = os.fsencode(root) + b"/"
+    names: list[bytes] = []
+    at: list[int] = []
+    sizes: list[int] = []
+    for i in rows:
+        rel = bytes(files.paths[files.offsets[i] : files.offsets[i + 1]])
+        size = files.size[i]
+        try:
+            st = os.lstat(prefix + rel)
+        except FileNotFoundError:
+            missing.append(os.fsdecode(rel))
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            mismatched.append(os.fsdecode(rel))
+            continue
+        names.append(rel)
+        at.append(i)
+        sizes.append(size)
+    if not names:
+        return 0, 0
+    listed = _core.CopyFiles(
+        names, None, sizes, [(s + 511) // 512 for s in sizes], [0o644] * len(names),
+        [0] * len(names),
+    )  # fmt: skip
+    job = _core.CopyJob(str(root), "", listed, options)
+
+    def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
+        for idx, digests in batch:
+            if digests != files.digest(at[idx]):
+                mismatched.append(os.fsdecode(names[idx]))
+
+    job.start()
+    run_job(job, on_progress=on_progress, base_bytes=0, base_files=0, total_bytes=0,
+            total_files=0, on_done=on_done)  # fmt: skip
+    return sum(sizes), len(names)

@@ -11,12 +11,13 @@ import dataclasses
 import os
 import resource
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _core
-from .._util import node_lock, write_json_atomic
+from .._util import node_lock
+from .columns import Done, Entry, FileTable, Listing, Record
 from .job import JOURNAL_EVERY, Bar, prove, say_waiting
 from .request import StageRequest
 from .result import StageResult, StageStats
@@ -28,6 +29,7 @@ from .state import (
     boot_id,
     check_space,
     known_records,
+    known_table,
     make_durable,
     previous_stage,
     quick_same,
@@ -35,24 +37,16 @@ from .state import (
     reread,
     state_dir,
     trusted,
+    write_manifest,
 )
 
-
-class Entry(NamedTuple):
-    """One entry of a source's listing (the native walk's tuple, named)."""
-
-    path: str
-    kind: int  # job.FILE, DIR or LINK
-    size: int
-    blocks: int
-    mode: int
-    mtime_ns: int
-    target: str  # a symbolic link's
+__all__ = ["Destination", "Entry", "Manifest", "recorded_kind", "run_locked", "stage_into"]
 
 
 @dataclasses.dataclass
 class Manifest:
-    """What a complete stage writes beside its destination, last (``manifest.json``)."""
+    """What a complete stage writes beside its destination, last: ``manifest.json``, a
+    header, and the files' table it names (columns.FileTable)."""
 
     source: str
     options: dict[str, Any]
@@ -61,17 +55,27 @@ class Manifest:
     chunk_size: int
     durable: bool
     engine: str
-    files: Records
+    files: Mapping[str, Record]  # a dict of records, a FileTable, or a stage's Done
     symlinks: dict[str, str] = dataclasses.field(default_factory=dict)
     dirs: list[str] = dataclasses.field(default_factory=list)
     archive: dict[str, Any] | None = None
     objects: dict[str, str] | None = None
 
+    def __post_init__(self) -> None:
+        files = self.files
+        self.files = files.table() if isinstance(files, Done) else FileTable.of(files)
+
+    @property
+    def table(self) -> FileTable:
+        assert isinstance(self.files, FileTable)
+        return self.files
+
     @property
     def bytes(self) -> int:
-        return sum(r[0] for r in self.files.values())
+        return self.table.total_bytes
 
     def to_json(self) -> dict[str, Any]:
+        """The header (the files are in :attr:`table`)."""
         out: dict[str, Any] = {
             "version": MANIFEST_VERSION,
             "complete": True,
@@ -91,7 +95,6 @@ class Manifest:
             bytes=self.bytes,
             engine=self.engine,
             created=time.time(),
-            files={p: list(self.files[p]) for p in sorted(self.files)},
         )
         if self.objects is not None:
             out["objects"] = self.objects
@@ -170,6 +173,11 @@ class Destination:
         found = known_records(self.journal, self.old, self.req.stripe, self.prove)
         return {p: r for p, r in found.items() if quick_same(self.root / p, r.size, r.mtime_ns)}
 
+    def known_table(self) -> FileTable:
+        """:meth:`known` as a table, the files not yet checked in place (the caller
+        checks those it plans to take)."""
+        return known_table(self.journal, self.old, self.req.stripe, self.prove)
+
     def skipped(self, files: int, nbytes: int) -> StageResult:
         """The result of a stage that had nothing to do (flushed now with ``sync``)."""
         assert self.old is not None
@@ -181,18 +189,29 @@ class Destination:
     def check_space(self, needed: int) -> None:
         check_space(self.path.parent, needed, self.path)
 
-    def drop_stale(self, wanted: Iterable[str]) -> None:
+    def drop_stale(self, wanted: Listing | Iterable[str]) -> None:
         """Removes the files an earlier complete stage put here that the source no longer
-        has."""
+        has (``wanted``: the source's listing, or its paths)."""
         if self.old is None or not self.old.get("complete") or self.single:
             return
-        keep = set(wanted)
-        for p in self.old.get("files", {}):
-            if p not in keep:
+        old: FileTable = self.old["files"]
+        if isinstance(wanted, Listing) and wanted.is_sorted():
+            stale = bytearray(b"\1") * len(old)
+            for r in old.matches(wanted.path_bytes()):
+                if r >= 0:
+                    stale[r] = 0
+        else:
+            if isinstance(wanted, Listing):
+                wanted = map(os.fsdecode, wanted.path_bytes())
+            keep = set(wanted)
+            stale = bytearray(p not in keep for p in old)
+        root = os.fsencode(self.root) + b"/"
+        for i, path in enumerate(old.path_bytes()):
+            if stale[i]:
                 with contextlib.suppress(OSError):
-                    (self.root / p).unlink()
+                    os.unlink(root + path)
 
-    def begin(self, done: Records) -> JournalFlusher:
+    def begin(self, done: Mapping[str, Record]) -> JournalFlusher:
         """Starts this run's journal holding ``done``; finished files go to the flusher
         returned (closed by the caller)."""
         self.journal.open(done)
@@ -203,7 +222,7 @@ class Destination:
         journal."""
         if self.req.sync:
             _core.syncfs(str(self.root))
-        write_json_atomic(state_dir(self.path) / "manifest.json", manifest.to_json())
+        write_manifest(self.path, manifest.to_json(), manifest.table)
         self.journal.remove()
 
     def remove_if_empty(self) -> None:
@@ -234,7 +253,7 @@ def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResu
     req = dest.req
     if not req.check_source and dest.holds(source.name, source.options):
         assert dest.old is not None
-        return dest.skipped(dest.old["files_count"], dest.old["bytes"])
+        return dest.skipped(int(dest.old["files_count"]), int(dest.old["bytes"]))
     result: StageResult = source.run(req, dest, listing)
     return result
 

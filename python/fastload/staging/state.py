@@ -14,16 +14,21 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from .. import _core
 from .._util import check_space as _check_space
 from .._util import node_lock, write_json_atomic
 from ..errors import StageError, stage_error
+from .columns import FileTable
+from .columns import Record as Record  # re-exported: the journal's and manifest's records
+from .columns import Records as Records
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # manifest.json a header, the files in a table beside it (issue 38)
+READABLE_VERSIONS = (1, 2)  # 1: every file's record in manifest.json itself
 
 
 def state_dir(dst: Path) -> Path:
@@ -31,17 +36,52 @@ def state_dir(dst: Path) -> Path:
 
 
 def read_manifest(dst: Path) -> dict[str, Any] | None:
-    path = state_dir(dst) / "manifest.json"
+    """The manifest's header with its files (``"files"``: a :class:`FileTable`, mapped
+    from the table file it names; a version 1 manifest's are converted), or None where
+    there is none, or it is torn or of an unknown version."""
+    d = state_dir(dst)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(d / "manifest.json", encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return None  # unreadable or torn: treated as absent, the stage redoes what it must
-    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         return None
-    return data
+    try:
+        if data["version"] == 1:
+            files = FileTable.of_rows((p, *r) for p, r in data.get("files", {}).items())
+        else:
+            files = FileTable.read(d / str(data["table"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**data, "files": files}
+
+
+def write_manifest(dst: Path, header: dict[str, Any], files: FileTable) -> None:
+    """Writes the file table under a new name, then the header naming it (both fsynced and
+    renamed into place), then drops older tables: a crash leaves one whole pair."""
+    d = state_dir(dst)
+    d.mkdir(exist_ok=True)
+    name = f"files-{os.getpid()}-{time.time_ns()}.bin"
+    files.write(d / name)
+    head = {k: v for k, v in header.items() if k != "files"}
+    write_json_atomic(d / "manifest.json", {**head, "version": MANIFEST_VERSION, "table": name})
+    for old in d.glob("files-*.bin"):
+        if old.name != name:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def write_header(dst: Path, manifest: dict[str, Any]) -> None:
+    """Rewrites the header of a manifest read by :func:`read_manifest` (its table kept;
+    a version 1 manifest's files are written into a table first)."""
+    if manifest.get("version") != MANIFEST_VERSION or "table" not in manifest:
+        write_manifest(dst, manifest, manifest["files"])
+        return
+    head = {k: v for k, v in manifest.items() if k != "files"}
+    write_json_atomic(state_dir(dst) / "manifest.json", head)
 
 
 def previous_stage(dst: Path) -> dict[str, Any] | None:
@@ -51,9 +91,7 @@ def previous_stage(dst: Path) -> dict[str, Any] | None:
     m = read_manifest(dst)
     if m is None or not m.get("damaged"):
         return m
-    bad = set(m["damaged"])
-    files = {p: r for p, r in m.get("files", {}).items() if p not in bad}
-    return {**m, "files": files, "fingerprint": None}
+    return {**m, "files": m["files"].without(m["damaged"]), "fingerprint": None}
 
 
 def mark_damaged(dst: Path, manifest: dict[str, Any], paths: list[str]) -> bool:
@@ -65,9 +103,7 @@ def mark_damaged(dst: Path, manifest: dict[str, Any], paths: list[str]) -> bool:
             current = read_manifest(dst)
             if current is None or current.get("created") != manifest.get("created"):
                 return False
-            write_json_atomic(
-                state_dir(dst) / "manifest.json", {**current, "damaged": sorted(set(paths))}
-            )
+            write_header(dst, {**current, "damaged": sorted(set(paths))})
     except OSError:
         return False
     return True
@@ -94,18 +130,6 @@ def trusted(record: dict[str, Any]) -> bool:
     return bool(record.get("boot_id")) and record.get("boot_id") == boot_id()
 
 
-class Record(NamedTuple):
-    """A file known to be complete at its final path (journal and manifest)."""
-
-    size: int
-    mtime_ns: int
-    mode: int
-    digests: str  # hex of the fl64 of each chunk
-
-
-Records = dict[str, Record]  # path -> its record
-
-
 def reread(
     root: Path,
     dst: Path,
@@ -121,15 +145,17 @@ def reread(
     rewritten so (``dst``'s state). Any other manifest is returned as it is."""
     if manifest is None or not manifest.get("complete") or trusted(manifest):
         return manifest, True
-    files = {p: Record(*r) for p, r in manifest.get("files", {}).items()}
+    files = dict(manifest["files"].items())
     proven = prove(files)
     whole = len(proven) == len(files) and all(
         os.path.islink(root / p) and os.readlink(root / p) == t
         for p, t in manifest.get("symlinks", {}).items()
     )
-    manifest = {**manifest, "files": proven, "durable": True, "boot_id": boot_id()}
+    table = FileTable.of(proven)
+    del proven
+    manifest = {**manifest, "files": table, "durable": True, "boot_id": boot_id()}
     if whole and manifest.get("fingerprint") == fingerprint:
-        write_json_atomic(state_dir(dst) / "manifest.json", manifest)
+        write_manifest(dst, manifest, table)
     return manifest, whole
 
 
@@ -156,32 +182,37 @@ class Journal:
 
     def load(self) -> Records:
         """path -> (size, mtime_ns, mode, digests_hex) of the previous, interrupted run."""
-        out: Records = {}
-        try:
-            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return out
-        if not lines:
-            return out
-        try:
-            header = json.loads(lines[0])
-        except ValueError:
-            return out
-        if not isinstance(header, dict) or header.get("chunk_size") != self.chunk_size:
-            return out
-        self.found = True
-        self.same_boot = bool(header.get("boot_id")) and header.get("boot_id") == boot_id()
-        self.trusted = trusted(header)
-        for line in lines[1:]:
-            try:
-                p, size, mtime, mode, digests = json.loads(line)
-            except ValueError:
-                break  # a torn last line: everything before it is good
-            out[p] = Record(size, mtime, mode, digests)
-        return out
+        return {p: Record(s, m, md, d) for p, s, m, md, d in self.rows()}
 
-    def open(self, keep: Records) -> None:
+    def table(self) -> FileTable:
+        """:meth:`load` as a table (a few tens of bytes per record)."""
+        return FileTable.of_rows(self.rows())
+
+    def rows(self) -> Iterator[tuple[str, int, int, int, str]]:
+        """The records of the previous, interrupted run, read a line at a time: (path,
+        size, mtime_ns, mode, digests_hex); a path recorded twice, last wins."""
+        try:
+            f = open(self.path, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+        except FileNotFoundError:
+            return
+        with f:
+            try:
+                header = json.loads(f.readline() or "null")
+            except ValueError:
+                return
+            if not isinstance(header, dict) or header.get("chunk_size") != self.chunk_size:
+                return
+            self.found = True
+            self.same_boot = bool(header.get("boot_id")) and header.get("boot_id") == boot_id()
+            self.trusted = trusted(header)
+            for line in f:
+                try:
+                    p, size, mtime, mode, digests = json.loads(line)
+                except ValueError:
+                    return  # a torn last line: everything before it is good
+                yield p, size, mtime, mode, digests
+
+    def open(self, keep: Mapping[str, Record]) -> None:
         """Starts a fresh journal holding ``keep`` (what is already known to be done)."""
         self.path.parent.mkdir(exist_ok=True)
         tmp = self.path.with_name("journal.jsonl.tmp")
@@ -225,11 +256,30 @@ def known_records(
     if known and not journal.trusted:
         known = prove(known)
     if old is not None and old.get("chunk_size") == chunk_size:
-        previous = {p: Record(*r) for p, r in old.get("files", {}).items()}
+        previous = dict(old["files"].items())
         if not trusted(old):
             previous = prove({p: r for p, r in previous.items() if p not in known})
         for p, r in previous.items():
             known.setdefault(p, r)
+    return known
+
+
+def known_table(
+    journal: Journal,
+    old: dict[str, Any] | None,
+    chunk_size: int,
+    prove: Callable[[Records], Records],
+) -> FileTable:
+    """:func:`known_records` as a table: what a tree stage plans against, a few tens of
+    bytes per file (records read back first are the rare case of an earlier boot)."""
+    known = journal.table()
+    if len(known) and not journal.trusted:
+        known = FileTable.of(prove(dict(known.items())))
+    if old is not None and old.get("chunk_size") == chunk_size:
+        previous: FileTable = old["files"]
+        if not trusted(old):
+            previous = FileTable.of(prove(dict(previous.without(known).items())))
+        known = known.union(previous) if len(known) else previous
     return known
 
 
@@ -343,5 +393,5 @@ def make_durable(dst: Path, manifest: dict[str, Any], sync: bool) -> None:
     if sync and not manifest.get("durable", True):
         root = dst.parent if manifest.get("kind") == "file" else dst
         _core.syncfs(str(root))
-        write_json_atomic(state_dir(dst) / "manifest.json", {**manifest, "durable": True})
+        write_header(dst, {**manifest, "durable": True})
 

@@ -16,18 +16,19 @@ import hashlib
 import json
 import os
 import stat
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import _core
 from ..errors import ChecksumMismatchError, stage_error
-from .destination import Destination, Entry, Manifest
+from .columns import Done, Entry, FileTable, Listing, Record
+from .destination import Destination, Manifest
 from .job import (
     DEFAULT_FILES_IN_FLIGHT,
     DIR,
     FILE,
-    LINK,
     ProgressCallback,
     copy_options,
     digest_local,
@@ -38,8 +39,6 @@ from .request import StageRequest
 from .result import StageResult
 from .state import (
     JournalFlusher,
-    Record,
-    Records,
     ensure_writable,
     named_os_errors,
     quick_same,
@@ -47,42 +46,40 @@ from .state import (
 )
 
 
-def tree_fingerprint(src: str, entries: list[Entry], options: dict[str, Any]) -> str:
+def tree_fingerprint(src: str, entries: Listing, options: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([src, options], sort_keys=True).encode())
-    for e in entries:
-        h.update(repr(tuple(e)).encode("utf-8", "surrogateescape"))
-        h.update(b"\n")
+    h.update(json.dumps([src, options, "columns"], sort_keys=True).encode())
+    entries.digest_into(h)
     return h.hexdigest()
 
 
 @dataclasses.dataclass
 class TreePlan:
     """What a stage of a tree-shaped source has to do: its listing (``entries``, and
-    ``files``, the regular ones), what is already in place (``done``: path -> record)
-    and what is not (``todo``: indices into ``files``). ``complete``: a complete
-    manifest matches, nothing to do."""
+    ``files``, the regular ones), what is already in place (``done``) and what is not
+    (``todo``: indices into ``files``). ``complete``: a complete manifest matches,
+    nothing to do."""
 
-    entries: list[Entry]
-    files: list[Entry]
+    entries: Listing
+    files: Listing
     fingerprint: str
     complete: bool
-    done: Records
-    todo: list[int]
+    done: Done
+    todo: array[int]
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.size for e in self.files)
+        return self.files.total_bytes
 
 
 def space_needed(plan: TreePlan, dst_parent: Path) -> int:
     """Bytes (in whole blocks of ``dst_parent``'s file system) the files to do take."""
     bsize = os.statvfs(dst_parent).f_frsize or 4096
+    sizes, blocks = plan.files.size, plan.files.blocks
     needed = 0
     for i in plan.todo:
-        size, blocks = plan.files[i].size, plan.files[i].blocks
-        alloc = min(size, blocks * 512) if blocks * 512 < size else size
-        needed += -(-alloc // bsize) * bsize
+        size, alloc = sizes[i], blocks[i] * 512
+        needed += -(-(alloc if alloc < size else size) // bsize) * bsize
     return needed
 
 
@@ -92,37 +89,67 @@ def make_dirs(plan: TreePlan, dest: Destination) -> None:
         if not dest.single:
             dest.root.mkdir(exist_ok=True)
             ensure_writable(dest.root)
-        for e in plan.entries:
-            if e.kind == DIR:
-                d = dest.root / e.path
-                d.mkdir(exist_ok=True)
-                ensure_writable(d)
+        for e in plan.entries.of_kind(DIR):
+            d = dest.root / e.path
+            d.mkdir(exist_ok=True)
+            ensure_writable(d)
 
 
 def plan_against(
     dest: Destination,
-    entries: list[Entry],
+    entries: Listing | list[Entry],
     fingerprint: str,
-    same: Callable[[Entry, Record], bool],
+    same: Callable[[Entry, Record], bool] | None = None,
 ) -> TreePlan:
     """``entries`` against what ``dest`` holds (under its lock): complete, or what is
-    done (a known record ``same`` accepts) and what is to do."""
-    files = [e for e in entries if e.kind == FILE]
+    done (a known record of the same size and time that ``same`` accepts, by default one
+    of the same mode, still in place) and what is to do."""
+    listing = entries if isinstance(entries, Listing) else Listing.of(entries)
+    files = listing.of_kind(FILE)
     if dest.is_complete(fingerprint):
         assert dest.old is not None
-        held = {e.path: Record(*dest.old["files"][e.path]) for e in files
-                if e.path in dest.old["files"]}  # fmt: skip
-        return TreePlan(entries, files, fingerprint, True, held, [])
-    known = dest.known()
-    done: Records = {}
-    todo: list[int] = []
-    for i, e in enumerate(files):
-        rec = known.get(e.path)
-        if rec is not None and rec.size == e.size and rec.mtime_ns == e.mtime_ns and same(e, rec):
-            done[e.path] = rec
-        else:
-            todo.append(i)
-    return TreePlan(entries, files, fingerprint, False, done, todo)
+        old: FileTable = dest.old["files"]
+        return TreePlan(listing, files, fingerprint, True, Done(files, old, _rows_in(old, files)),
+                        array("q"))  # fmt: skip
+    known = dest.known_table()
+    rows = _rows_in(known, files)
+    root = os.fsencode(dest.root) + b"/"
+    path = files.paths
+    for i, r in enumerate(rows):
+        if r < 0:
+            continue
+        size, mtime = files.size[i], files.mtime_ns[i]
+        ok = known.size[r] == size and known.mtime_ns[r] == mtime and (
+            files.mode[i] == known.mode[r] if same is None else same(files[i], known.record(r))
+        )
+        if ok:
+            try:
+                st = os.lstat(root + bytes(path[files.offsets[i] : files.offsets[i + 1]]))
+            except OSError:
+                ok = False
+            else:
+                ok = stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == mtime
+        if not ok:
+            rows[i] = -1
+    todo = array("q", (i for i, r in enumerate(rows) if r < 0))
+    return TreePlan(listing, files, fingerprint, False, Done(files, known, rows), todo)
+
+
+def _raw(col: Any) -> bytes:
+    return memoryview(col).cast("B").tobytes()
+
+
+def _rows_in(table: FileTable, files: Listing) -> array[int]:
+    """Each file's row in ``table``, or -1."""
+    if not len(table):
+        return array("q", [-1]) * len(files)
+    if len(table) == len(files) and _raw(table.offsets) == _raw(files.offsets) and _raw(
+        table.paths
+    ) == _raw(files.paths):
+        return array("q", range(len(files)))  # the same paths (an unchanged tree's)
+    if files.is_sorted():
+        return table.matches(files.path_bytes())
+    return array("q", (table.find(p) for p in files.path_bytes()))
 
 
 def run_plan(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
@@ -140,19 +167,25 @@ def run_plan(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) 
 
 
 def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
-    dest.drop_stale(e.path for e in plan.entries)
+    dest.drop_stale(plan.entries)
     dest.check_space(space_needed(plan, dest.path.parent))
     make_dirs(plan, dest)
-    done: Records = dict(plan.done)
-    done_bytes = sum(r.size for r in done.values())
+    done = plan.done
+    done_bytes = done.total_bytes
     on_progress, bar = progress_callback(
         req.progress, f"stage {source.label}", plan.total_bytes, done_bytes
     )
     flusher = dest.begin(done)
     try:
-        engine, copied_files, copied_bytes = source.transfer(
-            req, dest, plan, done, flusher, on_progress
-        )
+        engine, copied_files, copied_bytes = "none", 0, 0
+        # A source with a ``batch`` transfers that many files at a time: what the copier
+        # holds per file (and the lists it is made from) stays bounded on huge trees.
+        step = getattr(source, "batch", 0) or max(1, len(plan.todo))
+        for k in range(0, max(1, len(plan.todo)), step):
+            part = dataclasses.replace(plan, todo=plan.todo[k : k + step])
+            used, files, nbytes = source.transfer(req, dest, part, done, flusher, on_progress)
+            engine = used if used != "none" else engine
+            copied_files, copied_bytes = copied_files + files, copied_bytes + nbytes
         flusher.close()
         source.finish(plan, dest)
     finally:
@@ -165,8 +198,8 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
         source=source.name, options=source.options, fingerprint=plan.fingerprint,
         kind="file" if dest.single else "tree", chunk_size=req.stripe, durable=req.sync,
         engine=engine, files=done,
-        symlinks={e.path: e.target for e in plan.entries if e.kind == LINK},
-        dirs=[e.path for e in plan.entries if e.kind == DIR], **source.extra(plan),
+        symlinks={plan.entries.path(i): t for i, t in sorted(plan.entries.targets.items())},
+        dirs=[e.path for e in plan.entries.of_kind(DIR)], **source.extra(plan),
     )  # fmt: skip
     dest.commit(manifest)
     return dest.result(manifest, copied_files, copied_bytes)
@@ -174,6 +207,8 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
 
 class LocalTree:
     """A directory, or one file (``single``), on a file system (:class:`Source`)."""
+
+    batch = 65536  # files per copy job (run_plan)
 
     def __init__(self, src: Path, req: StageRequest, *, single: bool) -> None:
         self.src = src  # absolute, symbolic links resolved
@@ -184,16 +219,17 @@ class LocalTree:
             **req.selection(), "on_special": req.on_special, "file": single,
         }  # fmt: skip
 
-    def listing(self, req: StageRequest) -> list[Entry]:
+    def listing(self, req: StageRequest) -> Listing:
         """The source's entries, the subset filter applied; for a file, its one entry."""
         threads = min(64, max(8, (req.workers or DEFAULT_FILES_IN_FLIGHT)))
         if self.single:
-            return [Entry(*e) for e in _core.stat_file(str(self.src.parent),
-                                                       self.src.name).entries()]  # fmt: skip
-        raw = _core.walk(
+            return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
+        tree = _core.walk(
             str(self.src), list(req.include), list(req.exclude), req.on_special == "skip", threads
-        ).entries()
-        entries = [Entry(*e) for e in raw]
+        )
+        raw = tree.entries()
+        del tree  # the native listing, before the columns are made
+        entries = Listing.of(raw, consume=True)
         if req.include:
             # With include patterns, keep only the directories leading to something taken.
             keep: set[str] = set()
@@ -201,8 +237,10 @@ class LocalTree:
                 if e.kind != DIR:
                     parts = e.path.split("/")[:-1]
                     keep.update("/".join(parts[: k + 1]) for k in range(len(parts)))
-            entries = [e for e in entries if e.kind != DIR or e.path in keep]
-            if not entries and not req.allow_empty:
+            entries = entries.take(
+                array("q", (i for i, e in enumerate(entries) if e.kind != DIR or e.path in keep))
+            )
+            if not len(entries) and not req.allow_empty:
                 raise req.nothing_selected(self.name)
         return entries
 
@@ -214,9 +252,11 @@ class LocalTree:
         """Lists the source (or takes ``listing``) and works out what is already in place
         (under the destination's lock)."""
         listed = listing if listing is not None else self.listing(req)
-        entries = [e._replace(path=dest.path.name) for e in listed] if self.single else listed
+        if not isinstance(listed, Listing):
+            listed = Listing.of(listed)
+        entries = listed.with_paths([dest.path.name] * len(listed)) if self.single else listed
         fp = tree_fingerprint(self.name, entries, {**self.options, "chunk": req.stripe})
-        plan = plan_against(dest, entries, fp, lambda e, rec: rec.mode == e.mode)
+        plan = plan_against(dest, entries, fp)
         journal = dest.journal
         # Files an interrupted run renamed into place but had not journalled yet: whole, as
         # long as the machine did not reboot since; their digests are read back locally.
@@ -225,10 +265,14 @@ class LocalTree:
             rehash = [i for i in plan.todo
                       if quick_same(dest.root / files[i].path, files[i].size, files[i].mtime_ns)]
             if rehash:
-                plan.done.update(digest_local(
+                got = digest_local(
                     dest.root, [files[i] for i in rehash], req.engine, req.workers, req.stripe
-                ))  # fmt: skip
-                plan.todo = [i for i in plan.todo if files[i].path not in plan.done]
+                )
+                for i in rehash:
+                    rec = got.get(files[i].path)
+                    if rec is not None:
+                        plan.done.set(i, rec)
+                plan.todo = array("q", (i for i in plan.todo if not plan.done.is_done(i)))
         return plan
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
@@ -239,7 +283,7 @@ class LocalTree:
         req: StageRequest,
         dest: Destination,
         plan: TreePlan,
-        done: Records,
+        done: Done,
         flusher: JournalFlusher,
         on_progress: ProgressCallback | None,
     ) -> tuple[str, int, int]:
@@ -249,10 +293,10 @@ class LocalTree:
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
             records = []
             for idx, digests in batch:
-                e = files[todo[idx]]
-                rec = Record(e.size, e.mtime_ns, e.mode, digests.hex())
-                done[e.path] = rec
-                records.append((e.path, *rec))
+                i = todo[idx]
+                e = files[i]
+                done.set(i, (e.size, e.mtime_ns, e.mode, digests))
+                records.append((e.path, e.size, e.mtime_ns, e.mode, digests.hex()))
                 copied[0] += 1
                 copied[1] += e.size
             flusher.add(records)
@@ -279,7 +323,7 @@ class LocalTree:
         run_job(
             job,
             on_progress=on_progress,
-            base_bytes=sum(r.size for r in plan.done.values()),
+            base_bytes=plan.done.total_bytes,
             base_files=len(plan.done),
             total_bytes=plan.total_bytes,
             total_files=len(files),
@@ -291,13 +335,13 @@ class LocalTree:
         """Symlinks, then directory modes and times, deepest first (so setting a
         directory's time is not undone by creating something inside it)."""
         with named_os_errors("cannot finish staging: "):
-            for e in plan.entries:
-                if e.kind == LINK:
-                    _place_link(dest.root / e.path, e)
+            for i in sorted(plan.entries.targets):
+                e = plan.entries[i]
+                _place_link(dest.root / e.path, e)
             if self.single:
                 return
             dirs = sorted(
-                (e for e in plan.entries if e.kind == DIR),
+                plan.entries.of_kind(DIR),
                 key=lambda e: e.path.count("/"),
                 reverse=True,
             )

@@ -282,7 +282,7 @@ class _TreeWriter:
         os.replace(tmp, self._root / e[0])
         digests = b"".join(U64.pack(c) for c in chunks).hex()
         rec = Record(e.size, e.mtime_ns, e.mode, digests)
-        self._plan.done[e[0]] = rec
+        self._plan.done.set(f, rec)
         self._flusher.add([(e[0], *rec)])
         with self._lock:
             self.files += 1
@@ -349,8 +349,7 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     plan = source.plan(req, dest, entries)
     nfiles = len(plan.files)
     need_me = [] if plan.complete else plan.todo
-    index = {e.path: i for i, e in enumerate(plan.files)}
-    have_me = {index[p] for p in plan.done if p in index}
+    have_me = plan.done.rows()
     if need_me:
         dest.check_space(space_needed(plan, dest.path.parent))
     x.sync("planned")
@@ -364,7 +363,7 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     flusher = None
     if mine:
         make_dirs(plan, dest)
-        flusher = dest.begin(dict(plan.done))
+        flusher = dest.begin(plan.done)
 
     total = sum(plan.files[f].size for f in mine)
     on_progress, bar = progress_callback(req.progress, f"fan-out {source.label}", total, 0)

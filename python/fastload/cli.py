@@ -428,8 +428,13 @@ def _as_flags(message: str) -> str:
 def _print_stage_stats(st: Any) -> None:
     """``fastload stage --stats``: the totals, then throughput about once a second."""
     print(f"  lock wait {st.lock_wait_seconds:.2f} s, listing and planning "
-          f"{st.setup_seconds:.2f} s, copying {st.copy_seconds:.2f} s, total "
+          f"{st.setup_seconds:.2f} s (listing {st.listing_seconds:.2f} s, planning "
+          f"{st.planning_seconds:.2f} s), copying {st.copy_seconds:.2f} s, total "
           f"{st.seconds:.2f} s")  # fmt: skip
+    if st.read_busy_seconds or st.write_busy_seconds:
+        print(f"  in flight: reads {st.read_busy_seconds:.2f} s, writes "
+              f"{st.write_busy_seconds:.2f} s, opens and closes {st.meta_busy_seconds:.2f} s "
+              "(summed over the copier's threads)")  # fmt: skip
     print(f"  cpu {st.cpu_user_seconds:.2f} s user, {st.cpu_system_seconds:.2f} s system")
     shown = -1.0
     for t, bps, fps in st.rates():

@@ -388,9 +388,11 @@ def test_progress_counts_bytes_and_objects(
     upload(s3, bucket, files)
     total = sum(len(v) for v in files.values())
     calls: list[tuple[int, int, int, int]] = []
-    fastload.stage(f"s3://{bucket}/", tmp_path / "cb", progress=lambda *a: calls.append(a),
-                   stripe_size=1 << 20)  # fmt: skip
+    r = fastload.stage(f"s3://{bucket}/", tmp_path / "cb", stats=True, stripe_size=1 << 20,
+                       progress=lambda *a: calls.append(a))  # fmt: skip
     assert calls and calls[-1] == (total, total, len(files), len(files))
+    # The prefix was listed (before the lock) and planned against the empty destination.
+    assert r.stats is not None and r.stats.listing_seconds > 0 and r.stats.planning_seconds > 0
     assert all(c[1] == total and c[3] == len(files) for c in calls)
     assert [c[0] for c in calls] == sorted(c[0] for c in calls)  # never goes back
     assert [c[2] for c in calls] == sorted(c[2] for c in calls)

@@ -4,6 +4,7 @@ over time, from a real stage of a real tree."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -42,8 +43,17 @@ def test_stats_of_a_stage(src: Path, tmp_path: Path, stage: Any) -> None:
     assert st.lock_wait_seconds + st.setup_seconds + st.copy_seconds <= st.seconds
     assert st.cpu_user_seconds + st.cpu_system_seconds > 0
     assert all(bps >= 0 and fps >= 0 for _, bps, fps in st.rates())
+    # Listing and planning happen between the lock and the first byte.
+    assert st.listing_seconds > 0 and st.planning_seconds > 0
+    assert st.listing_seconds + st.planning_seconds <= st.setup_seconds + st.copy_seconds
+    # The copier's reads, writes and opens each had time in flight; summed over its
+    # threads, each is at most the wall time times the threads.
+    threads = max(1, len(os.sched_getaffinity(0)))
+    for busy in (st.read_busy_seconds, st.write_busy_seconds, st.meta_busy_seconds):
+        assert 0 < busy <= st.seconds * min(8, threads)
     d = st.to_dict()
     assert d["stage/seconds"] == st.seconds and "stage/lock_wait_s" in d
+    assert d["stage/read_busy_s"] == st.read_busy_seconds
     # Without stats: none.
     assert fastload.stage(src, tmp_path / "dst2").stats is None
 
@@ -53,6 +63,9 @@ def test_skipped_stage_stats(src: Path, tmp_path: Path) -> None:
     r = fastload.stage(src, tmp_path / "dst", stats=True)
     assert r.skipped and r.stats is not None
     assert r.stats.samples == [] and r.stats.copy_seconds == 0
+    # Listed and compared, nothing read or written.
+    assert r.stats.listing_seconds > 0 and r.stats.planning_seconds > 0
+    assert r.stats.read_busy_seconds == r.stats.write_busy_seconds == 0
 
 
 def test_lock_wait_is_counted(src: Path, tmp_path: Path) -> None:
@@ -89,5 +102,6 @@ def test_cli_stats(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["stage", "--stats", str(src), str(tmp_path / "dst")]) == 0
     out = capsys.readouterr().out
     assert "lock wait" in out and "listing and planning" in out and "cpu " in out
+    assert "(listing " in out and "in flight: reads " in out
     assert cli.main(["stage", str(src), str(tmp_path / "dst3")]) == 0
     assert "lock wait" not in capsys.readouterr().out

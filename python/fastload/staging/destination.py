@@ -115,6 +115,9 @@ class Destination:
         self.root = path.parent if single else path  # where the files are
         self.single = single
         self.req = req
+        # Seconds per phase of the stage (listing, planning, and the copy's busy time
+        # reading, writing and opening/closing), for stage(stats=True).
+        self.timings: dict[str, float] = {}
         self.old: dict[str, Any] | None = None
         self.journal = Journal(path, req.stripe, durable=req.sync)
 
@@ -177,6 +180,18 @@ class Destination:
         """:meth:`known` as a table, the files not yet checked in place (the caller
         checks those it plans to take)."""
         return known_table(self.journal, self.old, self.req.stripe, self.prove)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds the time the block takes to ``timings[phase]``."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add_time(phase, time.monotonic() - t0)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     def skipped(self, files: int, nbytes: int) -> StageResult:
         """The result of a stage that had nothing to do (flushed now with ``sync``)."""
@@ -292,11 +307,15 @@ def stage_into(dest: Destination, source: Any) -> StageResult:
         now, end = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         first = samples[0][0] + t0 if samples else now
         last = samples[-1][0] + t0 if samples else now
+        phase = dest.timings.get
         return dataclasses.replace(result, stats=StageStats(
             seconds=now - t0, lock_wait_seconds=marks["locked"] - t0,
             setup_seconds=first - marks["locked"], copy_seconds=last - first,
             cpu_user_seconds=end.ru_utime - usage.ru_utime,
             cpu_system_seconds=end.ru_stime - usage.ru_stime, samples=samples,
+            listing_seconds=phase("listing", 0.0), planning_seconds=phase("planning", 0.0),
+            read_busy_seconds=phase("reading", 0.0), write_busy_seconds=phase("writing", 0.0),
+            meta_busy_seconds=phase("metadata", 0.0),
         ))  # fmt: skip
 
     try:

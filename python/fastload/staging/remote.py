@@ -247,6 +247,10 @@ class ObjectPrefix:
         destination's name for a single object), ``entries`` also their directories."""
         if listing is not None:
             self.objects = listing  # fan-out's node 0's: the units are numbered in it
+        with dest.timed("planning"):
+            return self._plan(req, dest)
+
+    def _plan(self, req: StageRequest, dest: Destination) -> TreePlan:
         names = self._names(dest)
         shape = {**self.options, "chunk": req.stripe}
         if self.dirs:
@@ -353,6 +357,7 @@ def open_remote(
     info: ObjectInfo | None = None
     objects: list[ObjectInfo] = []
     dirs: list[str] = []
+    listed = time.monotonic()
     try:
         if url.endswith("/") or not store.prefix:
             objects, dirs = store.list_tree(include, exclude)
@@ -382,9 +387,12 @@ def open_remote(
     if info is None:
         if req.checksum is not None:
             raise ValueError("checksum= applies to an object or an archive, not to a prefix")
-        return _destination(
+        listed = time.monotonic() - listed
+        source, dest = _destination(
             dst, req, ObjectPrefix(store, objects, req, single=False, dirs=dirs)
         )
+        dest.add_time("listing", listed)
+        return source, dest
     name = store.prefix.rsplit("/", 1)[-1]
     compression = None
     known = recorded_kind(Path(os.fspath(dst)), name, store.url, info.identity)

@@ -24,6 +24,16 @@ class StageStats:
     """CPU time of this process (every thread), from ``getrusage``."""
     samples: list[tuple[float, int, int]] = dataclasses.field(default_factory=list)
     """``(seconds since the call, bytes done, files done)``, a few times a second."""
+    listing_seconds: float = 0.0
+    """Listing the source (walking a tree, listing a bucket's prefix), within setup."""
+    planning_seconds: float = 0.0
+    """Comparing the listing with an earlier stage and its journal, within setup."""
+    read_busy_seconds: float = 0.0
+    write_busy_seconds: float = 0.0
+    meta_busy_seconds: float = 0.0
+    """Of a local copy: the time at least one read (write; open or close) was in flight,
+    summed over the copier's submitter threads. Which of them fills the copy's time
+    says whether the source, the destination or the metadata holds it back."""
 
     def rates(self) -> list[tuple[float, float, float]]:
         """``(seconds, bytes/s, files/s)`` between consecutive samples: the throughput
@@ -42,6 +52,11 @@ class StageStats:
             "stage/lock_wait_s": self.lock_wait_seconds,
             "stage/setup_s": self.setup_seconds,
             "stage/copy_s": self.copy_seconds,
+            "stage/listing_s": self.listing_seconds,
+            "stage/planning_s": self.planning_seconds,
+            "stage/read_busy_s": self.read_busy_seconds,
+            "stage/write_busy_s": self.write_busy_seconds,
+            "stage/meta_busy_s": self.meta_busy_seconds,
             "stage/cpu_user_s": self.cpu_user_seconds,
             "stage/cpu_system_s": self.cpu_system_seconds,
             "stage/peak_bytes_per_s": max(rates, default=0.0),

@@ -251,7 +251,12 @@ class LocalTree:
     def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> TreePlan:
         """Lists the source (or takes ``listing``) and works out what is already in place
         (under the destination's lock)."""
-        listed = listing if listing is not None else self.listing(req)
+        with dest.timed("listing"):
+            listed = listing if listing is not None else self.listing(req)
+        with dest.timed("planning"):
+            return self._plan(req, dest, listed)
+
+    def _plan(self, req: StageRequest, dest: Destination, listed: Any) -> TreePlan:
         if not isinstance(listed, Listing):
             listed = Listing.of(listed)
         entries = listed.with_paths([dest.path.name] * len(listed)) if self.single else listed
@@ -329,6 +334,9 @@ class LocalTree:
             total_files=len(files),
             on_done=on_done,
         )
+        dest.add_time("reading", job.read_seconds)
+        dest.add_time("writing", job.write_seconds)
+        dest.add_time("metadata", job.meta_seconds)
         return str(job.engine), copied[0], copied[1]
 
     def finish(self, plan: TreePlan, dest: Destination) -> None:

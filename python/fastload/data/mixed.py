@@ -309,14 +309,15 @@ class Mix(ShardIterableDataset):
     def _read_fn(self) -> Callable[[np.ndarray], list[Any]]:
         """Reads mix-wide sample ids: each stream's from its index, ``__stream__`` set.
 
-        Per call: one searchsorted for the streams; a batch of one stream is one fetch;
-        else the ids are grouped by stream (stable), fetched per stream and put back in
-        order by one ``itemgetter``."""
+        Per call: the ids sorted (which groups them by stream: ids are stream offsets
+        plus the stream's sample; with remote streams grouped by stream only), one native
+        fetch per stream, the samples put back in the ids' order by one ``itemgetter``."""
         plan = self.plan()
         offsets = plan.offsets
         fields, copy, access = self.fields, self.copy, self.access
         parts = self._parts
         names = [p.name for p in parts]
+        all_local = all(p.remote is None for p in parts)
 
         def one(s: int, local: list[int]) -> list[Any]:
             got: list[Any] = self._fetch(parts[s], local, lambda ix, p: fetch(
@@ -327,21 +328,28 @@ class Mix(ShardIterableDataset):
             return got
 
         def read(ids: np.ndarray) -> list[Any]:
-            if not len(ids):
-                return []
-            which = np.searchsorted(offsets, ids, side="right") - 1
-            first = int(which[0])
-            if first == int(which[-1]) and not (which != first).any():
-                return one(first, (ids - offsets[first]).tolist())  # one stream: in order
-            order = np.argsort(which, kind="stable")
-            local = (ids[order] - offsets[which[order]]).tolist()
-            bounds = np.cumsum(np.bincount(which, minlength=len(parts))).tolist()
+            if len(ids) < 2:
+                if not len(ids):
+                    return []
+                s = int(np.searchsorted(offsets, ids[0], side="right")) - 1
+                return one(s, [int(ids[0] - offsets[s])])
+            if all_local:
+                # Sorted, the ids fall into the streams' ranges in stream order, each
+                # stream's ascending: a fetch so walks each shard forwards (cheaper than
+                # the shuffled order: fewer cache and TLB misses).
+                order = np.argsort(ids)
+                ranked = ids[order]
+                bounds = np.searchsorted(ranked, offsets).tolist()
+            else:  # remote streams are read in the plan's order (their prefetchers follow it)
+                which = np.searchsorted(offsets, ids, side="right") - 1
+                order = np.argsort(which, kind="stable")
+                ranked = ids[order]
+                bounds = [0, *np.cumsum(np.bincount(which, minlength=len(parts))).tolist()]
             got: list[Any] = []
-            lo = 0
-            for s, hi in enumerate(bounds):
+            for s in range(len(parts)):
+                lo, hi = bounds[s], bounds[s + 1]
                 if hi > lo:
-                    got += one(s, local[lo:hi])
-                lo = hi
+                    got += one(s, (ranked[lo:hi] - offsets[s]).tolist())
             back = np.argsort(order).tolist()  # where each id's sample is in got
             return list(operator.itemgetter(*back)(got))
 

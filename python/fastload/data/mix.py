@@ -57,6 +57,59 @@ def stream_seed(seed: int, name: str) -> int:
     return (seed + _GOLDEN * (zlib.crc32(name.encode()) + 1)) & _MASK
 
 
+def _round_robin(red: list[int], period: int) -> list[int]:
+    """The smooth weighted round-robin over positive counts ``red`` adding up to
+    ``period``: each step every stream gains its count, the one with the most (lowest
+    index on ties) is taken and loses ``period``. Unrolled for up to three streams (about
+    0.1 us a step; the general loop about 0.3)."""
+    out: list[int] = []
+    put = out.append
+    if len(red) == 1:
+        return [0] * period
+    if len(red) == 2:
+        r0, r1 = red
+        a = b = 0
+        for _ in range(period):
+            a += r0
+            b += r1
+            if a >= b:
+                a -= period
+                put(0)
+            else:
+                b -= period
+                put(1)
+        return out
+    if len(red) == 3:
+        r0, r1, r2 = red
+        a = b = c = 0
+        for _ in range(period):
+            a += r0
+            b += r1
+            c += r2
+            if a >= b and a >= c:
+                a -= period
+                put(0)
+            elif b >= c:
+                b -= period
+                put(1)
+            else:
+                c -= period
+                put(2)
+        return out
+    cur = [0] * len(red)
+    streams = range(len(red))
+    for _ in range(period):
+        best, top = 0, None
+        for i in streams:
+            v = cur[i] + red[i]
+            cur[i] = v
+            if top is None or v > top:
+                best, top = i, v
+        cur[best] -= period
+        put(best)
+    return out
+
+
 def interleave(counts: Sequence[int]) -> np.ndarray:
     """The stream (int16) of each of ``sum(counts)`` positions: a smooth weighted
     round-robin over ``counts`` (each step every stream gains its count, the one with
@@ -74,17 +127,9 @@ def interleave(counts: Sequence[int]) -> np.ndarray:
     red = [x // g for x in c]
     period = total // g
     live = [i for i, x in enumerate(red) if x]
-    cur = dict.fromkeys(live, 0)
-    out = np.empty(period, dtype=np.int16)
-    for k in range(period):
-        best, top = -1, None
-        for i in live:
-            v = cur[i] + red[i]
-            cur[i] = v
-            if top is None or v > top:
-                best, top = i, v
-        cur[best] -= period
-        out[k] = best
+    out = np.array(_round_robin([red[i] for i in live], period), dtype=np.int16)
+    if len(live) < len(c):  # streams taking nothing: the live ones' own numbers
+        out = np.asarray(live, dtype=np.int16)[out]
     return np.tile(out, g) if g > 1 else out
 
 
@@ -139,7 +184,8 @@ def takes(
 def _layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """The interleaving of ``counts`` and, per position, how many earlier positions
     belong to its stream; kept for the next epochs (and inherited by forked workers):
-    the round-robin costs about 0.4 s per million positions."""
+    the round-robin costs about 0.1 s per million positions of its period for up to three
+    streams, 0.3 s for more."""
     seq = interleave(counts)
     rank = np.zeros(len(seq), dtype=np.int64)
     for s in range(len(counts)):

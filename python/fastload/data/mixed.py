@@ -9,6 +9,7 @@ resume with the same or another worker count or world size) is inherited unchang
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
@@ -306,37 +307,51 @@ class Mix(ShardIterableDataset):
         return self._parts[self.names.index(name)].index()
 
     def _read_fn(self) -> Callable[[np.ndarray], list[Any]]:
-        """Reads mix-wide sample ids: each stream's from its index, ``__stream__`` set."""
+        """Reads mix-wide sample ids: each stream's from its index, ``__stream__`` set.
+
+        Per call: the ids sorted (which groups them by stream: ids are stream offsets
+        plus the stream's sample; with remote streams grouped by stream only), one native
+        fetch per stream, the samples put back in the ids' order by one ``itemgetter``."""
         plan = self.plan()
         offsets = plan.offsets
         fields, copy, access = self.fields, self.copy, self.access
         parts = self._parts
+        names = [p.name for p in parts]
+        all_local = all(p.remote is None for p in parts)
+
+        def one(s: int, local: list[int]) -> list[Any]:
+            got: list[Any] = self._fetch(parts[s], local, lambda ix, p: fetch(
+                ix, p, fields, copy, access))  # fmt: skip
+            name = names[s]
+            for sample in got:
+                sample["__stream__"] = name
+            return got
 
         def read(ids: np.ndarray) -> list[Any]:
-            if not len(ids):
-                return []
-            which = np.searchsorted(offsets, ids, side="right") - 1
-            # the ids stream by stream (stable), fetched per stream, then put back
-            order = np.argsort(which, kind="stable")
-            bounds = np.searchsorted(which[order], np.arange(len(parts) + 1))
+            if len(ids) < 2:
+                if not len(ids):
+                    return []
+                s = int(np.searchsorted(offsets, ids[0], side="right")) - 1
+                return one(s, [int(ids[0] - offsets[s])])
+            if all_local:
+                # Sorted, the ids fall into the streams' ranges in stream order, each
+                # stream's ascending: a fetch so walks each shard forwards (cheaper than
+                # the shuffled order: fewer cache and TLB misses).
+                order = np.argsort(ids)
+                ranked = ids[order]
+                bounds = np.searchsorted(ranked, offsets).tolist()
+            else:  # remote streams are read in the plan's order (their prefetchers follow it)
+                which = np.searchsorted(offsets, ids, side="right") - 1
+                order = np.argsort(which, kind="stable")
+                ranked = ids[order]
+                bounds = [0, *np.cumsum(np.bincount(which, minlength=len(parts))).tolist()]
             got: list[Any] = []
             for s in range(len(parts)):
-                lo, hi = int(bounds[s]), int(bounds[s + 1])
-                if lo == hi:
-                    continue
-                local = (ids[order[lo:hi]] - offsets[s]).tolist()
-                part = self._fetch(parts[s], local, lambda ix, p: fetch(ix, p, fields, copy,
-                                                                        access))  # fmt: skip
-                name = parts[s].name
-                for sample in part:
-                    sample["__stream__"] = name
-                got += part
-            if int(which[0]) == int(which[-1]) and (which == which[0]).all():
-                return got  # one stream: already in order
-            out: list[Any] = [None] * len(ids)
-            for i, sample in zip(order.tolist(), got, strict=True):
-                out[i] = sample
-            return out
+                lo, hi = bounds[s], bounds[s + 1]
+                if hi > lo:
+                    got += one(s, (ranked[lo:hi] - offsets[s]).tolist())
+            back = np.argsort(order).tolist()  # where each id's sample is in got
+            return list(operator.itemgetter(*back)(got))
 
         return read
 

@@ -14,7 +14,8 @@ from .collate import PackedBatch, PackedField, collate
 from .dataset import ShardIndexDataset
 from .device import decode_images, to_device
 from .iterable import ShardIterableDataset
-from .mixed import Mix, Stream
+from .mix import Stream
+from .mixed import Mix
 
 __all__ = [
     "Mix",

@@ -37,16 +37,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .partition import Intervals
 from .shuffle import EpochOrder
 
-__all__ = ["MixPlan", "interleave", "stream_seed", "takes"]
+if TYPE_CHECKING:
+    from ._fetch import Source
+
+__all__ = ["MixPlan", "Stream", "interleave", "stream_name", "stream_seed", "takes"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -292,3 +297,39 @@ class MixPlan:
             out -= np.bincount(self.seq[:r0], minlength=len(self.sizes))
             out += np.bincount(self.seq[:r1], minlength=len(self.sizes))
         return out * self.unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One shard set of a :class:`Mix` and how much of it an epoch reads: ``proportion``
+    (a relative weight: every stream of the mix then has one), ``choose`` (samples per
+    epoch) or ``repeat`` (times its samples per epoch, fractions allowed; the default,
+    1). ``source``: as for :class:`~fastload.ShardIterableDataset` (local or in a
+    bucket). ``name``: the stream's name in ``__stream__``, states and ``stats()``
+    (default: the source when it is a path or URL, else ``stream{i}``)."""
+
+    source: Source
+    proportion: float | None = None
+    choose: int | None = None
+    repeat: float | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("proportion", "choose", "repeat") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"a Stream takes one of proportion, choose, repeat, not {given}")
+        c = self.choose
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(f"choose must be a non-negative integer, not {c!r}")
+        r = self.repeat
+        if r is not None and (isinstance(r, bool) or not r >= 0):
+            raise ValueError(f"repeat must be a non-negative number, not {r!r}")
+
+
+def stream_name(stream: Stream, i: int) -> str:
+    """A stream's name: given, else its source's path or URL, else ``stream{i}``."""
+    if stream.name is not None:
+        return stream.name
+    if isinstance(stream.source, (str, os.PathLike)):
+        return os.fspath(stream.source)
+    return f"stream{i}"

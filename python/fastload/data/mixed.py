@@ -23,46 +23,19 @@ from ..env.world import World, world
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
 from . import _probe, partition
-from ._fetch import LocalIndex, Source, check_fields, fetch, index_of
+from ._fetch import LocalIndex, check_fields, fetch, index_of
 from ._options import check_options
 from ._prefetch import Prefetcher
 from ._reading import CHUNK, batch_of, packed_fetch, rechunk, samples_of
 from ._remote import RemoteReader, open_remote
 from .iterable import BatchBy, ShardIterableDataset, _find_states, _Run
-from .mix import MixPlan
+from .mix import MixPlan, Stream, stream_name
 from .mix import takes as mix_takes
 from .shuffle import DEFAULT_BLOCK
 
 __all__ = ["Mix", "Stream"]
 
 BATCHING = ("mixed", "per_stream")
-
-
-@dataclasses.dataclass(frozen=True)
-class Stream:
-    """One shard set of a :class:`Mix` and how much of it an epoch reads: ``proportion``
-    (a relative weight: every stream of the mix then has one), ``choose`` (samples per
-    epoch) or ``repeat`` (times its samples per epoch, fractions allowed; the default,
-    1). ``source``: as for :class:`~fastload.ShardIterableDataset` (local or in a
-    bucket). ``name``: the stream's name in ``__stream__``, states and ``stats()``
-    (default: the source when it is a path or URL, else ``stream{i}``)."""
-
-    source: Source
-    proportion: float | None = None
-    choose: int | None = None
-    repeat: float | None = None
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [k for k in ("proportion", "choose", "repeat") if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise ValueError(f"a Stream takes one of proportion, choose, repeat, not {given}")
-        c = self.choose
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
-            raise ValueError(f"choose must be a non-negative integer, not {c!r}")
-        r = self.repeat
-        if r is not None and (isinstance(r, bool) or not r >= 0):
-            raise ValueError(f"repeat must be a non-negative number, not {r!r}")
 
 
 @dataclasses.dataclass
@@ -79,14 +52,6 @@ class _Part:
             return self.remote.get()
         assert self.local is not None
         return self.local.get()
-
-
-def _name(stream: Stream, i: int) -> str:
-    if stream.name is not None:
-        return stream.name
-    if isinstance(stream.source, (str, os.PathLike)):
-        return os.fspath(stream.source)
-    return f"stream{i}"
 
 
 class Mix(ShardIterableDataset):
@@ -175,7 +140,7 @@ class Mix(ShardIterableDataset):
         ):
             raise ValueError(f"samples_per_epoch must be a non-negative integer, not "
                              f"{samples_per_epoch!r}")  # fmt: skip
-        names = [_name(s, i) for i, s in enumerate(streams)]
+        names = [stream_name(s, i) for i, s in enumerate(streams)]
         if len(set(names)) != len(names):
             raise ValueError(f"stream names must differ: {names} (give each a name=)")
         self._parts: list[_Part] = []

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..env.config import read_toml
-from .mixed import Mix, Stream
+from .mix import Stream
+from .mixed import Mix
 
 __all__ = ["format_plan", "load_mix", "plan_of"]
 

@@ -258,7 +258,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--anonymous", action="store_true", help="s3: send no credentials")
 
     mx = sub.add_parser("mix", help="mixes of shard sets by weight (fastload.Mix)")
-    mxs = mx.add_subparsers(dest="mix_command", required=True)
+    mxs = mx.add_subparsers(dest="mix_command", required=True, metavar="COMMAND",
+                            help="what to do with the mix")  # fmt: skip
     mp = mxs.add_parser(
         "plan",
         help="print a mix's epoch plan: samples per stream, per rank, per worker",

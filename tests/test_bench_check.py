@@ -193,6 +193,40 @@ def test_ratios_from_a_real_pytest_benchmark_run(tmp_path: Path) -> None:
     assert bc.ratios(data) == {"tree-warm": pytest.approx(expect)}
 
 
+def test_a_peer_first_case_runs_its_peer_before_fastload(tmp_path: Path) -> None:
+    """netsim-second-reader times fastload on the mount cp -r has just read: the subset
+    names the peer's node first and pytest runs the nodes in that order."""
+    case = next(c for c in bc.CASES if c.name == "netsim-second-reader")
+    assert case.peer_first and case.ids() == [case.peer, *case.fastload]
+    nodes = case.node_ids()
+    assert nodes.index(f"benchmarks/{case.module}::{case.peer}") == 0
+    assert bc.subset_nodes([case]) == nodes
+    # The order reaches the run: a module whose tests log themselves, given in that order.
+    # (the parametrisation lists fastload first, as test_bench_stage.py does not)
+    order = tmp_path / "order.txt"
+    mod = tmp_path / "test_order.py"
+    mod.write_text(textwrap.dedent(f"""
+        import pytest
+
+        @pytest.mark.parametrize("tool", ["fastload-auto", "cp"])
+        def test_case(tool):
+            with open({str(order)!r}, "a") as f:
+                f.write(tool + "\\n")
+    """))
+    peer_first = bc.Case("x", "test_order.py", ("test_case[fastload-auto]",), "test_case[cp]",
+                         peer_first=True)  # fmt: skip
+    ids = [f"{mod}::{t}" for t in peer_first.ids()]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids,
+         "-o", "addopts=", "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert order.read_text().split() == ["cp", "fastload-auto"]
+    # Without peer_first, fastload's node comes first, as for every other case.
+    assert bc.Case("y", "m.py", ("f",), "p").ids() == ["f", "p"]
+
+
 def test_every_case_names_benchmarks_that_pytest_collects(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

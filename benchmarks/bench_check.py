@@ -271,14 +271,21 @@ def compare(
 
 
 def failures(rows: Iterable[Row], baseline: Mapping[str, Any]) -> list[str]:
-    commit = str(baseline.get("commit", "?"))[:10]
-    return [
-        f"{r.case}: ratio {r.new:.2f} (peer/fastload), baseline {r.old:.2f} "
-        f"(spread {r.low:.2f}-{r.high:.2f} over {baseline.get('runs', '?')} runs at commit "
-        f"{commit}): below {r.floor:.2f}, fastload is slower against its peer than it was"
-        for r in rows
-        if r.regressed
-    ]
+    """A line per regressed case, naming the commit and runs its entry was recorded at
+    (an entry recorded on its own says so with ``commit`` and ``runs`` keys of its own)."""
+    out = []
+    for r in rows:
+        if not r.regressed:
+            continue
+        entry = baseline.get("cases", {}).get(r.case, {})
+        commit = str(entry.get("commit", baseline.get("commit", "?")))[:10]
+        runs = entry.get("runs", baseline.get("runs", "?"))
+        out.append(
+            f"{r.case}: ratio {r.new:.2f} (peer/fastload), baseline {r.old:.2f} "
+            f"(spread {r.low:.2f}-{r.high:.2f} over {runs} runs at commit "
+            f"{commit}): below {r.floor:.2f}, fastload is slower against its peer than it was"
+        )
+    return out
 
 
 def _f(x: float | None) -> str:

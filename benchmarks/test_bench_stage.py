@@ -13,6 +13,9 @@ Groups:
   digest                  fl64 (fastload._core) against zlib.crc32 and a plain memory copy
   read-digest             fastload.verify (read + fl64) against dd (read only) and cksum
   netsim-tree             the tree through a FUSE mount adding 1 ms per request
+  netsim-second-reader    issue 33: 1,500 files through a mount adding 2 ms per request,
+                          fastload (engine "auto", what a user gets) reading it right
+                          after `cp -r` read the same mount, against that `cp -r`
 """
 
 from __future__ import annotations
@@ -30,8 +33,18 @@ from typing import Any, Callable
 
 import pytest
 
-from _harness import Rounds, Scale, Source, check_cache, describe, prepare_cache
-from data import tree_stats
+from _harness import (
+    NETSIM,
+    Rounds,
+    Scale,
+    Source,
+    check_cache,
+    describe,
+    netsim_unavailable,
+    prepare_cache,
+    unmount_netsim,
+)
+from data import imagenet_like_tree, keyed, tree_stats
 
 CACHES = ["warm", "cold"]
 
@@ -66,7 +79,7 @@ def _need(cmd: str) -> None:
 
 def _fastload_tool(engine: str) -> Tool:
     fl = _fastload()
-    if engine not in fl.available_engines():
+    if engine != "auto" and engine not in fl.available_engines():
         pytest.skip(f"fastload engine {engine!r} is not available here")
 
     def run(src: Path, dst: Path) -> Any:
@@ -118,11 +131,14 @@ def _stage_case(
     tool_name: str,
     cache: str,
     group: str,
+    rounds: int | None = None,
 ) -> None:
     check_cache(cache)
     tool = make_tool(tool_name)
     describe(benchmark, group=group, tool=tool.name, src=src, cache=cache, scale=scale)
-    result = fresh.run(lambda dst: tool.run(src.path, dst), src=src.path, cache=cache)
+    result = fresh.run(
+        lambda dst: tool.run(src.path, dst), src=src.path, cache=cache, rounds=rounds
+    )
     if tool.name.startswith("fastload"):
         benchmark.extra_info["engine"] = result.engine
     assert fresh.last is not None
@@ -158,6 +174,89 @@ def test_netsim_tree(
     mnt = netsim_mount(netsim_tree_src.path)
     src = dataclasses.replace(netsim_tree_src, path=mnt)
     _stage_case(benchmark, fresh, scale, src, tool, "none", "netsim-tree")
+
+
+# Issue 33: "the 1,500-file tree through 2 ms per request measured 8.1-8.2x cp -r today
+# (fastload 1.5-1.6 s right after cp -r read the same mount; 0.66-0.8 s when run alone)".
+# The same at every scale (the drop does not show on the small netsim tree), one round per
+# run (bench_check takes the median of its runs): cp -r times a fresh mount, then fastload
+# reads that mount right after it, as a second reader of a store does.
+SECOND_FILES, SECOND_CLASSES, SECOND_KB = 1_500, 15, 100
+SECOND_LATENCY_US = ("2000", "2000")  # per metadata request, per read request
+
+
+@dataclasses.dataclass
+class SecondReaderMount:
+    """One netsim mount of the issue-33 tree at a time; remembers whether the peer
+    (``cp -r``) was its last reader."""
+
+    src: Path
+    work: Path
+    path: Path | None = None
+    peer_read_last: bool = False
+    _n: int = 0
+
+    def fresh(self) -> Path:
+        """A new mount nobody has read (the kernel has none of its entries or pages)."""
+        self.close()
+        why = netsim_unavailable()
+        if why:
+            pytest.skip(why)
+        self._n += 1
+        mnt = self.work / f"mnt{self._n}"
+        r = subprocess.run(
+            [str(NETSIM), "mount", str(self.src), str(mnt), *SECOND_LATENCY_US],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        if r.returncode != 0:
+            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+        assert os.path.ismount(mnt), f"netsim returned without a mount at {mnt}"
+        self.path, self.peer_read_last = mnt, False
+        return mnt
+
+    def close(self) -> None:
+        if self.path is not None:
+            unmount_netsim(self.path)
+            self.path = None
+
+
+@pytest.fixture(scope="module")
+def second_reader_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondReaderMount]:
+    n, c, kb = SECOND_FILES, SECOND_CLASSES, SECOND_KB
+    src = imagenet_like_tree(keyed("tree", n=n, c=c, kb=kb, s=2), n, c, kb, seed=2)
+    m = SecondReaderMount(src, tmp_path_factory.mktemp("second-reader"))
+    yield m
+    m.close()
+
+
+@pytest.mark.netsim
+@pytest.mark.parametrize("tool", ["cp", "fastload-auto"])
+def test_netsim_second_reader(
+    benchmark: Any,
+    fresh: Rounds,
+    scale: Scale,
+    second_reader_mount: SecondReaderMount,
+    tmp_path: Path,
+    tool: str,
+) -> None:
+    """``cp`` on a fresh mount; ``fastload-auto`` on the mount ``cp -r`` read last (the
+    case before it, else an untimed ``cp -r`` here first)."""
+    m = second_reader_mount
+    if tool == "cp":
+        mnt = m.fresh()
+    elif m.path is None or not m.peer_read_last:
+        mnt = m.fresh()
+        scratch = tmp_path / "peer-read"
+        scratch.mkdir()
+        make_tool("cp").run(mnt, scratch)
+        shutil.rmtree(scratch)
+    else:
+        mnt = m.path
+    files, nbytes = tree_stats(m.src)
+    src = Source(mnt, files, nbytes)
+    _stage_case(benchmark, fresh, scale, src, tool, "none", "netsim-second-reader", rounds=1)
+    benchmark.extra_info["latency_us"] = int(SECOND_LATENCY_US[0])
+    m.peer_read_last = tool == "cp"
 
 
 # --- digests ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Catches I/O regressions in minutes: runs a fixed quick subset of the benchmarks (tree
-# copy, netsim tree, tar, tar.gz, random access, streaming epoch, packed batches, object
-# store), each fastload case beside its peer in the same run, and compares the ratios
-# (peer time / fastload time) with benchmarks/baseline.json. Fails naming the case, the
+# copy, netsim tree, the latency mount's second reader (issue 33), tar, tar.gz, random
+# access, streaming epoch, packed batches, object store), each fastload case beside its
+# peer in the same run, and compares the ratios (peer time / fastload time) with
+# benchmarks/baseline.json. Fails naming the case, the
 # old and new ratio and the baseline's commit when a ratio falls below its recorded spread.
 #
 #   scripts/bench-check.sh                 check the median of 3 runs at the small size

@@ -111,6 +111,36 @@ def test_a_planted_30_percent_slowdown_is_caught_and_named(tmp_path: Path) -> No
     assert "baseline 2.00" in msg and "spread 1.90-2.10" in msg and COMMIT[:10] in msg
 
 
+def test_an_entry_recorded_on_its_own_is_named_by_its_own_commit_and_runs(
+    tmp_path: Path,
+) -> None:
+    _, base = _baseline(tmp_path)
+    base["cases"]["tree-warm"].update({"commit": "fedcba9876543210", "runs": 9})
+    msg = bc.failures(bc.compare(base, bc.collect([_run((1.3, 2.0))])), base)[0]
+    assert "over 9 runs at commit fedcba9876" in msg and COMMIT[:10] not in msg
+
+
+def test_the_issue_33_drop_is_caught_by_the_committed_second_reader_entry() -> None:
+    """Issue 33's drop (18.7x to 8.1x cp -r: fastload 2.3 times slower, cp unchanged)
+    against the committed netsim-second-reader entry fails the check; its own median
+    does not."""
+    base = bc.load_baseline(BENCH / "baseline.json")
+    case = next(c for c in bc.CASES if c.name == "netsim-second-reader")
+    entry = base["cases"][case.name]
+    assert entry["runs"] >= 5 and len(entry["ratios"]) == entry["runs"]
+
+    def run(fastload_s: float) -> dict[str, Any]:
+        cp_s = 12.0
+        return {"benchmarks": [_bench(case.module, case.fastload[0], fastload_s),
+                               _bench(case.module, case.peer, cp_s)]}  # fmt: skip
+
+    at_median = bc.collect([run(12.0 / entry["ratio"])])
+    assert not bc.failures(bc.compare(base, at_median), base)
+    dropped = bc.collect([run(2.3 * 12.0 / entry["ratio"])])
+    msgs = bc.failures(bc.compare(base, dropped), base)
+    assert [m.split(":")[0] for m in msgs] == ["netsim-second-reader"]
+
+
 def test_noise_within_the_spread_and_margin_is_not_a_regression(tmp_path: Path) -> None:
     _, base = _baseline(tmp_path)
     for tree, tar in [
@@ -191,6 +221,40 @@ def test_ratios_from_a_real_pytest_benchmark_run(tmp_path: Path) -> None:
     times = {b["name"]: b["stats"]["median"] for b in data["benchmarks"]}
     expect = times["test_tree[warm-cp]"] / times["test_tree[warm-fastload-uring]"]
     assert bc.ratios(data) == {"tree-warm": pytest.approx(expect)}
+
+
+def test_a_peer_first_case_runs_its_peer_before_fastload(tmp_path: Path) -> None:
+    """netsim-second-reader times fastload on the mount cp -r has just read: the subset
+    names the peer's node first and pytest runs the nodes in that order."""
+    case = next(c for c in bc.CASES if c.name == "netsim-second-reader")
+    assert case.peer_first and case.ids() == [case.peer, *case.fastload]
+    nodes = case.node_ids()
+    assert nodes.index(f"benchmarks/{case.module}::{case.peer}") == 0
+    assert bc.subset_nodes([case]) == nodes
+    # The order reaches the run: a module whose tests log themselves, given in that order.
+    # (the parametrisation lists fastload first, as test_bench_stage.py does not)
+    order = tmp_path / "order.txt"
+    mod = tmp_path / "test_order.py"
+    mod.write_text(textwrap.dedent(f"""
+        import pytest
+
+        @pytest.mark.parametrize("tool", ["fastload-auto", "cp"])
+        def test_case(tool):
+            with open({str(order)!r}, "a") as f:
+                f.write(tool + "\\n")
+    """))
+    peer_first = bc.Case("x", "test_order.py", ("test_case[fastload-auto]",), "test_case[cp]",
+                         peer_first=True)  # fmt: skip
+    ids = [f"{mod}::{t}" for t in peer_first.ids()]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids,
+         "-o", "addopts=", "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert order.read_text().split() == ["cp", "fastload-auto"]
+    # Without peer_first, fastload's node comes first, as for every other case.
+    assert bc.Case("y", "m.py", ("f",), "p").ids() == ["f", "p"]
 
 
 def test_every_case_names_benchmarks_that_pytest_collects(

@@ -12,7 +12,7 @@
 #                                        working tree's python/ when it holds _core*.so)
 #   FASTLOAD_GPU_CHECK_CPU=1 scripts/gpu-check.sh --no-build --samples 512
 #                                        the CPU columns only (a smoke run without a GPU)
-# Other options go to scripts/gpu_check.py (--help). See ../shared/NODE.md for the node.
+# Other options go to scripts/gpu_check.py (--help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

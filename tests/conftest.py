@@ -2,7 +2,10 @@
 
 The ``engine`` fixture runs every test that takes it once per I/O backend ("uring",
 "pread"): a backend this machine lacks is skipped, not failed. With ``FASTLOAD_ENGINE``
-set in the environment only that backend runs (CI runs the suite once per backend).
+set in the environment only that backend runs. ``FASTLOAD_TEST_ENGINES=pread`` (a list,
+comma-separated) deselects the other backends' cases without touching the library's
+engine rule: scripts/test.sh runs the suite on the first backend and the native part
+again, sanitized, on the other.
 
 Source trees that tests only read are built once per session; a test that changes its
 source builds its own.
@@ -34,6 +37,23 @@ from kit import trees  # noqa: E402
 from kit.tools import missing  # noqa: E402
 
 ENGINES = ("uring", "pread")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``FASTLOAD_TEST_ENGINES``: only these backends' cases of the ``engine`` fixture."""
+    only = os.environ.get("FASTLOAD_TEST_ENGINES", "").strip()
+    if not only:
+        return
+    keep = {e.strip() for e in only.split(",")}
+    selected: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        engine = spec.params.get("engine") if spec is not None else None
+        (dropped if engine is not None and engine not in keep else selected).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = selected
 NOBODY = 65534
 
 # Nothing may leave this machine: an s3:// URL without credentials must not make the

@@ -336,8 +336,13 @@ def run_children(mode: str, args: Sequence[dict[str, Any]], timeout: float = 180
 def gloo_rank(args: dict[str, Any]) -> None:
     """One rank: a gloo process group, then an epoch of each data set through a
     DataLoader with 2 fork workers."""
+    import faulthandler
+
     import torch.distributed as dist
 
+    # Where a rank stands if it hangs: its threads' stacks, printed before the test's
+    # timeout kills it.
+    faulthandler.dump_traceback_later(150, exit=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}",
                             rank=args["rank"], world_size=2)
     try:

@@ -31,6 +31,16 @@ from ._remote import RemoteReader, open_remote
 from .partition import Intervals
 from .shuffle import DEFAULT_BLOCK, EpochOrder
 
+
+class _NoGroup:
+    """A torch.distributed stand-in that has no process group (see ``_reader``)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+
+_NO_GROUP = _NoGroup()
 __all__ = ["ShardIterableDataset"]
 
 #: Marks a state dict as this dataset's (see ``state_dict``).
@@ -264,9 +274,11 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         if info is None:
             self._world = world(os.environ)
             return self._world
-        here = world(os.environ, info)
         main = self._world
-        # A spawned worker has no process group: the rank the main process saw is right.
+        # A worker takes the rank the main process saw from its process group: a spawned
+        # worker has none, and a forked one does not call into the group it inherited
+        # (its threads did not come along; nothing in it may be used after fork).
+        here = world(os.environ, info, dist=_NO_GROUP if main.source == "dist" else None)
         if main.source == "dist" or (here.source == "single" and main.source != "single"):
             here = dataclasses.replace(
                 here, rank=main.rank, world_size=main.world_size,

@@ -92,8 +92,8 @@ trap 'kill "$PEERS_PID" "$ASAN_PID" 2>/dev/null || true' EXIT
 # Each I/O backend runs every test that takes one: the first available (io_uring where
 # the kernel allows it) in this pass, the other (the pread pool) in the sanitized pass
 # below, which runs the native suites those tests are in.
-ENGINES=$(cd tests && "$VENV/bin/python" -c \
-  'import fastload; print(" ".join(fastload.available_engines()))')
+VPY=$(cd "$VENV/bin" && pwd)/python
+ENGINES=$(cd tests && "$VPY" -c 'import fastload; print(" ".join(fastload.available_engines()))')
 FIRST_ENGINE=${ENGINES%% *}
 LAST_ENGINE=${ENGINES##* }
 

@@ -8,7 +8,7 @@ import datetime
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +90,26 @@ def epoch_keys(ds: Any, workers: int = 0) -> list[Any]:
                         multiprocessing_context=multiprocessing.get_context("fork")
                         if workers else None)
     return [plain(s) for s in loader]
+
+
+@contextlib.contextmanager
+def cache_peak(cache_dir: Path) -> Iterator[list[int]]:
+    """The most bytes ``cache_dir`` held while the block ran (``peak[0]``), sampled every
+    2 ms by a thread."""
+    import threading
+
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], cache_bytes(cache_dir))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        watcher.join()

@@ -16,7 +16,6 @@ import collections
 import fcntl
 import os
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from remote_kit import cache_bytes, plain, put_shards  # noqa: E402
+from remote_kit import cache_bytes, cache_peak, plain, put_shards  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
@@ -108,21 +107,8 @@ def test_epoch_completes_under_limit(bucket_shards: tuple[list[Path], str], tmp_
                                        cache_limit=limit, **kw)
     local = fastload.ShardIterableDataset([str(p) for p in paths], shuffle=True, seed=5,
                                           **{k: v for k, v in kw.items() if k != "prefetch"})
-    peak = [0]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], cache_bytes(cache_dir))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with cache_peak(cache_dir) as peak:
         got = loader_epoch(ds, workers)
-    finally:
-        done.set()
-        watcher.join()
     want = [plain(s) for s in local]
     assert collections.Counter(map(str, got)) == collections.Counter(map(str, want))
     assert len(got) == SHARDS * PER_SHARD

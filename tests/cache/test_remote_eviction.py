@@ -4,8 +4,6 @@ cache a quarter of the data set's size, and a pinned shard never evicted."""
 from __future__ import annotations
 
 import collections
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from remote_kit import cache_bytes, epoch_keys, put_shards, write_shards  # noqa: E402
+from remote_kit import cache_bytes, cache_peak, epoch_keys, put_shards, write_shards  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
@@ -30,21 +28,8 @@ def test_quarter_limit_epoch(tmp_path: Path, s3: Any, bucket: str) -> None:
     cache_dir = tmp_path / "c"
     ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, cache_limit=limit, seed=3)
     local = fastload.ShardIterableDataset([str(p) for p in paths], seed=3)
-    peak = [0]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], cache_bytes(cache_dir))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with cache_peak(cache_dir) as peak:
         got = epoch_keys(ds, workers=2)
-    finally:
-        done.set()
-        watcher.join()
     assert collections.Counter(map(str, got)) == collections.Counter(map(str, epoch_keys(local)))
     assert 0 < peak[0] <= limit
     # No shard downloaded twice unless it was evicted in between (the limit needed the

@@ -24,7 +24,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
+from loader_kit import keep_list, keys_of, tag_worker  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload import ShardIndex  # noqa: E402
@@ -62,22 +63,6 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Sample]]:
     return build(tmp_path_factory.mktemp("four"), SIZES["4 shards"])
 
 
-def keys_of(items: Iterable[Any]) -> list[str]:
-    """Keys of a stream of samples or of batches (lists) of samples."""
-    out: list[str] = []
-    for x in items:
-        out += [s["__key__"] for s in x] if isinstance(x, list) else [x["__key__"]]
-    return out
-
-
-def keep_list(batch: list[Any]) -> list[Any]:
-    return batch
-
-
-def tag_worker(sample: dict[str, Any]) -> dict[str, Any]:
-    """The sample with ``"__worker__"``: the DataLoader worker that read it (-1: main)."""
-    info = get_worker_info()
-    return {**sample, "__worker__": -1 if info is None else info.id}
 
 
 def per_worker(items: Iterable[Any]) -> dict[int, list[int]]:

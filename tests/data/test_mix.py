@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils.data import DataLoader, get_worker_info  # noqa: E402
+from loader_kit import keep_list, keys_of, tag_worker  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.data import partition  # noqa: E402
@@ -58,20 +58,6 @@ def mix(sets: dict[str, Path], weights: dict[str, float] | None = None, **kw: An
     return fastload.Mix(streams, **kw)
 
 
-def keys_of(items: Iterable[Any]) -> list[str]:
-    out: list[str] = []
-    for x in items:
-        out += [s["__key__"] for s in x] if isinstance(x, list) else [x["__key__"]]
-    return out
-
-
-def keep_list(batch: list[Any]) -> list[Any]:
-    return batch
-
-
-def tag_worker(sample: dict[str, Any]) -> dict[str, Any]:
-    info = get_worker_info()
-    return {**sample, "__worker__": -1 if info is None else info.id}
 
 
 def test_one_epoch_proportions_and_stream_field(sets: dict[str, Path]) -> None:

@@ -4,12 +4,13 @@ ARGS``; prints one JSON line (the test reads every task's).
     env                     fastload.env.detect() and world() as this task sees them
     stage SRC NAME          fastload.stage(SRC, $SLURM_TMPDIR/NAME)
     resolve SRC CACHE       fastload.resolve(SRC, cache=CACHE) (into $SLURM_TMPDIR)
-    iterate INDEX [WORKERS] the __key__ of every sample this rank's DataLoader yields
-    list DIR                the files under DIR (hidden ones left out)
+    list DIR                the files under DIR (hidden ones left out): their count and
+                            the sha256 of their sorted names, one per line
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -31,6 +32,10 @@ def _who() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def names_digest(names: list[str]) -> str:
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()
+
+
 def main(op: str, *args: str) -> dict[str, Any]:
     out = _who()
     if op == "env":
@@ -45,24 +50,21 @@ def main(op: str, *args: str) -> dict[str, Any]:
                    skipped=r.skipped)  # fmt: skip
     elif op == "resolve":
         out.update(path=str(fastload.resolve(args[0], cache=args[1], progress=False)))
-    elif op == "iterate":
-        import torch.utils.data
-
-        ds = fastload.ShardIterableDataset(args[0], shuffle=True, seed=5)
-        workers = int(args[1]) if len(args) > 1 else 2
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-        out.update(keys=[s["__key__"] for s in loader])
     elif op == "list":
         root = Path(args[0])
-        out.update(path=str(root), files=sorted(
-            str(f.relative_to(root)) for f in root.rglob("*")
-            if f.is_file() and not f.name.startswith(".")
-        ))  # fmt: skip
+        names = sorted(str(f.relative_to(root)) for f in root.rglob("*")
+                       if f.is_file() and not f.name.startswith("."))  # fmt: skip
+        out.update(path=str(root), listed=len(names), names_sha256=names_digest(names))
     else:
         raise SystemExit(f"unknown op {op}")
     return out
 
 
 if __name__ == "__main__":
-    # One write (under PIPE_BUF: atomic), so tasks sharing a pipe do not split lines.
-    os.write(1, (json.dumps(main(*sys.argv[1:])) + "\n").encode())
+    # One write, so tasks sharing a pipe do not split lines; and under 1 KiB, since
+    # slurmstepd forwards a task's output in messages of at most 1024 bytes, and srun
+    # interleaves the messages of different tasks (a longer line came back cut in two).
+    line = (json.dumps(main(*sys.argv[1:])) + "\n").encode()
+    if len(line) > 1024:
+        raise SystemExit(f"slurm_task: a report of {len(line)} bytes would be split by srun")
+    os.write(1, line)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from slurm_task import names_digest
 
 from kit.slurm import NODES, TASK, Cluster
 
@@ -58,8 +59,8 @@ srun -n 3 --ntasks-per-node=1 bash -c '{slurm.python} -m fastload stage --no-pro
     lines = [json.loads(x) for x in (tmp_path / "out.txt").read_text().splitlines()
              if x.startswith("{")]  # fmt: skip
     staged = [x for x in lines if "copied_files" in x]
-    listed = [x for x in lines if "files" in x and "copied_files" not in x]
-    resolved = [x for x in lines if "files" not in x]
+    listed = [x for x in lines if "listed" in x]
+    resolved = [x for x in lines if "files" not in x and "listed" not in x]
     assert len(staged) == len(resolved) == 6 and len(listed) == 3
     for node in NODES:
         here = [x for x in staged if x["nodename"] == node]
@@ -73,7 +74,7 @@ srun -n 3 --ntasks-per-node=1 bash -c '{slurm.python} -m fastload stage --no-pro
         assert len(paths) == 1 and paths.pop().startswith(str(slurm.local(node, job)) + "/")
     for cli in listed:  # ``fastload stage`` in each node's SLURM_TMPDIR
         assert cli["path"] == str(slurm.local(cli["nodename"], job) / "cli")
-        assert cli["files"] == sorted(want)
+        assert (cli["listed"], cli["names_sha256"]) == (len(want), names_digest(sorted(want)))
     assert sorted(x["nodename"] for x in listed) == list(NODES)
     # The epilog removed every node's directory when the job ended.
     assert not any(slurm.local(n, job).exists() for n in NODES)

@@ -184,6 +184,8 @@ class FaultProxy:
         self.bytes_out = 0
         self.faults = 0
         self._n = 0
+        self._accepted = 0  # connections taken, and of those still open:
+        self._open = 0
         self._lock = threading.Lock()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -209,6 +211,21 @@ class FaultProxy:
             assert time.monotonic() < deadline, f"{self.in_flight} GETs in flight, not {n}"
             time.sleep(0.01)
 
+    def settle(self, quiet: float = 0.5, timeout: float = 60.0) -> None:
+        """Until no connection is open and none came for ``quiet`` seconds: what a killed
+        client had sent is counted before the counts are reset, not after."""
+        deadline = time.monotonic() + timeout
+        seen, since = -1, time.monotonic()
+        while True:
+            with self._lock:
+                accepted, idle = self._accepted, self._open == 0
+            if accepted != seen or not idle:
+                seen, since = accepted, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                return
+            assert time.monotonic() < deadline, f"{self._open} connections still open"
+            time.sleep(0.02)
+
     def gets(self) -> int:
         """GET requests of objects (listings are GETs with ``list-type`` in the query)."""
         return self.requests["GET"]
@@ -219,6 +236,9 @@ class FaultProxy:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            with self._lock:
+                self._accepted += 1
+                self._open += 1
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def close(self) -> None:
@@ -229,8 +249,12 @@ class FaultProxy:
 
     def _handle(self, conn: socket.socket) -> None:
         # A client that goes away (killed, or gave up on a slow reply) ends its thread.
-        with contextlib.suppress(OSError):
-            self._relay(conn)
+        try:
+            with contextlib.suppress(OSError):
+                self._relay(conn)
+        finally:
+            with self._lock:
+                self._open -= 1
 
     def _relay(self, conn: socket.socket) -> None:
         counted = [False]

@@ -4,6 +4,7 @@ ARGS``; prints one JSON line (the test reads every task's).
     env                     fastload.env.detect() and world() as this task sees them
     stage SRC NAME          fastload.stage(SRC, $SLURM_TMPDIR/NAME)
     resolve SRC CACHE       fastload.resolve(SRC, cache=CACHE) (into $SLURM_TMPDIR)
+    iterate INDEX [WORKERS] the __key__ of every sample this rank's DataLoader yields
     list DIR                the files under DIR (hidden ones left out): their count and
                             the sha256 of their sorted names, one per line
 """
@@ -50,6 +51,13 @@ def main(op: str, *args: str) -> dict[str, Any]:
                    skipped=r.skipped)  # fmt: skip
     elif op == "resolve":
         out.update(path=str(fastload.resolve(args[0], cache=args[1], progress=False)))
+    elif op == "iterate":
+        import torch.utils.data
+
+        ds = fastload.ShardIterableDataset(args[0], shuffle=True, seed=5)
+        workers = int(args[1]) if len(args) > 1 else 2
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        out.update(keys=[s["__key__"] for s in loader])
     elif op == "list":
         root = Path(args[0])
         names = sorted(str(f.relative_to(root)) for f in root.rglob("*")

@@ -171,3 +171,32 @@ def test_an_unreachable_store_is_retried_then_named(monkeypatch: pytest.MonkeyPa
         store.head("k")
     assert e.value.errno == errno.EHOSTUNREACH and "\n" not in str(e.value)
     assert store.retries.snapshot() == {"connection": 8}
+
+
+def test_remote_archive_stats(s3: S3Server, bucket: str, proxy: FaultProxy,
+                              tmp_path: Path) -> None:  # fmt: skip
+    """An archive object extracted as it streams in, through bodies cut short: each cut
+    one retry (the block's GET resumed), the time in its ranged GETs and in the
+    extractor both there."""
+    import tarfile
+
+    files = _tree(40, seed=41)
+    src = tmp_path / "src"
+    for k, v in files.items():
+        (src / k).parent.mkdir(parents=True, exist_ok=True)
+        (src / k).write_bytes(v)
+    with tarfile.open(tmp_path / "a.tar", "w") as tf:
+        tf.add(src, arcname=".")
+    upload(s3, bucket, {"a.tar": (tmp_path / "a.tar").read_bytes()})
+    # Every GET's body cut after 2 MB: the archive's (5 MB, one ranged read) resumes
+    # a few times, each time from where it stopped (a whole refetch would never end).
+    proxy.truncate_every, proxy.truncate_at = 1, 2_000_000
+    r = fastload.stage(f"s3://{bucket}/a.tar", tmp_path / "out", stats=True)
+    assert tree_of(tmp_path / "out") == files
+    st = r.stats
+    assert st is not None
+    assert st.retries == proxy.faults >= 2 and st.retry_reasons == {"short_body": proxy.faults}
+    from fastload.staging.readers import _PREFETCH
+
+    assert 0 < st.read_busy_seconds <= st.seconds * _PREFETCH
+    assert 0 < st.write_busy_seconds <= st.seconds

@@ -120,6 +120,21 @@ def test_a_part_cut_short_resumes_where_it_stopped(
     assert proxy.bytes_out < len(data)
 
 
+def test_a_stream_cut_short_resumes(s3: S3Server, bucket: str, proxy: FaultProxy) -> None:
+    """An object read as a stream (the sources registry's opener), every other GET cut:
+    asked again from the last byte handed out (here none: its 8 MiB pieces), under the
+    ETag of its first reply; whole, each cut one retry."""
+    data = random.Random(42).randbytes(3 << 20)
+    upload(s3, bucket, {"s.bin": data})
+    store = ObjectStore(f"s3://{bucket}/")
+    proxy.faults = 0
+    proxy.truncate_every, proxy.truncate_at = 2, 500_000
+    for _ in range(3):
+        assert b"".join(store.stream("s.bin")) == data
+    assert proxy.faults >= 1
+    assert store.retries.snapshot() == {"short_body": proxy.faults}
+
+
 def _fails_once(proxy: FaultProxy, fn: Any) -> BaseException:
     proxy.reset_counts()
     before = process_retries().total()

@@ -365,7 +365,7 @@ class ObjectStore:
         full = self._full(key)
         got = 0
         tries = self._tries(full)
-        while True:
+        while got < end - start:  # (an error after the last byte: nothing left to ask)
             opts: dict[str, Any] = {"range": (start + got, end)}
             if etag:
                 opts["if_match"] = etag
@@ -467,8 +467,9 @@ class ObjectStore:
         full = self._full(key)
         got = 0
         etag: str | None = None
+        size = -1
         tries = self._tries(full)
-        while True:
+        while got != size:  # (an error after the last byte: nothing left to ask)
             opts: dict[str, Any] = {}
             if got:
                 opts["range"] = {"offset": got}
@@ -477,6 +478,7 @@ class ObjectStore:
             try:
                 resp = self._ob.get(self._store, full, options=opts)
                 etag = etag or resp.meta.get("e_tag")
+                size = int(resp.meta["size"]) if size < 0 else size
                 for chunk in resp.stream(min_chunk_size=8 << 20):
                     got += len(chunk)
                     yield memoryview(chunk)

@@ -360,14 +360,15 @@ def test_store_retries_are_the_faults(remote: tuple[str, list[int]], tmp_path: P
                                        cache_dir=tmp_path / "cache", collate_fn=keep)  # fmt: skip
     loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep)
     proxy.faults = 0
-    proxy.fail_every, proxy.reset_every, proxy.truncate_every = 3, 4, 5
+    # Under half the requests fail (48 %): a download's 8 retries are not all spent.
+    proxy.fail_every, proxy.reset_every, proxy.truncate_every = 7, 11, 3
     proxy.truncate_at = 100_000  # the shards are about 450 kB
     m = fastload.monitor(loader)
     run(m)
     s = m.stats()
     assert s["data/samples"] == SHARDS * 100
     assert s["cache/downloads"] == SHARDS and s["cache/download_bytes"] == sum(sizes)
-    assert proxy.faults >= 3
+    assert proxy.faults >= 2
     assert s["store/retries"] == s["workers/retries"] == proxy.faults
     assert s["worker/main/retries"] == proxy.faults
     # Without faults: none.

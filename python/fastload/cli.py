@@ -433,10 +433,13 @@ def _print_stage_stats(st: Any) -> None:
           f"{st.planning_seconds:.2f} s), copying {st.copy_seconds:.2f} s, total "
           f"{st.seconds:.2f} s")  # fmt: skip
     if st.read_busy_seconds or st.write_busy_seconds:
+        meta = (f", opens and closes {st.meta_busy_seconds:.2f} s" if st.meta_busy_seconds
+                else "")  # fmt: skip
         print(f"  in flight: reads {st.read_busy_seconds:.2f} s, writes "
-              f"{st.write_busy_seconds:.2f} s, opens and closes {st.meta_busy_seconds:.2f} s "
-              "(summed over the copier's threads)")  # fmt: skip
+              f"{st.write_busy_seconds:.2f} s{meta} (summed over the threads)")  # fmt: skip
     print(f"  cpu {st.cpu_user_seconds:.2f} s user, {st.cpu_system_seconds:.2f} s system")
+    why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in sorted(st.retry_reasons.items()))
+    print(f"  retries {st.retries}" + (f" ({why})" if why else ""))
     shown = -1.0
     for t, bps, fps in st.rates():
         if t - shown >= 1.0:

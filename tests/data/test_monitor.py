@@ -347,3 +347,36 @@ def test_slow_store_stall(remote: tuple[str, list[int]], tmp_path: Path, proxy: 
     assert why is not None and why.startswith("store bound"), (why, s)
     assert "GETs in flight" in why
     assert "| s3 " in m.summary()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_store_retries_are_the_faults(remote: tuple[str, list[int]], tmp_path: Path,
+                                      proxy: Any, workers: int) -> None:
+    """503s, resets and bodies cut short while the cache downloads the shards: each is
+    one retry in ``store/retries`` (the main process's row with workers: it serves their
+    downloads), and the epoch is whole."""
+    url, sizes = remote
+    ds = fastload.ShardIterableDataset(url, batch_size=20, shuffle=False,
+                                       cache_dir=tmp_path / "cache", collate_fn=keep)  # fmt: skip
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep)
+    proxy.faults = 0
+    # Under half the requests fail (48 %): a download's 8 retries are not all spent.
+    proxy.fail_every, proxy.reset_every, proxy.truncate_every = 7, 11, 3
+    proxy.truncate_at = 100_000  # the shards are about 450 kB
+    m = fastload.monitor(loader)
+    run(m)
+    s = m.stats()
+    assert s["data/samples"] == SHARDS * 100
+    assert s["cache/downloads"] == SHARDS and s["cache/download_bytes"] == sum(sizes)
+    assert proxy.faults >= 2
+    assert s["store/retries"] == s["workers/retries"] == proxy.faults
+    assert s["worker/main/retries"] == proxy.faults
+    # Without faults: none.
+    proxy.fail_every = proxy.reset_every = proxy.truncate_every = 0
+    again = fastload.monitor(DataLoader(
+        fastload.ShardIterableDataset(url, batch_size=20, shuffle=False,
+                                      cache_dir=tmp_path / "cache2", collate_fn=keep),
+        batch_size=None, num_workers=workers, collate_fn=keep,
+    ))  # fmt: skip
+    run(again)
+    assert again.stats()["store/retries"] == 0

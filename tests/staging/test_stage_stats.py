@@ -105,3 +105,30 @@ def test_cli_stats(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "(listing " in out and "in flight: reads " in out
     assert cli.main(["stage", str(src), str(tmp_path / "dst3")]) == 0
     assert "lock wait" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mapped", ["0", "1"])
+def test_archive_stats_split_reads_and_writes(src: Path, tmp_path: Path, mapped: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archive's stats: the time in reads of the archive (summed over the reading
+    threads; none when it is mapped) and the feeding thread's time in the extractor,
+    each within the wall time times the threads that spend it."""
+    import tarfile
+
+    archive = tmp_path / "src.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(src, arcname=".")
+    monkeypatch.setenv("FASTLOAD_MAPPED_READS", mapped)
+    r = fastload.stage(archive, tmp_path / "dst", stats=True)
+    st = r.stats
+    assert st is not None and not r.skipped
+    assert r.bytes == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert st.samples[-1][1] == archive.stat().st_size  # progress: the archive's bytes
+    from fastload.staging.readers import _PREFETCH
+
+    if mapped == "1":
+        assert st.read_busy_seconds == 0
+    else:
+        assert 0 < st.read_busy_seconds <= st.seconds * _PREFETCH
+    assert 0 < st.write_busy_seconds <= st.seconds  # one feeding thread
+    assert st.meta_busy_seconds == 0 and st.retries == 0

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._util import human, pwrite_all
 from ..errors import SourceChangedError, stage_error
+from ..sources.retry import process_retries
 
 if TYPE_CHECKING:
     from ..sources.objstore import ObjectStore
@@ -73,12 +74,15 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 class Counters:
     """This process's cache activity (``fastload.monitor`` reads it): reader pins that
     found their shard cached (``hits``) or not (``misses``), downloads and their bytes,
-    evictions, object GETs and the seconds they took (summed over the GETs in flight).
-    Counted where the work runs: the downloads of a DataLoader worker forked after
-    obstore was used run in the process serving it (:mod:`fastload.cache._fetchd`)."""
+    evictions, object GETs and the seconds they took (summed over the GETs in flight),
+    and the retries of this process's object-store requests (``retries``: the retry
+    policy's count, :func:`fastload.sources.retry.process_retries`, for every request
+    the process made, the cache's and any other). Counted where the work runs: the
+    downloads of a DataLoader worker forked after obstore was used run in the process
+    serving it (:mod:`fastload.cache._fetchd`)."""
 
     FIELDS = ("hits", "misses", "downloads", "download_bytes", "evictions", "evicted_bytes",
-              "gets", "get_seconds")  # fmt: skip
+              "gets", "get_seconds", "retries")  # fmt: skip
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -90,7 +94,9 @@ class Counters:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._v)
+            out = dict(self._v)
+        out["retries"] = float(process_retries().total())
+        return out
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork

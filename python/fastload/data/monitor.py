@@ -283,6 +283,7 @@ class Monitor(Generic[T]):
             out[f"cache/{f}"] = out[f"workers/{f}"]
         out["store/gets"] = out["workers/gets"]
         out["store/get_s"] = out["workers/get_seconds"]
+        out["store/retries"] = out["workers/retries"]
         out["store/bytes_per_s"] = out["cache/download_bytes"] / busy if busy > 0 else 0.0
         out["store/gets_in_flight"] = out["store/get_s"] / busy if busy > 0 else 0.0
         return out
@@ -397,8 +398,10 @@ def monitor(
     at the mean bytes per sample), collate time, and from fastload's datasets the time in
     each stage (``read``, ``fetch`` of remote shards into the cache, ``transform``,
     ``collate``) and the cache's hits, misses, downloads, evictions, GETs and their
-    seconds (``cache/...``, ``store/...``; retries happen inside the object-store client
-    and are not counted).
+    seconds (``cache/...``, ``store/...``), and the object-store requests retried
+    (``store/retries``, ``worker/<i>/retries``: 503s, throttling, resets, bodies cut
+    short; counted in the process that made the request, the main process for the
+    downloads it serves its forked workers).
 
     ``log_every=30``: a one-line :meth:`Monitor.summary` every 30 s through ``logger``
     (``logging.getLogger("fastload.monitor")`` by default, at INFO), or as the postfix of

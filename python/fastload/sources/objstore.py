@@ -1,6 +1,8 @@
 """Object stores (``s3://``, ``gs://``, ``az://``) through obstore (Rust's object_store):
-listing, ranged reads with ``If-Match``, retries with backoff, request signing. Nothing
-here signs, parses XML or retries by hand. Where the settings come from (site, profile,
+listing, ranged reads with ``If-Match``, request signing. Nothing here signs or parses
+XML. Retries are ours, not obstore's (whose retries cannot be counted): every request
+goes through one policy (:mod:`.retry`), and each store counts its retries by reason
+(:attr:`ObjectStore.retries`). Where the settings come from (site, profile,
 environment, ``storage_options``) and how they are checked: :mod:`.settings`.
 
 Errors name the URL: a missing bucket or key is ``FileNotFoundError``; refused
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceChangedError, stage_error
+from .retry import RetryCounts, Tries
 from .settings import (
     StorageOptions,
     _metadata_disabled,
@@ -109,15 +112,10 @@ class ObjectStore:
             raise ModuleNotFoundError(
                 f"reading {self.scheme}:// URLs needs obstore: {_EXTRA}"
             ) from None
-        retry = {
-            "max_retries": 8,
-            "retry_timeout": timedelta(seconds=120),
-            "backoff": {
-                "init_backoff": timedelta(milliseconds=50),
-                "max_backoff": timedelta(seconds=5),
-                "base": 2,
-            },
-        }
+        self.retries = RetryCounts()
+        """The retries of this store's requests, by reason (:data:`.retry.REASONS`)."""
+        # obstore retries nothing: every request goes through Tries (the policy, counted).
+        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=120)}
         client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
         if self.scheme == "s3":
             s = s3_settings(storage_options)
@@ -172,8 +170,9 @@ class ObjectStore:
 
     # --- errors --------------------------------------------------------------------------
 
-    def error(self, e: BaseException, key: str) -> OSError:
-        """An obstore (or network) error as the OSError a user can act on."""
+    def error(self, e: BaseException, key: str, retries: int = 0) -> OSError:
+        """An obstore (or network) error as the OSError a user can act on, after
+        ``retries`` retries."""
         from obstore import exceptions as ox
 
         url = f"{self.scheme}://{self.bucket}/{key}"
@@ -211,7 +210,7 @@ class ObjectStore:
                                   "tcp connect", "connect error", "timed out")):
             return stage_error(
                 errno.EHOSTUNREACH,
-                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low)}",
+                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low, retries)}",
                 url,
             )
         if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
@@ -219,6 +218,20 @@ class ObjectStore:
         return stage_error(errno.EIO, f"'{url}': {type(e).__name__}: {text}", url)
 
     # --- requests ------------------------------------------------------------------------
+
+    def _tries(self, full: str) -> Tries:
+        """The attempts at one request for ``full`` under the retry policy, counted in
+        :attr:`retries`; the last error raised as :meth:`error` words it."""
+        return Tries(self.retries, lambda e, n: self.error(e, full, n))
+
+    def _call(self, full: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (one request for ``full``), retried under the policy."""
+        tries = self._tries(full)
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                tries.failed(e)
 
     def _full(self, key: str) -> str:
         return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)
@@ -246,22 +259,23 @@ class ObjectStore:
                     out.append(_info(rel, meta))
 
         def under(sub: str) -> list[Mapping[str, Any]]:
-            pages = self._ob.list(self._store, prefix=sub, chunk_size=1000)
-            return [meta for page in pages for meta in page]
+            # A listing cut short is listed again from its start (pages are not resumed).
+            metas: list[Mapping[str, Any]] = self._call(base, lambda: [
+                meta for page in self._ob.list(self._store, prefix=sub, chunk_size=1000)
+                for meta in page
+            ])  # fmt: skip
+            return metas
 
-        try:
-            top = self._ob.list_with_delimiter(self._store, prefix or None)
-            take(top["objects"])
-            subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
-            if len(subs) == 1:
-                take(under(subs[0]))
-            elif subs:
-                with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
-                                        thread_name_prefix="fastload-list") as pool:
-                    for metas in pool.map(under, subs):
-                        take(metas)
-        except Exception as e:
-            raise self.error(e, base) from None
+        top = self._call(base, lambda: self._ob.list_with_delimiter(self._store, prefix or None))
+        take(top["objects"])
+        subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
+        if len(subs) == 1:
+            take(under(subs[0]))
+        elif subs:
+            with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
+                                    thread_name_prefix="fastload-list") as pool:
+                for metas in pool.map(under, subs):
+                    take(metas)
         out.sort(key=lambda o: o.key)
         return out
 
@@ -319,11 +333,7 @@ class ObjectStore:
 
     def head(self, key: str = "") -> ObjectInfo:
         full = self._full(key)
-        try:
-            meta = self._ob.head(self._store, full)
-        except Exception as e:
-            raise self.error(e, full) from None
-        return _info(key, meta)
+        return _info(key, self._call(full, lambda: self._ob.head(self._store, full)))
 
     def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
         """Bytes ``[start, end)`` of the object (fewer at its end), which must still have
@@ -332,10 +342,8 @@ class ObjectStore:
         opts: dict[str, Any] = {"range": (start, end)}
         if etag:
             opts["if_match"] = etag
-        try:
-            got = memoryview(self._ob.get(self._store, full, options=opts).bytes())
-        except Exception as e:
-            raise self.error(e, full) from None
+        got = memoryview(self._call(full, lambda: self._ob.get(self._store, full,
+                                                              options=opts).bytes()))
         if len(got) > end - start:
             raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked", full)
         return got
@@ -348,24 +356,29 @@ class ObjectStore:
         piece at its place while it is still in the CPU's cache, and no buffer the size
         of the range is ever allocated (a fresh 16 MiB one per part cost ~100,000 page
         faults per GiB, s5cmd 5,000, and about twice s5cmd's system time). A range of at
-        most ``chunk`` bytes comes in one piece (one ``get_range``)."""
+        most ``chunk`` bytes comes in one piece (one ``get_range``). A reply cut short
+        is resumed from the byte it stopped at (a ranged GET of the rest, with the
+        same ``If-Match``), a retry of the policy."""
         if end - start <= chunk:
             yield self.get_range(key, start, end, etag)
             return
         full = self._full(key)
-        opts: dict[str, Any] = {"range": (start, end)}
-        if etag:
-            opts["if_match"] = etag
         got = 0
-        try:
-            resp = self._ob.get(self._store, full, options=opts)
-            for piece in resp.stream(min_chunk_size=chunk):
-                got += len(piece)
-                if got > end - start:
-                    break
-                yield piece
-        except Exception as e:
-            raise self.error(e, full) from None
+        tries = self._tries(full)
+        while got < end - start:  # (an error after the last byte: nothing left to ask)
+            opts: dict[str, Any] = {"range": (start + got, end)}
+            if etag:
+                opts["if_match"] = etag
+            try:
+                resp = self._ob.get(self._store, full, options=opts)
+                for piece in resp.stream(min_chunk_size=chunk):
+                    got += len(piece)
+                    if got > end - start:
+                        break
+                    yield piece
+                break
+            except Exception as e:
+                tries.failed(e)
         if got > end - start:
             raise stage_error(errno.EIO, f"'{self.url}/{key}': longer reply than asked", full)
 
@@ -444,34 +457,45 @@ class ObjectStore:
         """The whole object (its bytes stay in obstore's buffer: no copy)."""
         full = self._full(key)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
-        try:
-            return memoryview(self._ob.get(self._store, full, options=opts).bytes())
-        except Exception as e:
-            raise self.error(e, full) from None
+        return memoryview(self._call(full, lambda: self._ob.get(self._store, full,
+                                                               options=opts).bytes()))
 
     def stream(self, key: str = "") -> Iterator[memoryview]:
-        """The object's bytes as they arrive (for sequential consumers)."""
+        """The object's bytes as they arrive (for sequential consumers). A reply cut
+        short is resumed where it stopped, if the object still has the ETag of the
+        first reply (else :class:`SourceChangedError`)."""
         full = self._full(key)
-        try:
-            resp = self._ob.get(self._store, full)
-            for chunk in resp.stream(min_chunk_size=8 << 20):
-                yield memoryview(chunk)
-        except Exception as e:
-            raise self.error(e, full) from None
+        got = 0
+        etag: str | None = None
+        size = -1
+        tries = self._tries(full)
+        while got != size:  # (an error after the last byte: nothing left to ask)
+            opts: dict[str, Any] = {}
+            if got:
+                opts["range"] = {"offset": got}
+            if etag:
+                opts["if_match"] = etag
+            try:
+                resp = self._ob.get(self._store, full, options=opts)
+                etag = etag or resp.meta.get("e_tag")
+                size = int(resp.meta["size"]) if size < 0 else size
+                for chunk in resp.stream(min_chunk_size=8 << 20):
+                    got += len(chunk)
+                    yield memoryview(chunk)
+                return
+            except Exception as e:
+                tries.failed(e)
 
     def put(self, key: str, data: Any) -> None:
+        """``data`` (bytes, or a path of a file) as the object ``key``."""
         full = self._full(key)
-        try:
-            self._ob.put(self._store, full, data)
-        except Exception as e:
-            raise self.error(e, full) from None
+        self._call(full, lambda: self._ob.put(self._store, full, data))
 
 
-def _unreachable(low: str) -> str:
+def _unreachable(low: str, retries: int) -> str:
     """Why a request found no server, in a few words (obstore's text runs to a line of
     retry settings and a nested cause)."""
-    m = re.search(r"after (\d+) retries", low)
-    tries = f" (after {m.group(1)} retries)" if m else ""
+    tries = f" (after {retries} retries)" if retries else ""
     if "connection refused" in low:
         return "connection refused" + tries
     if "dns error" in low or "failed to lookup" in low or "name or service" in low:

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Literal, Union
 from .. import _core
 from ..errors import stage_error
 from ..sources import is_store_url
+from ..sources.retry import process_retries
 from .archive import (
     Archive,
     archive_compression,
@@ -156,9 +157,10 @@ def stage(
     )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
+    retried = process_retries().snapshot()  # the source's listing retries count too
     with named_os_errors():
         source, dest = open_source(src, dst, req)
-        return stage_into(dest, source)
+        return stage_into(dest, source, retried)
 
 
 def open_source(

@@ -175,6 +175,30 @@ class Archive:
                 bar.close()
 
 
+class _TimedFeeds:
+    """The extraction job, with the time spent in its ``feed*`` and ``finish`` calls
+    summed (``seconds``, stage stats' write time of an archive: the extractor parsing
+    the blocks and handing members to its writer threads, waiting for them when they
+    lag behind); everything else passes through."""
+
+    def __init__(self, job: Any) -> None:
+        self._job, self.seconds = job, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._job, name)
+        if name not in ("feed", "feed_block", "feed_mapped", "finish"):
+            return fn
+
+        def timed(*args: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.monotonic() - t0
+
+        return timed
+
+
 class _Extraction:
     """One run of the native extractor over an archive's bytes, journalled."""
 
@@ -248,8 +272,9 @@ class _Extraction:
         )
         job = _core.ExtractJob(str(dest.path), data.name, options)
         reader = data.reader(job, hasher, can_seek)
+        feeds = _TimedFeeds(job)
         try:
-            self._feed(job, reader, pydecomp, can_seek, flusher)
+            self._feed(feeds, reader, pydecomp, can_seek, flusher)
         except BaseException as e:
             job.abort()
             with contextlib.suppress(Exception):
@@ -266,6 +291,8 @@ class _Extraction:
             raise
         finally:
             reader.close()
+            dest.add_time("reading", getattr(reader, "read_seconds", 0.0))
+            dest.add_time("writing", feeds.seconds)
         self._check_source(hasher)
         journal.close()
         return self._commit(job)

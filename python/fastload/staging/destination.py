@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _core
 from .._util import node_lock
+from ..sources.retry import process_retries
 from .columns import Done, Entry, FileTable, Listing, Record
 from .job import JOURNAL_EVERY, Bar, prove, say_waiting
 from .request import StageRequest
@@ -273,14 +274,19 @@ def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResu
     return result
 
 
-def stage_into(dest: Destination, source: Any) -> StageResult:
+def stage_into(dest: Destination, source: Any,
+               retried: Mapping[str, int] | None = None) -> StageResult:  # fmt: skip
     """Open the destination, lock, run the source (or fan out over the job's nodes). A
     stage that fails before it wrote anything leaves no empty destination behind. With
     ``stats`` the result says where the time went (:class:`StageStats`): the lock wait,
-    CPU time, and bytes and files done over time, from the progress callback."""
+    CPU time, bytes and files done over time, from the progress callback, and the
+    object-store requests this process retried since ``retried`` (the counts by reason
+    when the source was opened; else from now)."""
     existed = os.path.lexists(dest.path)
     req = dest.req
     t0, usage = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    if retried is None:
+        retried = process_retries().snapshot()
     samples: list[tuple[float, int, int]] = []
     marks = {"locked": t0}
     if req.stats:
@@ -308,6 +314,10 @@ def stage_into(dest: Destination, source: Any) -> StageResult:
         first = samples[0][0] + t0 if samples else now
         last = samples[-1][0] + t0 if samples else now
         phase = dest.timings.get
+        now_retried = process_retries().snapshot()
+        since = retried or {}
+        reasons = {k: n - since.get(k, 0) for k, n in now_retried.items()
+                   if n > since.get(k, 0)}  # fmt: skip
         return dataclasses.replace(result, stats=StageStats(
             seconds=now - t0, lock_wait_seconds=marks["locked"] - t0,
             setup_seconds=first - marks["locked"], copy_seconds=last - first,
@@ -316,6 +326,7 @@ def stage_into(dest: Destination, source: Any) -> StageResult:
             listing_seconds=phase("listing", 0.0), planning_seconds=phase("planning", 0.0),
             read_busy_seconds=phase("reading", 0.0), write_busy_seconds=phase("writing", 0.0),
             meta_busy_seconds=phase("metadata", 0.0),
+            retries=sum(reasons.values()), retry_reasons=reasons,
         ))  # fmt: skip
 
     try:

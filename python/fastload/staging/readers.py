@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,6 +120,8 @@ class Prefetcher(_Ahead):
         self._depth = depth
         self._queue: deque[tuple[int, int, int, memoryview, Future[int]]] = deque()
         self._next = 0
+        self.read_seconds = 0.0  # in reads (a file's, or ranged GETs), summed over threads
+        self._timing = threading.Lock()
         try:
             self._fill()
         except BaseException:
@@ -153,6 +157,14 @@ class Prefetcher(_Ahead):
             got += k
         return got
 
+    def _timed_read(self, view: memoryview, n: int, off: int) -> int:
+        t0 = time.monotonic()
+        try:
+            return self._read(view, n, off)
+        finally:
+            with self._timing:
+                self.read_seconds += time.monotonic() - t0
+
     def _read_direct(self, view: memoryview, n: int, off: int) -> int:
         """Reads [off, off + n) with O_DIRECT: whole aligned blocks (the last rounded up,
         which the block has room for; the file's end makes it short)."""
@@ -186,7 +198,7 @@ class Prefetcher(_Ahead):
             n = self._block if self._next % _ALIGN == 0 else _ALIGN - self._next % _ALIGN
             n = min(n, self._size - self._next)
             self._queue.append(
-                (self._next, n, b, view, self._pool.submit(self._read, view, n, self._next))
+                (self._next, n, b, view, self._pool.submit(self._timed_read, view, n, self._next))
             )
             self._next += n
 

@@ -72,19 +72,29 @@ def _digests(chunks: list[int]) -> str:
 
 
 class _Fetcher:
-    """Fetches objects into ``root`` with bounded memory; thread-safe counters."""
+    """Fetches objects into ``root`` with bounded memory; thread-safe counters: bytes
+    done, and the seconds its threads waited for the store's bytes (``read_seconds``:
+    GETs, their retries and backoff) and wrote them (``write_seconds``: the pwrites),
+    each summed over the threads."""
 
     def __init__(self, store: ObjectStore, root: Path, stripe: int, workers: int) -> None:
         self.store, self.root, self.stripe = store, root, stripe
         self.small = ThreadPoolExecutor(workers, thread_name_prefix="fastload-get")
         self.parts = ThreadPoolExecutor(_PARTS_IN_FLIGHT, thread_name_prefix="fastload-part")
         self.bytes_done = 0
+        self.read_seconds = 0.0
+        self.write_seconds = 0.0
         self.lock = threading.Lock()
         self.cancelled = False
 
     def _count(self, n: int) -> None:
         with self.lock:
             self.bytes_done += n
+
+    def _times(self, read: float, write: float) -> None:
+        with self.lock:
+            self.read_seconds += read
+            self.write_seconds += write
 
     def _place(self, tmp: Path, final: Path, obj: ObjectInfo) -> None:
         os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
@@ -100,7 +110,9 @@ class _Fetcher:
             raise InterruptedError
         if obj.size > _WHOLE_UP_TO:
             return self._fetch_parts(obj, final, resumable=False)
+        t0 = time.monotonic()
         data = self.store.get(obj.key, obj.etag) if obj.size else memoryview(b"")
+        t1 = time.monotonic()
         if len(data) != obj.size:
             raise self._eio(obj, f"got {len(data)} bytes, the listing said {obj.size}")
         tmp = final.with_name(f".{final.name}.fastload-tmp")
@@ -113,6 +125,7 @@ class _Fetcher:
             raise
         finally:
             os.close(fd)
+        self._times(t1 - t0, time.monotonic() - t1)
         chunks = [_core.fl64(data[i : i + self.stripe]) for i in range(0, max(1, obj.size),
                                                                        self.stripe)]
         self._place(tmp, final, obj)
@@ -141,18 +154,31 @@ class _Fetcher:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         streams: dict[int, Any] = {}
         got: dict[int, int] = {}
+        # Per thread, of the part it fetches (its GET, then on_get, on that thread): the
+        # seconds in the part's write callbacks (pwrite, digesting), and in its pwrites.
+        inside: dict[int, list[float]] = {}
         lock = threading.Lock()
         fd = os.open(tmp, flags | os.O_CLOEXEC, _MODE)
 
         def write(off: int, piece: Any) -> None:
             if self.cancelled:
                 raise InterruptedError
+            t0 = time.monotonic()
             k = off // stripe  # a part's pieces come in order, on one thread
             pwrite_all(fd, piece, off, tmp)
+            t1 = time.monotonic()
             if k not in streams:
                 streams[k] = _core.Fl64Stream()
             streams[k].update(piece)
             got[k] = got.get(k, 0) + len(piece)
+            spent = inside.setdefault(threading.get_ident(), [0.0, 0.0])
+            spent[0] += time.monotonic() - t0
+            spent[1] += t1 - t0
+
+        def on_get(t0: float) -> None:
+            # The part's GET less its callbacks: the wait for the store's bytes.
+            callbacks, written = inside.pop(threading.get_ident(), (0.0, 0.0))
+            self._times(time.monotonic() - t0 - callbacks, written)
 
         def on_part(k: int) -> None:
             want = min(stripe, obj.size - k * stripe)
@@ -175,7 +201,7 @@ class _Fetcher:
                 os.ftruncate(fd, obj.size)
             self.store.fetch_parts(
                 obj.key, obj.etag, obj.size, write, part_size=stripe, skip=have,
-                on_part=on_part, pool=self.parts if resumable else None,
+                on_part=on_part, on_get=on_get, pool=self.parts if resumable else None,
             )  # fmt: skip
         except BaseException:
             if not resumable:
@@ -331,6 +357,8 @@ class ObjectPrefix:
             fetcher.close()
             raise
         fetcher.close()
+        dest.add_time("reading", fetcher.read_seconds)
+        dest.add_time("writing", fetcher.write_seconds)
         if on_progress is not None:
             on_progress(total_bytes, total_bytes, nfiles, nfiles)
         return "objstore", copied_files, copied_bytes

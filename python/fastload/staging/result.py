@@ -33,7 +33,20 @@ class StageStats:
     meta_busy_seconds: float = 0.0
     """Of a local copy: the time at least one read (write; open or close) was in flight,
     summed over the copier's submitter threads. Which of them fills the copy's time
-    says whether the source, the destination or the metadata holds it back."""
+    says whether the source, the destination or the metadata holds it back. Of an
+    object prefix: the time the fetching threads waited for the store's bytes (GETs,
+    their retries and backoff included) against the time they wrote them (summed over
+    the threads; no metadata time). Of an archive: the time in reads of the archive (a
+    file's reads, or an object's ranged GETs; summed over the reading threads; none for
+    a mapped archive) against the time the feeding thread spent in the extractor
+    (parsing, handing members to its writer threads, waiting for them when they lag);
+    no metadata time."""
+    retries: int = 0
+    """Object-store requests this process retried during the stage (503 SlowDown,
+    throttling, connection resets, timeouts, bodies cut short)."""
+    retry_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    """:attr:`retries` by reason (``throttled``, ``server_error``, ``connection``,
+    ``timeout``, ``short_body``)."""
 
     def rates(self) -> list[tuple[float, float, float]]:
         """``(seconds, bytes/s, files/s)`` between consecutive samples: the throughput
@@ -57,6 +70,7 @@ class StageStats:
             "stage/read_busy_s": self.read_busy_seconds,
             "stage/write_busy_s": self.write_busy_seconds,
             "stage/meta_busy_s": self.meta_busy_seconds,
+            "stage/retries": float(self.retries),
             "stage/cpu_user_s": self.cpu_user_seconds,
             "stage/cpu_system_s": self.cpu_system_seconds,
             "stage/peak_bytes_per_s": max(rates, default=0.0),

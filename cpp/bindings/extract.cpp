@@ -1,6 +1,10 @@
 #include <pybind11/stl.h>
 
+#include <exception>
+#include <functional>
+
 #include "bindings/common.hpp"
+#include "common/error.hpp"
 #include "copy/decompress.hpp"
 #include "copy/extract.hpp"
 #include "io/engine.hpp"
@@ -164,6 +168,44 @@ void register_extract(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("feed_mapped", &copy::ExtractJob::feed_mapped, py::arg("offset"), py::arg("n"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_source",
+          [](copy::ExtractJob& j, int fd, int direct_fd, uint64_t size, unsigned depth,
+             const py::object& tick) {
+            copy::SourceFile src;
+            src.fd = fd;
+            src.direct_fd = direct_fd;
+            src.size = size;
+            src.depth = depth;
+            // tick runs on this thread with the GIL taken back; Ctrl-C (a pending
+            // signal) or its exception stops the reading: kept here, the core sees a
+            // cancel, and it is raised once the core has unwound.
+            std::exception_ptr raised;
+            std::function<void(uint64_t)> cb = [&](uint64_t offset) {
+              py::gil_scoped_acquire gil;
+              try {
+                if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+                if (!tick.is_none()) tick(offset);
+              } catch (...) {
+                raised = std::current_exception();
+                throw Error(ErrorKind::kCancelled, 0, "extraction interrupted", "");
+              }
+            };
+            copy::SourceReads r;
+            try {
+              py::gil_scoped_release nogil;
+              r = j.read_source(src, cb);
+            } catch (const Error&) {
+              if (raised) std::rethrow_exception(raised);
+              throw;
+            }
+            return py::make_tuple(r.bytes, r.blocks, r.direct_blocks);
+          },
+          py::arg("fd"), py::arg("direct_fd"), py::arg("size"), py::arg("depth"),
+          py::arg("tick") = py::none(),
+          "Reads the archive from fd (direct_fd: the same file opened O_DIRECT, or -1) "
+          "and feeds it, the GIL released; tick(offset) between blocks. Returns (bytes "
+          "read, blocks, blocks read O_DIRECT).")
       .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)

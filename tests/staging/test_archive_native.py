@@ -10,6 +10,7 @@ keep the Python read-ahead.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -247,5 +248,29 @@ def test_ctrl_c_stops_a_native_read(engine: str, made: Made, tmp_path: Path) -> 
     trees.assert_no_partial_files(made.ref, dst)
     res = procs.run_child(procs.stage_spec(archive, dst, engine=engine), env=env,
                           timeout=180).expect_result()
+    assert res["skipped"] is False
+    tars.assert_same_extraction(made.ref, dst)
+
+
+@pytest.mark.parametrize("faults", ["eintr=0.3,short=0.4,seed=1,ops=read",
+                                    "eio=1,seed=2,ops=read,after=3"])
+def test_injected_read_faults(engine: str, made: Made, tmp_path: Path, faults: str) -> None:
+    """FASTLOAD_FAULTS on the native reads (buffered, in a child): EINTR and short reads
+    are retried invisibly; EIO is a StageError with the errno, naming the archive, and
+    leaves only whole files, which a clean run completes."""
+    archive = _copy(made, tmp_path / "in" / "a.tar")
+    env = {"FASTLOAD_MAPPED_READS": "0", "FASTLOAD_DIRECT_READS": "0"}
+    dst = tmp_path / "dst"
+    spec = procs.stage_spec(archive, dst, engine=engine)
+    child = procs.run_child(spec, env=procs.child_env(FASTLOAD_FAULTS=faults, **env))
+    if faults.startswith("eintr"):
+        assert child.expect_result()["engine"] == engine
+        tars.assert_same_extraction(made.ref, dst)
+        return
+    err = child.expect_error()
+    assert err["is"]["StageError"] and err["errno"] == errno.EIO, err
+    assert str(archive) in f"{err['filename']} {err['str']}", err
+    trees.assert_no_partial_files(made.ref, dst)
+    res = procs.run_child(spec, env=procs.child_env(**env)).expect_result()
     assert res["skipped"] is False
     tars.assert_same_extraction(made.ref, dst)

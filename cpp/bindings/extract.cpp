@@ -28,6 +28,14 @@ copy::Compression parse_compression(const std::string& name) {
   throw py::value_error("unknown compression '" + name + "'");
 }
 
+const char* compression_name(copy::Compression c) {
+  switch (c) {
+    case copy::Compression::kGzip: return "gzip";
+    case copy::Compression::kZstd: return "zstd";
+    default: return "none";
+  }
+}
+
 }  // namespace
 
 void register_extract(py::module_& m) {
@@ -107,13 +115,7 @@ void register_extract(py::module_& m) {
            py::arg("read_block_size") = 0, py::arg("read_blocks") = 0,
            py::arg("direct_write_min") = defaults.direct_write_min)
       .def_property_readonly("compression",
-                             [](const copy::ExtractOptions& o) {
-                               switch (o.compression) {
-                                 case copy::Compression::kGzip: return "gzip";
-                                 case copy::Compression::kZstd: return "zstd";
-                                 default: return "none";
-                               }
-                             })
+                             [](const copy::ExtractOptions& o) { return compression_name(o.compression); })
       .def_property(
           "engine", [](const copy::ExtractOptions& o) { return io::kind_name(o.engine.kind); },
           [](copy::ExtractOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
@@ -256,7 +258,9 @@ void register_extract(py::module_& m) {
       .def_property_readonly("bytes_direct", &copy::ExtractJob::bytes_direct)
       .def_property_readonly("files_done", &copy::ExtractJob::files_done)
       .def_property_readonly("files_skipped", &copy::ExtractJob::files_skipped)
-      .def_property_readonly("engine", &copy::ExtractJob::engine_name);
+      .def_property_readonly("engine", &copy::ExtractJob::engine_name)
+      .def_property_readonly("compression",
+                             [](const copy::ExtractJob& j) { return compression_name(j.compression()); });
 }
 
 }  // namespace fastload::bindings

@@ -175,6 +175,8 @@ class ExtractJob {
   uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
   uint64_t files_skipped() const { return files_skipped_; }
   std::string engine_name() const;
+  // What the job decodes (kNone: it is fed tar bytes).
+  Compression compression() const;
 
   struct Impl;
 

@@ -123,15 +123,18 @@ def test_the_environment_overrides(stage: Stage, made: Made, tmp_path: Path,
 def test_checksummed_and_compressed_archives_are_read(stage: Stage, made: Made, tmp_path: Path,
                                                       readers: list[str]) -> None:
     """A published checksum is computed from the read blocks; a compressed archive is
-    decoded into write slots anyway."""
+    decoded into write slots anyway: read, by the job itself where it decodes it
+    (test_archive_native.py), else by the Python read-ahead that feeds the decoder."""
     import hashlib
+
+    from fastload.staging.archive import python_decompressor
 
     digest = hashlib.sha256(made.archive.read_bytes()).hexdigest()
     stage(made.archive, tmp_path / "sum", checksum=f"sha256:{digest}")
     gz = tars.gzip_file(made.archive, tmp_path / "a.tar.gz")
     gz.read_bytes()
     stage(gz, tmp_path / "gz")
-    assert readers == ["read", "read"]
+    assert readers == ["read", "read" if python_decompressor("gzip") else "native"]
     tars.assert_same_extraction(made.ref, tmp_path / "sum")
     tars.assert_same_extraction(made.ref, tmp_path / "gz")
 

@@ -131,6 +131,27 @@ def test_python_readahead_where_asked_or_needed(stage: Stage, made: Made, tmp_pa
     tars.assert_same_extraction(made.ref, tmp_path / "off")
 
 
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_compressed_decoded_by_the_job_is_read_natively(stage: Stage, made: Made,
+                                                        tmp_path: Path, used: list[Any],
+                                                        kind: str) -> None:
+    """A compressed archive the job decodes itself is read by it too; one a Python
+    decoder (isal, zstandard) decodes keeps the Python read-ahead, which feeds it."""
+    from fastload.staging.archive import python_decompressor
+
+    if kind == "zstd":
+        packed = tars.zstd_file(made.archive, tmp_path / "a.tar.zst", frames=2)
+    else:
+        packed = tars.gzip_file(made.archive, tmp_path / "a.tar.gz", members=2)
+    fs.drop(packed)
+    stage(packed, tmp_path / "out")
+    want = "Read" if python_decompressor(kind) is not None else "Native"
+    assert [type(r).__name__ for r in used] == [want]
+    if want == "Native":
+        assert used[0].bytes_read == packed.stat().st_size
+    tars.assert_same_extraction(made.ref, tmp_path / "out")
+
+
 def test_truncated_while_read_names_it(stage: Stage, made: Made, tmp_path: Path,
                                        used: list[Any],
                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -277,16 +277,18 @@ class _Extraction:
     ) -> None:  # fmt: skip
         size = self.archive.data.size
         already = len(self.done)
-        last_report = 0.0
+        last_report, last_fed = 0.0, 0
 
         def tick(fed: int) -> None:
-            """Between blocks: the journal, and progress over the archive's bytes read
-            so far (what a Python decoder feeds the job is its output, larger)."""
-            nonlocal last_report
+            """Between blocks (and while a read is waited for): the journal, and
+            progress over the archive's bytes read so far (what a Python decoder feeds
+            the job is its output, larger), when they moved."""
+            nonlocal last_report, last_fed
             self._collect(job, flusher)
             now = time.monotonic()
-            if self.on_progress is not None and now - last_report >= PROGRESS_EVERY:
-                last_report = now
+            if (self.on_progress is not None and fed > last_fed
+                    and now - last_report >= PROGRESS_EVERY):
+                last_report, last_fed = now, fed
                 self.on_progress(fed, size, already + self.copied_files, 0)
 
         if isinstance(reader, NativeReader):

@@ -324,8 +324,9 @@ class NativeReader:
     not in the page cache (as :class:`Prefetcher`: :func:`_open_direct`), seeking over
     skipped members. Owns its descriptors: ``close()`` closes them.
 
-    For a local, uncompressed archive staged without a published checksum (those keep
-    :class:`Prefetcher`: a hasher thread or a Python decoder takes the blocks)."""
+    For a local archive staged without a published checksum, uncompressed or decoded by
+    the job (those with a checksum or a Python decoder keep :class:`Prefetcher`: a
+    hasher thread or the decoder takes the blocks)."""
 
     def __init__(self, path: Path, size: int, job: _core.ExtractJob, depth: int = 0):
         self._size, self._job = size, job
@@ -490,14 +491,16 @@ class LocalArchive:
     def reader(
         self, job: _core.ExtractJob, hasher: Any, can_seek: bool
     ) -> Prefetcher | MappedReader | NativeReader:
-        """Mapped when cached (:func:`mapped_reads`); else, uncompressed, without a
-        hasher, on a local file system, read by the job itself; else the Python
-        read-ahead (a checksum's hasher, a Python decoder, or a network file system,
-        whose reads the engine rule leaves to the pread pool of a tree's copy)."""
+        """Mapped when cached (:func:`mapped_reads`); else, without a hasher, on a
+        local file system, read by the job itself when it is fed the file's bytes (a
+        tar, or one the job decodes natively: ``can_seek`` or ``job.compression``);
+        else the Python read-ahead (a checksum's hasher, a Python decoder, or a network
+        file system)."""
         if can_seek and mapped_reads(self.path, self.cached):
             with contextlib.suppress(OSError):  # a file system that cannot map it: read it
                 return MappedReader(self.path, self.size, job)
-        if can_seek and native_reads() and network_fs(self.path) is False:
+        raw = can_seek or (hasher is None and job.compression != "none")
+        if raw and native_reads() and network_fs(self.path) is False:
             return NativeReader(self.path, self.size, job)
         return Prefetcher(self.path, self.size, job, hasher=hasher)
 

@@ -72,8 +72,9 @@ void ReadAhead::submit(Slot& s, uint64_t seq) {
 void ReadAhead::complete(const Completion& c) {
   Slot& s = queue_[size_t(c.user_data - front_seq_)];
   if (c.res == -EINTR || c.res == -EAGAIN) return submit(s, c.user_data);
-  if (c.res == -EINVAL && s.direct && s.got == 0) {
-    // The file system refuses this alignment after all: buffered from here on.
+  if (c.res == -EINVAL && s.direct) {
+    // The file system refuses this alignment after all (or a read came back short off
+    // a page, leaving the rest unaligned): buffered from here on.
     direct_ok_ = false;
     s.direct = false;
     return submit(s, c.user_data);
@@ -84,13 +85,14 @@ void ReadAhead::complete(const Completion& c) {
     return;
   }
   s.got += size_t(c.res);
-  // 0: the end of the file. A direct read ending off a page: the end too.
-  bool end = c.res == 0 || (s.direct && s.got % kAlign != 0);
-  if (s.got >= s.n || end) {
+  if (s.got >= s.n || c.res == 0) {  // whole, or the end of the file
     s.got = std::min(s.got, s.n);
     s.done = true;
     return;
   }
+  // A direct read short off a page (the file's end, or a device of 512-byte sectors
+  // cutting it there): the rest of the block is read buffered, which tells which.
+  if (s.direct && s.got % kAlign != 0) s.direct = false;
   submit(s, c.user_data);
 }
 

@@ -8,8 +8,8 @@
 //     blocks are still copied out of the cache (residency.hpp says which);
 //   - after a seek to an unaligned offset, one short block (buffered) up to the next
 //     page realigns the blocks after it, so they can be read direct again;
-//   - EINTR/EAGAIN and short reads are retried; a file system that refuses the direct
-//     read (EINVAL) is read buffered from then on; a file found shorter than `size` is
+//   - EINTR/EAGAIN and short reads are retried; a file system that refuses a direct
+//     read (EINVAL) is read buffered from then on, the block's rest included; a file found shorter than `size` is
 //     Error(kSourceChanged) naming it; any other error is Error(kOs) naming it.
 // One thread uses a ReadAhead (the engine is not thread-safe): the one that consumes.
 #pragma once

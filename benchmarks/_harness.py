@@ -123,12 +123,28 @@ def warm(path: Path) -> None:
                     pass
 
 
+def drop_files(path: Path) -> None:
+    """Takes every file under ``path`` out of the page cache (posix_fadvise DONTNEED,
+    after an fsync: no root needed, unlike drop_caches; dentries and inodes stay)."""
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def prepare_cache(cache: str, src: Path) -> None:
-    """Per-round cache state: ``cold`` drops the page cache, ``warm`` pre-reads ``src``,
+    """Per-round cache state: ``cold`` drops the page cache, ``uncached`` only the
+    source's files (:func:`drop_files`), ``warm`` pre-reads ``src``,
     ``none`` leaves it (the network mount bypasses the cache on every open anyway)."""
     if cache == "cold":
         if not drop_caches():
             pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
+    elif cache == "uncached":
+        drop_files(src)
     elif cache == "warm":
         warm(src)
     elif cache != "none":

@@ -1,6 +1,10 @@
 #include <pybind11/stl.h>
 
+#include <exception>
+#include <functional>
+
 #include "bindings/common.hpp"
+#include "common/error.hpp"
 #include "copy/decompress.hpp"
 #include "copy/extract.hpp"
 #include "io/engine.hpp"
@@ -22,6 +26,14 @@ copy::Compression parse_compression(const std::string& name) {
   if (name == "zstd") return copy::Compression::kZstd;
   if (name == "none") return copy::Compression::kNone;
   throw py::value_error("unknown compression '" + name + "'");
+}
+
+const char* compression_name(copy::Compression c) {
+  switch (c) {
+    case copy::Compression::kGzip: return "gzip";
+    case copy::Compression::kZstd: return "zstd";
+    default: return "none";
+  }
 }
 
 }  // namespace
@@ -103,13 +115,7 @@ void register_extract(py::module_& m) {
            py::arg("read_block_size") = 0, py::arg("read_blocks") = 0,
            py::arg("direct_write_min") = defaults.direct_write_min)
       .def_property_readonly("compression",
-                             [](const copy::ExtractOptions& o) {
-                               switch (o.compression) {
-                                 case copy::Compression::kGzip: return "gzip";
-                                 case copy::Compression::kZstd: return "zstd";
-                                 default: return "none";
-                               }
-                             })
+                             [](const copy::ExtractOptions& o) { return compression_name(o.compression); })
       .def_property(
           "engine", [](const copy::ExtractOptions& o) { return io::kind_name(o.engine.kind); },
           [](copy::ExtractOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
@@ -164,6 +170,44 @@ void register_extract(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("feed_mapped", &copy::ExtractJob::feed_mapped, py::arg("offset"), py::arg("n"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_source",
+          [](copy::ExtractJob& j, int fd, int direct_fd, uint64_t size, unsigned depth,
+             const py::object& tick) {
+            copy::SourceFile src;
+            src.fd = fd;
+            src.direct_fd = direct_fd;
+            src.size = size;
+            src.depth = depth;
+            // tick runs on this thread with the GIL taken back; Ctrl-C (a pending
+            // signal) or its exception stops the reading: kept here, the core sees a
+            // cancel, and it is raised once the core has unwound.
+            std::exception_ptr raised;
+            std::function<void(uint64_t)> cb = [&](uint64_t offset) {
+              py::gil_scoped_acquire gil;
+              try {
+                if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+                if (!tick.is_none()) tick(offset);
+              } catch (...) {
+                raised = std::current_exception();
+                throw Error(ErrorKind::kCancelled, 0, "extraction interrupted", "");
+              }
+            };
+            copy::SourceReads r;
+            try {
+              py::gil_scoped_release nogil;
+              r = j.read_source(src, cb);
+            } catch (const Error&) {
+              if (raised) std::rethrow_exception(raised);
+              throw;
+            }
+            return py::make_tuple(r.bytes, r.blocks, r.direct_blocks);
+          },
+          py::arg("fd"), py::arg("direct_fd"), py::arg("size"), py::arg("depth"),
+          py::arg("tick") = py::none(),
+          "Reads the archive from fd (direct_fd: the same file opened O_DIRECT, or -1) "
+          "and feeds it, the GIL released; tick(offset) between blocks. Returns (bytes "
+          "read, blocks, blocks read O_DIRECT).")
       .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)
@@ -214,7 +258,9 @@ void register_extract(py::module_& m) {
       .def_property_readonly("bytes_direct", &copy::ExtractJob::bytes_direct)
       .def_property_readonly("files_done", &copy::ExtractJob::files_done)
       .def_property_readonly("files_skipped", &copy::ExtractJob::files_skipped)
-      .def_property_readonly("engine", &copy::ExtractJob::engine_name);
+      .def_property_readonly("engine", &copy::ExtractJob::engine_name)
+      .def_property_readonly("compression",
+                             [](const copy::ExtractJob& j) { return compression_name(j.compression()); });
 }
 
 }  // namespace fastload::bindings

@@ -275,4 +275,6 @@ std::vector<std::string> ExtractJob::dirs() const {
 
 std::string ExtractJob::engine_name() const { return impl_->engine_name; }
 
+Compression ExtractJob::compression() const { return impl_->opt.compression; }
+
 }  // namespace fastload::copy

@@ -2,7 +2,9 @@
 // tars extracted too) into a destination directory.
 //
 // The caller feeds the archive's bytes in order (the Python layer reads them in large
-// sequential, prefetched reads and hashes them for the published checksum). Members are
+// sequential, prefetched reads and hashes them for the published checksum), or the job
+// reads a local archive file itself (read_source(): io::ReadAhead on an engine of the
+// same backend as its writes). Members are
 // decoded as they arrive and their data is written with many writes in flight through
 // the I/O engine; nothing is staged to disk twice, and an inner tar ("nested") is parsed
 // from the outer one's data without ever being written.
@@ -23,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -75,6 +78,23 @@ struct ExtractedFile {
   bool adopted = false;           // already on disk from an interrupted run (adopt_existing)
 };
 
+// An archive file the job reads itself (read_source()).
+struct SourceFile {
+  int fd = -1;         // buffered reads (and the page-cache residency asked of it)
+  int direct_fd = -1;  // the same file opened O_DIRECT, for uncached blocks; -1: none
+  uint64_t size = 0;   // the file's size when staging began: shorter is kSourceChanged
+  unsigned depth = 8;  // read blocks in flight
+  unsigned tick_ms = 100;  // tick() at most this often (and once after the first block)
+};
+
+// What read_source() read: bytes and blocks (skipped members' data is not read), and
+// how many blocks were read O_DIRECT.
+struct SourceReads {
+  uint64_t bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t direct_blocks = 0;
+};
+
 struct ExtractedLink {
   std::string path;
   std::string target;
@@ -117,6 +137,16 @@ class ExtractJob {
   void map_source(int fd, uint64_t size);
   void populate(uint64_t offset, uint64_t n) const;
   void feed_mapped(uint64_t offset, size_t n);
+  // The archive read by the job itself (issue 33): the whole file, in the job's read
+  // blocks, `depth` of them in flight on an engine of the same backend as the job's
+  // writes (io::ReadAhead: O_DIRECT for blocks not in the page cache), each fed as it
+  // arrives, skipped members' data seeked over. tick(offset of the bytes fed so far)
+  // runs on this thread between blocks and between waits, while the job is between
+  // feeds (it may take_done(), take_warnings(), ...); what it throws stops the reading
+  // and is rethrown. Call finish() afterwards. Throws like feed(), and Error(kOs) or
+  // Error(kSourceChanged) naming the archive for a failed or short read.
+  SourceReads read_source(const SourceFile& source,
+                          const std::function<void(uint64_t offset)>& tick);
   // The archive ended: waits for every write, creates hard links, sets directory
   // modes and times. Throws like feed().
   void finish();
@@ -145,6 +175,8 @@ class ExtractJob {
   uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
   uint64_t files_skipped() const { return files_skipped_; }
   std::string engine_name() const;
+  // What the job decodes (kNone: it is fed tar bytes).
+  Compression compression() const;
 
   struct Impl;
 

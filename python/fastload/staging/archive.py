@@ -1,9 +1,10 @@
 """Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
 
-The archive is read once, in large positional reads kept in flight by a few threads
-(on a striped network file system each is served in parallel; on a local disk, what is
-not cached is read with O_DIRECT straight into the extractor's blocks), hashed on the
-way (on a thread of its own) when a published checksum is given, and fed to the native
+The archive is read once, in large positional reads kept in flight (on a local disk by
+the native extractor itself, through the I/O engine, what is not cached with O_DIRECT
+straight into its blocks: readers.NativeReader; else by a few Python threads: on a
+striped network file system each is served in parallel), hashed on the way (on a
+thread of its own) when a published checksum is given, and fed to the native
 extractor, which decompresses on a thread of its own, decodes members as they arrive
 and writes them with many writes in flight. Skipped members of an uncompressed archive
 are seeked over, not read.
@@ -26,7 +27,7 @@ from ..sources.objstore import selected
 from .destination import Destination, Manifest
 from .engine import resolve_engine
 from .job import PROGRESS_EVERY, progress_callback
-from .readers import BLOCK, ArchiveSource, PyDecoder
+from .readers import BLOCK, ArchiveSource, NativeReader, PyDecoder
 from .request import StageRequest
 from .result import StageResult
 from .state import JournalFlusher, Record, Records
@@ -303,9 +304,35 @@ class _Extraction:
     ) -> None:  # fmt: skip
         size = self.archive.data.size
         already = len(self.done)
+        last_report, last_fed = 0.0, 0
+
+        def tick(fed: int) -> None:
+            """Between blocks (and while a read is waited for): the journal, and
+            progress over the archive's bytes read so far (what a Python decoder feeds
+            the job is its output, larger), when they moved."""
+            nonlocal last_report, last_fed
+            self._collect(job, flusher)
+            now = time.monotonic()
+            if (self.on_progress is not None and fed > last_fed
+                    and now - last_report >= PROGRESS_EVERY):
+                last_report, last_fed = now, fed
+                self.on_progress(fed, size, already + self.copied_files, 0)
+
+        if isinstance(reader, NativeReader):
+            reader.run(tick)  # the whole archive, read and fed by the job, GIL released
+        else:
+            self._feed_blocks(job, reader, pydecomp, can_seek, tick)
+        job.finish()
+        self._collect(job, flusher)
+        flusher.close()
+
+    def _feed_blocks(
+        self, job: Any, reader: Any, pydecomp: PyDecoder | None, can_seek: bool,
+        tick: Callable[[int], None],
+    ) -> None:  # fmt: skip
+        """Feeds the blocks a Python reader yields (Prefetcher, MappedReader, ...)."""
         decode_pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-decode")
         ready = b""
-        last_report = 0.0
         try:
             for off, n, b, block in reader:
                 if block is None:  # mapped
@@ -326,22 +353,13 @@ class _Extraction:
                     if skip >= BLOCK:
                         job.skipped(skip)
                         reader.seek(off + n + skip)
-                self._collect(job, flusher)
-                now = time.monotonic()
-                if self.on_progress is not None and now - last_report >= PROGRESS_EVERY:
-                    last_report = now
-                    # Bytes of the archive read so far (what a Python decoder feeds the job
-                    # is its output, larger than the archive).
-                    self.on_progress(off + n, size, already + self.copied_files, 0)
+                tick(off + n)
             if ready:
                 job.feed(ready)
             if pydecomp is not None:
                 tail = pydecomp.finish()
                 if tail:
                     job.feed(tail)
-            job.finish()
-            self._collect(job, flusher)
-            flusher.close()
         finally:
             decode_pool.shutdown(wait=True)  # before the reader recycles the block it decodes
 

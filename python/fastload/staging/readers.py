@@ -328,6 +328,47 @@ class MappedReader(_Ahead):
         self._pool.shutdown(wait=True)
 
 
+class NativeReader:
+    """The archive read by the extraction job itself (``ExtractJob.read_source``, issue
+    33): one native call for the whole file, the GIL released, instead of a Python loop
+    per block. The job reads it in its own blocks through the I/O engine of its writes'
+    backend (io_uring or the pread pool), ``depth`` blocks in flight, O_DIRECT for blocks
+    not in the page cache (as :class:`Prefetcher`: :func:`_open_direct`), seeking over
+    skipped members. Owns its descriptors: ``close()`` closes them.
+
+    For a local archive staged without a published checksum, uncompressed or decoded by
+    the job (those with a checksum or a Python decoder keep :class:`Prefetcher`: a
+    hasher thread or the decoder takes the blocks)."""
+
+    def __init__(self, path: Path, size: int, job: _core.ExtractJob, depth: int = 0):
+        self._size, self._job = size, job
+        self._depth = depth or _PREFETCH
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._direct_fd = _open_direct(path) if job.block_size % _ALIGN == 0 else -1
+        self.bytes_read = self.blocks = self.direct_reads = 0
+
+    def run(self, tick: Callable[[int], None] | None) -> None:
+        """Reads and feeds the whole archive; ``tick(offset)`` on this thread between
+        blocks, at most every 100 ms (the journal, progress; Ctrl-C raises from it)."""
+        self.bytes_read, self.blocks, self.direct_reads = self._job.read_source(
+            self._fd, self._direct_fd, self._size, self._depth, tick
+        )
+
+    def close(self) -> None:
+        os.close(self._fd)
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+
+
+def native_reads() -> bool:
+    """Whether a local archive is read by the job itself (:class:`NativeReader`).
+    ``FASTLOAD_NATIVE_READS=0``: by :class:`Prefetcher` instead (the Python read-ahead,
+    kept for comparison and for archives that need it)."""
+    return os.environ.get("FASTLOAD_NATIVE_READS", "1").strip() != "0"
+
+
 def mapped_reads(src: Path, cached: float) -> bool:
     """Whether to map the (uncompressed) archive rather than read it: when it is in the
     page cache (``cached``: the share of its bytes), on a local file system. An archive
@@ -461,10 +502,18 @@ class LocalArchive:
 
     def reader(
         self, job: _core.ExtractJob, hasher: Any, can_seek: bool
-    ) -> Prefetcher | MappedReader:
+    ) -> Prefetcher | MappedReader | NativeReader:
+        """Mapped when cached (:func:`mapped_reads`); else, without a hasher, on a
+        local file system, read by the job itself when it is fed the file's bytes (a
+        tar, or one the job decodes natively: ``can_seek`` or ``job.compression``);
+        else the Python read-ahead (a checksum's hasher, a Python decoder, or a network
+        file system)."""
         if can_seek and mapped_reads(self.path, self.cached):
             with contextlib.suppress(OSError):  # a file system that cannot map it: read it
                 return MappedReader(self.path, self.size, job)
+        raw = can_seek or (hasher is None and job.compression != "none")
+        if raw and native_reads() and network_fs(self.path) is False:
+            return NativeReader(self.path, self.size, job)
         return Prefetcher(self.path, self.size, job, hasher=hasher)
 
     def direct_write_min(self, dst: Path) -> int:

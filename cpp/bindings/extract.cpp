@@ -201,13 +201,15 @@ void register_extract(py::module_& m) {
               if (raised) std::rethrow_exception(raised);
               throw;
             }
-            return py::make_tuple(r.bytes, r.blocks, r.direct_blocks);
+            return py::make_tuple(r.bytes, r.blocks, r.direct_blocks, r.wait_ns * 1e-9,
+                                  r.feed_ns * 1e-9);
           },
           py::arg("fd"), py::arg("direct_fd"), py::arg("size"), py::arg("depth"),
           py::arg("tick") = py::none(),
           "Reads the archive from fd (direct_fd: the same file opened O_DIRECT, or -1) "
           "and feeds it, the GIL released; tick(offset) between blocks. Returns (bytes "
-          "read, blocks, blocks read O_DIRECT).")
+          "read, blocks, blocks read O_DIRECT, seconds waiting for reads, seconds "
+          "feeding the blocks to the extractor).")
       .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)

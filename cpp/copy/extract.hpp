@@ -88,11 +88,14 @@ struct SourceFile {
 };
 
 // What read_source() read: bytes and blocks (skipped members' data is not read), and
-// how many blocks were read O_DIRECT.
+// how many blocks were read O_DIRECT; the time spent waiting for reads (the writes'
+// completions reaped meanwhile) and in feeding the blocks to the parser and writers.
 struct SourceReads {
   uint64_t bytes = 0;
   uint64_t blocks = 0;
   uint64_t direct_blocks = 0;
+  uint64_t wait_ns = 0;
+  uint64_t feed_ns = 0;
 };
 
 struct ExtractedLink {

@@ -61,7 +61,15 @@ SourceReads ExtractJob::read_source(const SourceFile& source,
   io::ReadAhead reader(*eng, std::move(lender), std::move(ro), poll);
   io::ReadAhead::Block b;
   bool first = true;
-  while (reader.next(&b)) {
+  SourceReads out;
+  auto ns = [](Clock::duration d) {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+  };
+  for (;;) {
+    auto t0 = Clock::now();
+    if (!reader.next(&b)) break;
+    auto t1 = Clock::now();
+    out.wait_ns += ns(t1 - t0);
     feed_block(b.index, b.n);
     at = b.offset + b.n;
     if (uint64_t skip = skippable(); skip >= block_size()) {
@@ -69,10 +77,14 @@ SourceReads ExtractJob::read_source(const SourceFile& source,
       at += skip;
       reader.seek(at);
     }
+    out.feed_ns += ns(Clock::now() - t1);
     maybe_tick(first);
     first = false;
   }
-  return SourceReads{reader.bytes_read(), reader.blocks_read(), reader.direct_blocks()};
+  out.bytes = reader.bytes_read();
+  out.blocks = reader.blocks_read();
+  out.direct_blocks = reader.direct_blocks();
+  return out;
 }
 
 }  // namespace fastload::copy

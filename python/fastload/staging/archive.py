@@ -293,7 +293,7 @@ class _Extraction:
         finally:
             reader.close()
             dest.add_time("reading", getattr(reader, "read_seconds", 0.0))
-            dest.add_time("writing", feeds.seconds)
+            dest.add_time("writing", feeds.seconds + getattr(reader, "feed_seconds", 0.0))
         self._check_source(hasher)
         journal.close()
         return self._commit(job)

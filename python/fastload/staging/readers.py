@@ -348,13 +348,16 @@ class NativeReader:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._direct_fd = _open_direct(path) if job.block_size % _ALIGN == 0 else -1
         self.bytes_read = self.blocks = self.direct_reads = 0
+        # Stage stats: the job's time waiting for its reads, and feeding the extractor.
+        self.read_seconds = self.feed_seconds = 0.0
 
     def run(self, tick: Callable[[int], None] | None) -> None:
         """Reads and feeds the whole archive; ``tick(offset)`` on this thread between
         blocks, at most every 100 ms (the journal, progress; Ctrl-C raises from it)."""
-        self.bytes_read, self.blocks, self.direct_reads = self._job.read_source(
+        (self.bytes_read, self.blocks, self.direct_reads, self.read_seconds,
+         self.feed_seconds) = self._job.read_source(
             self._fd, self._direct_fd, self._size, self._depth, tick
-        )
+        )  # fmt: skip
 
     def close(self) -> None:
         os.close(self._fd)

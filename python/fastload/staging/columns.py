@@ -145,6 +145,23 @@ class Listing(Sequence[Entry]):
             targets.update((k + j, t) for j, t in enumerate(cols[6]) if cols[1][j] == LINK)
         return cls(bytes(blob), ends, kind, size, blocks, mode, mtime, targets)
 
+    @classmethod
+    def from_walk(cls, cols: dict[str, Any]) -> Listing:
+        """From the columns of ``_core.walk_columns`` (taken out of ``cols``: each
+        column's bytes are freed once its array is made, so at most one column is held
+        twice)."""
+
+        def col(name: str, code: str) -> array[int]:
+            out = array(code)
+            out.frombytes(cols.pop(name))
+            return out
+
+        offsets, kind = col("offsets", "q"), col("kind", "B")
+        size, blocks, mode = col("size", "q"), col("blocks", "q"), col("mode", "I")
+        mtime = col("mtime_ns", "q")
+        return cls(cols.pop("paths"), offsets, kind, size, blocks, mode, mtime,
+                   cols.pop("targets"))  # fmt: skip
+
     def __len__(self) -> int:
         return len(self.kind)
 

@@ -224,12 +224,12 @@ class LocalTree:
         threads = min(64, max(8, (req.workers or DEFAULT_FILES_IN_FLIGHT)))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
-        tree = _core.walk(
-            str(self.src), list(req.include), list(req.exclude), req.on_special == "skip", threads
-        )
-        raw = tree.entries()
-        del tree  # the native listing, before the columns are made
-        entries = Listing.of(raw, consume=True)
+        entries = Listing.from_walk(
+            _core.walk_columns(
+                str(self.src), list(req.include), list(req.exclude), req.on_special == "skip",
+                threads,
+            )
+        )  # fmt: skip
         if req.include:
             # With include patterns, keep only the directories leading to something taken.
             keep: set[str] = set()

@@ -29,6 +29,7 @@ from .job import (
     DEFAULT_FILES_IN_FLIGHT,
     DIR,
     FILE,
+    LINK,
     ProgressCallback,
     copy_options,
     digest_local,
@@ -55,10 +56,10 @@ def tree_fingerprint(src: str, entries: Listing, options: dict[str, Any]) -> str
 
 @dataclasses.dataclass
 class TreePlan:
-    """What a stage of a tree-shaped source has to do: its listing (``entries``, and
-    ``files``, the regular ones), what is already in place (``done``) and what is not
-    (``todo``: indices into ``files``). ``complete``: a complete manifest matches,
-    nothing to do."""
+    """What a stage of a tree-shaped source has to do: its listing (``files``, the
+    regular ones, and ``entries``, the rest: directories and links, so no file is held
+    twice), what is already in place (``done``) and what is not (``todo``: indices into
+    ``files``). ``complete``: a complete manifest matches, nothing to do."""
 
     entries: Listing
     files: Listing
@@ -106,6 +107,7 @@ def plan_against(
     of the same mode, still in place) and what is to do."""
     listing = entries if isinstance(entries, Listing) else Listing.of(entries)
     files = listing.of_kind(FILE)
+    listing = listing.of_kind(DIR, LINK)  # the caller's listing is freed when it drops it
     if dest.is_complete(fingerprint):
         assert dest.old is not None
         old: FileTable = dest.old["files"]
@@ -135,8 +137,10 @@ def plan_against(
     return TreePlan(listing, files, fingerprint, False, Done(files, known, rows), todo)
 
 
-def _raw(col: Any) -> bytes:
-    return memoryview(col).cast("B").tobytes()
+def _raw(col: Any) -> memoryview:
+    """The column's bytes, not copied (memoryviews of the format "B" compare bytewise)."""
+    mv = memoryview(col)
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _rows_in(table: FileTable, files: Listing) -> array[int]:
@@ -167,7 +171,7 @@ def run_plan(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) 
 
 
 def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
-    dest.drop_stale(plan.entries)
+    dest.drop_stale(plan.files)  # an old file where the source now has a folder goes too
     dest.check_space(space_needed(plan, dest.path.parent))
     make_dirs(plan, dest)
     done = plan.done
@@ -208,7 +212,7 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
 class LocalTree:
     """A directory, or one file (``single``), on a file system (:class:`Source`)."""
 
-    batch = 65536  # files per copy job (run_plan)
+    batch = 16384  # files per copy job (run_plan): what one holds per file is ~250 bytes
 
     def __init__(self, src: Path, req: StageRequest, *, single: bool) -> None:
         self.src = src  # absolute, symbolic links resolved

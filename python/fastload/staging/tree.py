@@ -100,11 +100,12 @@ def plan_against(
     dest: Destination,
     entries: Listing | list[Entry],
     fingerprint: str,
-    same: Callable[[Entry, Record], bool] | None = None,
+    same: Callable[[int, Record], bool] | None = None,
 ) -> TreePlan:
     """``entries`` against what ``dest`` holds (under its lock): complete, or what is
-    done (a known record of the same size and time that ``same`` accepts, by default one
-    of the same mode, still in place) and what is to do."""
+    done (a known record of the same size and time that ``same`` accepts, given the
+    file's row among the files of ``entries``; by default one of the same mode, still in
+    place) and what is to do."""
     listing = entries if isinstance(entries, Listing) else Listing.of(entries)
     files = listing.of_kind(FILE)
     listing = listing.of_kind(DIR, LINK)  # the caller's listing is freed when it drops it
@@ -122,7 +123,7 @@ def plan_against(
             continue
         size, mtime = files.size[i], files.mtime_ns[i]
         ok = known.size[r] == size and known.mtime_ns[r] == mtime and (
-            files.mode[i] == known.mode[r] if same is None else same(files[i], known.record(r))
+            files.mode[i] == known.mode[r] if same is None else same(i, known.record(r))
         )
         if ok:
             try:

@@ -2,7 +2,8 @@
 process each measured step runs in, so its peak RSS (``ru_maxrss``) is its own.
 
 ``python _many.py stage|verify SRC DST`` runs one fastload step and prints one JSON line:
-``{"seconds": ..., "maxrss_kib": ..., "files": ...}``. With ``FASTLOAD_MANY_PHASES=1`` the
+``{"seconds": ..., "cpu_seconds": ..., "maxrss_kib": ..., "files": ...}`` (CPU: the
+process's, its start included). With ``FASTLOAD_MANY_PHASES=1`` the
 line also has ``phases``: for each step of a stage (listing, planning, copying, the
 manifest's table, the commit), the peak RSS (KiB) within it (``VmHWM``, reset through
 ``/proc/self/clear_refs`` as it begins) and the RSS after it, in the order they ran: where
@@ -106,8 +107,9 @@ def measure(step: str, src: str, dst: str) -> dict[str, Any]:
     else:
         raise SystemExit(f"unknown step {step!r}: expected stage or verify")
     seconds = time.monotonic() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out: dict[str, Any] = {"seconds": seconds, "maxrss_kib": rss, "files": files}
+    use = resource.getrusage(resource.RUSAGE_SELF)  # every thread's CPU, since start
+    out: dict[str, Any] = {"seconds": seconds, "cpu_seconds": use.ru_utime + use.ru_stime,
+                           "maxrss_kib": use.ru_maxrss, "files": files}  # fmt: skip
     if phases:
         out["phases"] = phases
     return out

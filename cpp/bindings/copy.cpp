@@ -1,5 +1,5 @@
-// Copying at the boundary: walk() and stat_file() (the listing, copy/walk.hpp), and
-// CopyJob (copy/copier.hpp).
+// Copying at the boundary: walk(), walk_columns() and stat_file() (the listing,
+// copy/walk.hpp), and CopyJob (copy/copier.hpp).
 #include "bindings/common.hpp"
 #include "copy/copier.hpp"
 #include "copy/walk.hpp"
@@ -57,6 +57,68 @@ void register_copy(py::module_& m) {
       },
       py::arg("root"), py::arg("include"), py::arg("exclude"), py::arg("skip_special"),
       py::arg("threads"), "Lists a directory tree in parallel.");
+
+  m.def(
+      "walk_columns",
+      [](const py::object& root, const py::iterable& include, const py::iterable& exclude,
+         bool skip_special, unsigned threads) {
+        std::string r = fs_bytes(root);
+        copy::WalkOptions opt{fs_list(include), fs_list(exclude), skip_special, threads};
+        copy::FlatTree flat;
+        {
+          py::gil_scoped_release nogil;
+          flat = copy::walk_flat(r, opt);
+        }
+        // The columns are bytes objects filled in place, without the GIL (nothing else
+        // holds them yet): the listing is copied once, from the batches into them.
+        const size_t n = flat.size();
+        auto column = [](size_t bytes) {
+          PyObject* o = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(bytes));
+          if (!o) throw py::error_already_set();
+          return py::reinterpret_steal<py::bytes>(o);
+        };
+        py::bytes paths = column(flat.path_bytes()), offsets = column(8 * (n + 1)),
+                  kind = column(n), size = column(8 * n), blocks = column(8 * n),
+                  mode = column(4 * n), mtime = column(8 * n);
+        auto at = [](const py::bytes& b) { return PyBytes_AS_STRING(b.ptr()); };
+        const copy::FlatTree::Columns cols{
+            at(paths),
+            reinterpret_cast<int64_t*>(at(offsets)),
+            reinterpret_cast<uint8_t*>(at(kind)),
+            reinterpret_cast<int64_t*>(at(size)),
+            reinterpret_cast<int64_t*>(at(blocks)),
+            reinterpret_cast<uint32_t*>(at(mode)),
+            reinterpret_cast<int64_t*>(at(mtime))};
+        {
+          py::gil_scoped_release nogil;
+          flat.fill_columns(cols);
+        }
+        py::dict targets;
+        for (const auto& [i, t] : flat.targets()) targets[py::int_(i)] = fs_str(t);
+        py::list skipped;
+        for (const auto& s : flat.skipped()) skipped.append(fs_str(s));
+        py::dict out;
+        out["files"] = flat.files();
+        out["total_bytes"] = flat.total_bytes();
+        flat = copy::FlatTree();  // freed before the caller converts the columns
+        out["paths"] = paths;
+        out["offsets"] = offsets;
+        out["kind"] = kind;
+        out["size"] = size;
+        out["blocks"] = blocks;
+        out["mode"] = mode;
+        out["mtime_ns"] = mtime;
+        out["targets"] = targets;
+        out["skipped"] = skipped;
+        return out;
+      },
+      py::arg("root"), py::arg("include"), py::arg("exclude"), py::arg("skip_special"),
+      py::arg("threads"),
+      "Lists a directory tree in parallel, as columns in path order: paths (one bytes "
+      "blob) and offsets (int64, one more than entries), kind (uint8: 0 file, 1 "
+      "directory, 2 symlink), size, blocks, mtime_ns (int64), mode (uint32), each the "
+      "native-endian bytes of its values; targets {index: link target}; files, "
+      "total_bytes, skipped.");
 
   m.def(
       "stat_file",

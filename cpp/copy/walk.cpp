@@ -7,11 +7,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <limits.h>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "common/error.hpp"
@@ -72,7 +74,7 @@ class Walker {
     if (!root_fd_) throw Error::os(errno, "open directory", root);
   }
 
-  Tree run() {
+  FlatTree run() {
     queue_.push_back(Task{"", {}});
     pending_ = 1;
     unsigned n = std::max(1u, opt_.threads);
@@ -81,19 +83,8 @@ class Walker {
     for (unsigned i = 0; i < n; ++i) threads.emplace_back([this] { loop(); });
     for (auto& t : threads) t.join();
     if (error_) throw *error_;
-    Tree tree;
-    tree.entries = std::move(entries_);
-    std::sort(tree.entries.begin(), tree.entries.end(),
-              [](const Entry& a, const Entry& b) { return a.path < b.path; });
-    for (const auto& e : tree.entries) {
-      if (e.type == EntryType::kFile) {
-        tree.total_bytes += e.size;
-        ++tree.files;
-      }
-    }
     std::sort(skipped_.begin(), skipped_.end());
-    tree.skipped = std::move(skipped_);
-    return tree;
+    return FlatTree(std::move(batches_), std::move(skipped_));
   }
 
  private:
@@ -108,7 +99,7 @@ class Walker {
         queue_.pop_front();
       }
       std::vector<Task> more;
-      std::vector<Entry> found;
+      FlatTree::Batch found;
       try {
         if (task.names.empty())
           list(task.dir, &more);
@@ -119,8 +110,7 @@ class Walker {
         if (!error_) error_ = e;
       }
       std::lock_guard lk(mu_);
-      entries_.insert(entries_.end(), std::make_move_iterator(found.begin()),
-                      std::make_move_iterator(found.end()));
+      if (!found.recs.empty()) batches_.push_back(std::move(found));
       for (auto& t : more) queue_.push_back(std::move(t));
       pending_ += more.size();
       --pending_;
@@ -158,11 +148,15 @@ class Walker {
   }
 
   void stat_batch(const std::string& dir, const std::vector<std::string>& names,
-                  std::vector<Entry>* found, std::vector<Task>* more) {
+                  FlatTree::Batch* found, std::vector<Task>* more) {
     UniqueFd dfd(dir.empty() ? ::dup(root_fd_.get())
                              : ::openat(root_fd_.get(), dir.c_str(),
                                         O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW));
     if (!dfd) throw Error::os(errno, "open directory", join(root_, dir));
+    size_t bytes = 0;
+    for (const auto& name : names) bytes += dir.size() + 1 + name.size();
+    found->blob.reserve(bytes);
+    found->recs.reserve(names.size());
     for (const auto& name : names) {
       std::string rel = join(dir, name);
       struct stat st;
@@ -170,8 +164,8 @@ class Walker {
         if (errno == ENOENT) continue;  // vanished between readdir and stat
         throw Error::os(errno, "stat", join(root_, rel));
       }
-      Entry e;
-      e.path = rel;
+      FlatTree::Rec e;
+      std::string target_out;
       e.mode = st.st_mode & 07777;
       e.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
       if (S_ISDIR(st.st_mode)) {
@@ -190,7 +184,7 @@ class Walker {
         ssize_t n = ::readlinkat(dfd.get(), name.c_str(), target.data(), target.size());
         if (n < 0) throw Error::os(errno, "read link", join(root_, rel));
         target.resize(size_t(n));
-        if (!link_stays_inside(root_abs_, rel, target, &e.target)) {
+        if (!link_stays_inside(root_abs_, rel, target, &target_out)) {
           refuse(rel, "symbolic link points outside the source tree (to '" + target + "')");
           continue;
         }
@@ -204,7 +198,12 @@ class Walker {
         refuse(rel, std::string("is ") + what);
         continue;
       }
-      found->push_back(std::move(e));
+      e.off = uint32_t(found->blob.size());
+      e.len = uint32_t(rel.size());
+      found->blob += rel;
+      if (e.type == EntryType::kSymlink)
+        found->targets.emplace_back(uint32_t(found->recs.size()), std::move(target_out));
+      found->recs.push_back(e);
     }
   }
 
@@ -231,7 +230,7 @@ class Walker {
   std::condition_variable cv_;
   std::deque<Task> queue_;
   size_t pending_ = 0;  // tasks queued or running
-  std::vector<Entry> entries_;
+  std::vector<FlatTree::Batch> batches_;
   std::vector<std::string> skipped_;
   std::optional<Error> error_;
 };
@@ -281,8 +280,88 @@ bool link_stays_inside(const std::string& root_abs, const std::string& link_path
   return true;
 }
 
-Tree walk(const std::string& root, const WalkOptions& options) {
+FlatTree::FlatTree(std::vector<Batch> batches, std::vector<std::string> skipped)
+    : batches_(std::move(batches)), skipped_(std::move(skipped)) {
+  size_t n = 0;
+  for (const auto& b : batches_) n += b.recs.size();
+  order_.reserve(n);
+  for (uint64_t k = 0; k < batches_.size(); ++k) {
+    const Batch& b = batches_[k];
+    for (uint32_t i = 0; i < b.recs.size(); ++i) {
+      const Rec& r = b.recs[i];
+      order_.push_back(k << 32 | i);
+      path_bytes_ += r.len;
+      if (r.type == EntryType::kFile) {
+        ++files_;
+        total_bytes_ += r.size;
+      }
+    }
+  }
+  auto path = [this](uint64_t ref) {
+    const Rec& r = rec(ref);
+    return std::string_view(batches_[ref >> 32].blob).substr(r.off, r.len);
+  };
+  // string_view compares as memcmp does (unsigned bytes): the order of the paths' bytes.
+  std::sort(order_.begin(), order_.end(),
+            [&](uint64_t a, uint64_t b) { return path(a) < path(b); });
+}
+
+void FlatTree::fill_columns(const Columns& out) const {
+  int64_t at = 0;
+  out.offsets[0] = 0;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Rec& r = rec(order_[i]);
+    std::memcpy(out.paths + at, batches_[order_[i] >> 32].blob.data() + r.off, r.len);
+    at += r.len;
+    out.offsets[i + 1] = at;
+    out.kind[i] = uint8_t(r.type);
+    out.size[i] = int64_t(r.size);
+    out.blocks[i] = int64_t(r.blocks);
+    out.mode[i] = r.mode;
+    out.mtime_ns[i] = r.mtime_ns;
+  }
+}
+
+std::vector<std::pair<uint64_t, std::string>> FlatTree::targets() const {
+  std::vector<std::pair<uint64_t, std::string>> out;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Batch& b = batches_[order_[i] >> 32];
+    if (b.targets.empty() || b.recs[uint32_t(order_[i])].type != EntryType::kSymlink) continue;
+    for (const auto& [k, t] : b.targets)
+      if (k == uint32_t(order_[i])) out.emplace_back(i, t);
+  }
+  return out;
+}
+
+Tree FlatTree::to_tree() const {
+  Tree tree;
+  tree.entries.reserve(order_.size());
+  for (uint64_t ref : order_) {
+    const Batch& b = batches_[ref >> 32];
+    const Rec& r = b.recs[uint32_t(ref)];
+    Entry e;
+    e.path = b.blob.substr(r.off, r.len);
+    e.type = r.type;
+    e.size = r.size;
+    e.blocks = r.blocks;
+    e.mode = r.mode;
+    e.mtime_ns = r.mtime_ns;
+    for (const auto& [k, t] : b.targets)
+      if (k == uint32_t(ref)) e.target = t;
+    tree.entries.push_back(std::move(e));
+  }
+  tree.files = files_;
+  tree.total_bytes = total_bytes_;
+  tree.skipped = skipped_;
+  return tree;
+}
+
+FlatTree walk_flat(const std::string& root, const WalkOptions& options) {
   return Walker(root, options).run();
+}
+
+Tree walk(const std::string& root, const WalkOptions& options) {
+  return walk_flat(root, options).to_tree();
 }
 
 Tree stat_file(const std::string& root, const std::string& rel) {

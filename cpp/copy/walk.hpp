@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fastload::copy {
@@ -38,8 +39,65 @@ struct Tree {
   std::vector<std::string> skipped;  // special files and escaping links left out (skip_special)
 };
 
+// The entries of a walk in compact batches (the path bytes of a batch in one string, a
+// fixed-size record per entry), with their order by path: what columns are made from
+// without an object, or a heap string, per entry.
+class FlatTree {
+ public:
+  struct Rec {
+    uint64_t size = 0, blocks = 0;
+    int64_t mtime_ns = 0;
+    uint32_t off = 0, len = 0;  // the path in its batch's blob
+    uint32_t mode = 0;
+    EntryType type = EntryType::kFile;
+  };
+  struct Batch {
+    std::string blob;
+    std::vector<Rec> recs;
+    std::vector<std::pair<uint32_t, std::string>> targets;  // a link's rec -> its target
+  };
+
+  // Where fill_columns() writes entry i (in path order): paths[offsets[i], offsets[i+1]),
+  // the rest at index i. offsets has size()+1 elements, paths path_bytes() bytes.
+  struct Columns {
+    char* paths;
+    int64_t* offsets;
+    uint8_t* kind;
+    int64_t* size;
+    int64_t* blocks;
+    uint32_t* mode;
+    int64_t* mtime_ns;
+  };
+
+  FlatTree() = default;
+  FlatTree(std::vector<Batch> batches, std::vector<std::string> skipped);
+
+  size_t size() const { return order_.size(); }
+  uint64_t path_bytes() const { return path_bytes_; }
+  uint64_t files() const { return files_; }
+  uint64_t total_bytes() const { return total_bytes_; }
+  const std::vector<std::string>& skipped() const { return skipped_; }
+
+  void fill_columns(const Columns& out) const;
+  // Each link's index (in path order) and target, by index.
+  std::vector<std::pair<uint64_t, std::string>> targets() const;
+  // The same entries as a Tree (one Entry each).
+  Tree to_tree() const;
+
+ private:
+  const Rec& rec(uint64_t ref) const { return batches_[ref >> 32].recs[uint32_t(ref)]; }
+
+  std::vector<Batch> batches_;
+  std::vector<uint64_t> order_;  // (batch << 32 | rec), sorted by path
+  std::vector<std::string> skipped_;
+  uint64_t path_bytes_ = 0, files_ = 0, total_bytes_ = 0;
+};
+
 // Lists root (a directory). Throws fastload::Error naming the first path that failed, or
 // (kUnsupported) the first special file or escaping symlink when !skip_special.
+FlatTree walk_flat(const std::string& root, const WalkOptions& options);
+
+// walk_flat(), one Entry per entry (holds ~3x the memory of a FlatTree on big trees).
 Tree walk(const std::string& root, const WalkOptions& options);
 
 // A Tree of the one regular file root/rel (rel alone when root is empty), its entry's

@@ -40,6 +40,9 @@ class Tree:
 def walk(
     root: _Path, include: Iterable[str], exclude: Iterable[str], skip_special: bool, threads: int
 ) -> Tree: ...
+def walk_columns(
+    root: _Path, include: Iterable[str], exclude: Iterable[str], skip_special: bool, threads: int
+) -> dict[str, Any]: ...
 def stat_file(root: _Path, name: _Path) -> Tree: ...
 
 class CopyFiles:

@@ -249,33 +249,38 @@ class ObjectStore:
         base = f"{prefix}/" if prefix else ""
         out: list[ObjectInfo] = []
 
-        def take(metas: Iterable[Mapping[str, Any]]) -> None:
+        def take(metas: Iterable[Mapping[str, Any]], into: list[ObjectInfo]) -> None:
             for meta in metas:
                 path = meta["path"]
                 if not path.startswith(base) or path.endswith("/"):
                     continue  # the prefix itself, or a "folder" marker
                 rel = path[len(base):]
                 if selected(rel, include or [], exclude or []):
-                    out.append(_info(rel, meta))
+                    into.append(_info(rel, meta))
 
-        def under(sub: str) -> list[Mapping[str, Any]]:
-            # A listing cut short is listed again from its start (pages are not resumed).
-            metas: list[Mapping[str, Any]] = self._call(base, lambda: [
-                meta for page in self._ob.list(self._store, prefix=sub, chunk_size=1000)
-                for meta in page
-            ])  # fmt: skip
-            return metas
+        def under(sub: str) -> list[ObjectInfo]:
+            # Each page (1,000 keys) is taken as it comes: its metadata dicts are dropped
+            # before the next page, not held for the whole prefix. A listing cut short is
+            # listed again from its start (pages are not resumed).
+            def attempt() -> list[ObjectInfo]:
+                got: list[ObjectInfo] = []
+                for page in self._ob.list(self._store, prefix=sub, chunk_size=1000):
+                    take(page, got)
+                return got
+
+            infos: list[ObjectInfo] = self._call(base, attempt)
+            return infos
 
         top = self._call(base, lambda: self._ob.list_with_delimiter(self._store, prefix or None))
-        take(top["objects"])
+        take(top["objects"], out)
         subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
         if len(subs) == 1:
-            take(under(subs[0]))
+            out.extend(under(subs[0]))
         elif subs:
             with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
                                     thread_name_prefix="fastload-list") as pool:
-                for metas in pool.map(under, subs):
-                    take(metas)
+                for infos in pool.map(under, subs):
+                    out.extend(infos)
         out.sort(key=lambda o: o.key)
         return out
 

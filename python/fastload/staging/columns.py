@@ -26,7 +26,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import accumulate, compress, islice
+from itertools import accumulate, compress, islice, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -84,6 +84,15 @@ def _gather(blob: Any, off: Column, rows: Iterable[int]) -> tuple[bytes, array[i
         out += mv[off[r] : off[r + 1]]
         ends.append(len(out))
     return bytes(out), ends
+
+
+def _runs(sel: bytes) -> Iterator[tuple[int, int]]:
+    """The runs of 1s in ``sel``, as [start, end) (found at C speed: a run per change)."""
+    i = 0
+    while (a := sel.find(1, i)) >= 0:
+        b = sel.find(0, a)
+        i = b if b >= 0 else len(sel)
+        yield a, i
 
 
 def _is_sorted(keys: Iterable[bytes]) -> bool:
@@ -145,6 +154,23 @@ class Listing(Sequence[Entry]):
             targets.update((k + j, t) for j, t in enumerate(cols[6]) if cols[1][j] == LINK)
         return cls(bytes(blob), ends, kind, size, blocks, mode, mtime, targets)
 
+    @classmethod
+    def from_walk(cls, cols: dict[str, Any]) -> Listing:
+        """From the columns of ``_core.walk_columns`` (taken out of ``cols``: each
+        column's bytes are freed once its array is made, so at most one column is held
+        twice)."""
+
+        def col(name: str, code: str) -> array[int]:
+            out = array(code)
+            out.frombytes(cols.pop(name))
+            return out
+
+        offsets, kind = col("offsets", "q"), col("kind", "B")
+        size, blocks, mode = col("size", "q"), col("blocks", "q"), col("mode", "I")
+        mtime = col("mtime_ns", "q")
+        return cls(cols.pop("paths"), offsets, kind, size, blocks, mode, mtime,
+                   cols.pop("targets"))  # fmt: skip
+
     def __len__(self) -> int:
         return len(self.kind)
 
@@ -184,17 +210,22 @@ class Listing(Sequence[Entry]):
                        col(self.blocks, "q"), col(self.mode, "I"), col(self.mtime_ns, "q"),
                        targets)  # fmt: skip
 
-    def of_kind(self, kind: int) -> Listing:
-        """The entries of one kind, in order (C loops: the selectors are the kind column
+    def of_kind(self, *kinds: int) -> Listing:
+        """The entries of these kinds, in order (C loops: the selectors are the kind column
         translated to 0 and 1)."""
-        sel = bytes(self.kind).translate(bytes(int(v == kind) for v in range(256)))
+        sel = bytes(self.kind).translate(bytes(int(v in kinds) for v in range(256)))
         off = self.offsets
         lengths = compress(map(operator.sub, islice(off, 1, None), off), sel)
         ends = array("q", [0])
         ends.extend(accumulate(lengths))
-        blob = b"".join(compress(self.path_bytes(), sel))
-        where = list(accumulate(sel)) if self.targets else []
-        targets = {where[r] - 1: t for r, t in self.targets.items() if sel[r]}
+        mv = memoryview(self.paths)
+        blob = b"".join([mv[off[a] : off[b]] for a, b in _runs(sel)])  # a piece per run
+        targets, at, below = {}, 0, 0
+        for r in sorted(self.targets):
+            if sel[r]:
+                below += sel.count(1, at, r)  # selected rows before r
+                at = r
+                targets[below] = self.targets[r]
 
         def col(c: Column, code: str) -> array[int]:
             return array(code, compress(c, sel))
@@ -452,9 +483,10 @@ def _concat(a: FileTable, b: FileTable) -> FileTable:
 class Done(Mapping[str, Record]):
     """The files of a listing (``files``) that are complete: rows of an earlier stage's
     table (``base``, ``base_rows[i]`` the row of file ``i`` there, -1 for none), and
-    files this stage completed, set by row (:meth:`set`) or by path, appended to
-    columns in the order they finish (no object per file). :meth:`table` is what the
-    manifest records."""
+    files this stage completed, set by row (:meth:`set`) or by path. A record set is its
+    digests (appended to one blob, in the order files finish) and, only where they differ
+    from the listing's, its size, time and mode: a file copied as listed costs 16 bytes
+    here besides its digests. :meth:`table` is what the manifest records."""
 
     def __init__(
         self, files: Listing, base: FileTable | None = None, base_rows: Column | None = None
@@ -463,31 +495,44 @@ class Done(Mapping[str, Record]):
         self.files = files
         self.base = base if base is not None else FileTable.empty()
         self.base_rows = base_rows if base_rows is not None else array("q", [-1]) * n
-        self._at = array("q", [-1]) * n  # row -> its place in the columns below
-        self._row, self._size, self._mtime = array("q"), array("q"), array("q")
-        self._mode, self._dig, self._dend = array("I"), bytearray(), array("q", [0])
+        # row -> its digests' place in _dig/_dend, -1 for none (made at the first set):
+        self._at: array[int] | None = None
+        self._dig, self._dend = bytearray(), array("q", [0])
+        self._other: dict[int, tuple[int, int, int]] = {}  # row -> (size, mtime, mode) not listed
         self._rows: dict[str, int] | None = None
         bsize = self.base.size
         # Kept up by set():
         self._count = sum(1 for r in self.base_rows if r >= 0)
         self._bytes = sum(bsize[r] for r in self.base_rows if r >= 0)
 
+    def _meta(self, i: int) -> tuple[int, int, int]:
+        """Row ``i``'s size, mtime and mode as set (the listing's unless told otherwise)."""
+        got = self._other.get(i)
+        if got is not None:
+            return got
+        f = self.files
+        return f.size[i], f.mtime_ns[i], f.mode[i]
+
     def set(self, i: int, rec: Record | tuple[int, int, int, Any]) -> None:
         """Row ``i`` is complete with record ``rec`` (digests as hex or bytes); set again,
         the last record wins."""
+        if self._at is None:
+            self._at = array("q", [-1]) * len(self.files)
         d, k, b = rec[3], self._at[i], self.base_rows[i]
         if k >= 0:
-            self._bytes -= self._size[k]
+            self._bytes -= self._meta(i)[0]
         elif b >= 0:
             self._bytes -= self.base.size[b]
         else:
             self._count += 1
         self._bytes += rec[0]
-        self._at[i] = len(self._row)
-        self._row.append(i)
-        self._size.append(rec[0])
-        self._mtime.append(rec[1])
-        self._mode.append(rec[2])
+        self._at[i] = len(self._dend) - 1
+        meta = (rec[0], rec[1], rec[2])
+        f = self.files
+        if meta != (f.size[i], f.mtime_ns[i], f.mode[i]):
+            self._other[i] = meta
+        else:
+            self._other.pop(i, None)
         self._dig += bytes.fromhex(d) if isinstance(d, str) else d
         self._dend.append(len(self._dig))
 
@@ -499,9 +544,15 @@ class Done(Mapping[str, Record]):
     def __setitem__(self, path: str, rec: Record) -> None:
         self.set(self.row(path), rec)
 
+    def _set_rows(self) -> Iterable[int]:
+        """For each file, its digests' place, or -1 (not set by this stage)."""
+        return self._at if self._at is not None else repeat(-1, len(self.files))
+
     def mask(self) -> bytearray:
         """1 for each file that is complete."""
-        return bytearray(a >= 0 or b >= 0 for a, b in zip(self._at, self.base_rows, strict=True))
+        return bytearray(
+            a >= 0 or b >= 0 for a, b in zip(self._set_rows(), self.base_rows, strict=True)
+        )
 
     def rows(self) -> list[int]:
         """The complete files' rows."""
@@ -511,14 +562,14 @@ class Done(Mapping[str, Record]):
         return self._count
 
     def is_done(self, i: int) -> bool:
-        return self._at[i] >= 0 or self.base_rows[i] >= 0
+        return (self._at is not None and self._at[i] >= 0) or self.base_rows[i] >= 0
 
     def _record(self, i: int) -> Record:
-        k = self._at[i]
+        k = self._at[i] if self._at is not None else -1
         if k < 0:
             return self.base.record(self.base_rows[i])
         d = bytes(self._dig[self._dend[k] : self._dend[k + 1]])
-        return Record(self._size[k], self._mtime[k], self._mode[k], d.hex())
+        return Record(*self._meta(i), d.hex())
 
     def __iter__(self) -> Iterator[str]:
         for i in self.rows():
@@ -548,17 +599,29 @@ class Done(Mapping[str, Record]):
     def table(self) -> FileTable:
         """The complete files as a table: the earlier table's rows kept, this stage's
         records added (each sorted by path, then merged)."""
+        at = self._set_rows()
         kept = self.base.take(
-            sorted(b for k, b in zip(self._at, self.base_rows, strict=True) if k < 0 and b >= 0)
+            sorted(b for k, b in zip(at, self.base_rows, strict=True) if k < 0 and b >= 0)
         )
-        places = array("q", (k for k in self._at if k >= 0))  # in the listing's order
+        if self._at is None:
+            return kept.sorted()
+        mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         files = self.files
-        paths, off = _gather(files.paths, files.offsets, (self._row[k] for k in places))
-        dig, doff = _gather(self._dig, self._dend, places)
-        fresh = FileTable(paths, off, array("q", (self._size[k] for k in places)),
-                          array("q", (self._mtime[k] for k in places)),
-                          array("I", (self._mode[k] for k in places)), dig, doff).sorted()
-        del places  # fmt: skip
+        paths, off = _gather(files.paths, files.offsets, mine)
+        dig, doff = _gather(self._dig, self._dend, (self._at[i] for i in mine))
+        size, mtime, mode = array("q"), array("q"), array("I")
+        if self._other:
+            for i in mine:
+                s, t, m = self._meta(i)
+                size.append(s)
+                mtime.append(t)
+                mode.append(m)
+        else:
+            size.extend(files.size[i] for i in mine)
+            mtime.extend(files.mtime_ns[i] for i in mine)
+            mode.extend(files.mode[i] for i in mine)
+        del mine
+        fresh = FileTable(paths, off, size, mtime, mode, dig, doff).sorted()
         if not len(fresh):
             return kept.sorted()
         return kept.sorted().union(fresh) if len(kept) else fresh

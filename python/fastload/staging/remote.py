@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ from .._util import pwrite_all
 from ..errors import stage_error
 from ..sources import store_for
 from ..sources.objstore import ObjectInfo, ObjectStore
-from .destination import Destination, Entry, recorded_kind
+from .columns import Listing
+from .destination import Destination, recorded_kind
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
 from .request import Source, StageRequest
 from .result import StageResult
@@ -65,6 +67,25 @@ def fingerprint(url: str, objects: list[ObjectInfo], options: dict[str, Any]) ->
     for o in objects:
         h.update(f"{o.key}\0{o.size}\0{o.identity}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
+
+
+def _listing(dirs: list[str], names: list[str], objects: list[ObjectInfo]) -> Listing:
+    """The folders, then the objects as files under ``names``, as a listing's columns
+    (no object per entry)."""
+    blob, ends = bytearray(), array("q", [0])
+    for p in (*dirs, *names):
+        blob += os.fsencode(p)
+        ends.append(len(blob))
+    nd, nf = len(dirs), len(objects)
+    size = array("q", [0]) * nd
+    size.extend(o.size for o in objects)
+    blocks = array("q", [0]) * nd
+    blocks.extend((o.size + 511) // 512 for o in objects)
+    mtime = array("q", [0]) * nd
+    mtime.extend(o.mtime_ns for o in objects)
+    kind = array("B", [DIR]) * nd + array("B", [FILE]) * nf
+    mode = array("I", [0o755]) * nd + array("I", [_MODE]) * nf
+    return Listing(bytes(blob), ends, kind, size, blocks, mode, mtime, {})
 
 
 def _digests(chunks: list[int]) -> str:
@@ -282,16 +303,17 @@ class ObjectPrefix:
         if self.dirs:
             shape["dirs"] = self.dirs  # an added or removed empty folder is a change
         fp = fingerprint(self.name, self.objects, shape)
-        files = [Entry(n, FILE, o.size, (o.size + 511) // 512, _MODE, o.mtime_ns, "")
-                 for n, o in zip(names, self.objects, strict=True)]  # fmt: skip
         dirs = sorted({"/".join(n.split("/")[:k]) for n in names + self.dirs
                        for k in range(1, n.count("/") + 1)} | set(self.dirs))  # fmt: skip
-        entries = [Entry(d, DIR, 0, 0, 0o755, 0, "") for d in dirs] + files
-        ids = {n: o.identity for n, o in zip(names, self.objects, strict=True)}
+        entries = _listing(dirs, names, self.objects)
+        del names
         old_ids: dict[str, str] = (dest.old or {}).get("objects", {})
-        return plan_against(
-            dest, entries, fp, lambda e, rec: old_ids.get(e.path, ids[e.path]) == ids[e.path]
-        )
+
+        def same(i: int, rec: Record) -> bool:
+            o = self.objects[i]
+            return old_ids.get(o.key if not self.single else dest.path.name) in (None, o.identity)
+
+        return plan_against(dest, entries, fp, same)
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
         return run_plan(self, req, dest, self.plan(req, dest, listing))

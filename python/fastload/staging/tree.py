@@ -29,6 +29,7 @@ from .job import (
     DEFAULT_FILES_IN_FLIGHT,
     DIR,
     FILE,
+    LINK,
     ProgressCallback,
     copy_options,
     digest_local,
@@ -55,10 +56,10 @@ def tree_fingerprint(src: str, entries: Listing, options: dict[str, Any]) -> str
 
 @dataclasses.dataclass
 class TreePlan:
-    """What a stage of a tree-shaped source has to do: its listing (``entries``, and
-    ``files``, the regular ones), what is already in place (``done``) and what is not
-    (``todo``: indices into ``files``). ``complete``: a complete manifest matches,
-    nothing to do."""
+    """What a stage of a tree-shaped source has to do: its listing (``files``, the
+    regular ones, and ``entries``, the rest: directories and links, so no file is held
+    twice), what is already in place (``done``) and what is not (``todo``: indices into
+    ``files``). ``complete``: a complete manifest matches, nothing to do."""
 
     entries: Listing
     files: Listing
@@ -99,13 +100,15 @@ def plan_against(
     dest: Destination,
     entries: Listing | list[Entry],
     fingerprint: str,
-    same: Callable[[Entry, Record], bool] | None = None,
+    same: Callable[[int, Record], bool] | None = None,
 ) -> TreePlan:
     """``entries`` against what ``dest`` holds (under its lock): complete, or what is
-    done (a known record of the same size and time that ``same`` accepts, by default one
-    of the same mode, still in place) and what is to do."""
+    done (a known record of the same size and time that ``same`` accepts, given the
+    file's row among the files of ``entries``; by default one of the same mode, still in
+    place) and what is to do."""
     listing = entries if isinstance(entries, Listing) else Listing.of(entries)
     files = listing.of_kind(FILE)
+    listing = listing.of_kind(DIR, LINK)  # the caller's listing is freed when it drops it
     if dest.is_complete(fingerprint):
         assert dest.old is not None
         old: FileTable = dest.old["files"]
@@ -120,7 +123,7 @@ def plan_against(
             continue
         size, mtime = files.size[i], files.mtime_ns[i]
         ok = known.size[r] == size and known.mtime_ns[r] == mtime and (
-            files.mode[i] == known.mode[r] if same is None else same(files[i], known.record(r))
+            files.mode[i] == known.mode[r] if same is None else same(i, known.record(r))
         )
         if ok:
             try:
@@ -135,8 +138,10 @@ def plan_against(
     return TreePlan(listing, files, fingerprint, False, Done(files, known, rows), todo)
 
 
-def _raw(col: Any) -> bytes:
-    return memoryview(col).cast("B").tobytes()
+def _raw(col: Any) -> memoryview:
+    """The column's bytes, not copied (memoryviews of the format "B" compare bytewise)."""
+    mv = memoryview(col)
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _rows_in(table: FileTable, files: Listing) -> array[int]:
@@ -167,7 +172,7 @@ def run_plan(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) 
 
 
 def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> StageResult:
-    dest.drop_stale(plan.entries)
+    dest.drop_stale(plan.files)  # an old file where the source now has a folder goes too
     dest.check_space(space_needed(plan, dest.path.parent))
     make_dirs(plan, dest)
     done = plan.done
@@ -208,7 +213,7 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
 class LocalTree:
     """A directory, or one file (``single``), on a file system (:class:`Source`)."""
 
-    batch = 65536  # files per copy job (run_plan)
+    batch = 16384  # files per copy job (run_plan): what one holds per file is ~250 bytes
 
     def __init__(self, src: Path, req: StageRequest, *, single: bool) -> None:
         self.src = src  # absolute, symbolic links resolved
@@ -224,12 +229,12 @@ class LocalTree:
         threads = min(64, max(8, (req.workers or DEFAULT_FILES_IN_FLIGHT)))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
-        tree = _core.walk(
-            str(self.src), list(req.include), list(req.exclude), req.on_special == "skip", threads
-        )
-        raw = tree.entries()
-        del tree  # the native listing, before the columns are made
-        entries = Listing.of(raw, consume=True)
+        entries = Listing.from_walk(
+            _core.walk_columns(
+                str(self.src), list(req.include), list(req.exclude), req.on_special == "skip",
+                threads,
+            )
+        )  # fmt: skip
         if req.include:
             # With include patterns, keep only the directories leading to something taken.
             keep: set[str] = set()

@@ -531,3 +531,31 @@ def assert_only_expected(dst: Path, files: dict[str, bytes],
             assert os.readlink(p) == symlinks[rel]
         else:
             raise AssertionError(f"{rel!r} in dst is a special file ({stat.S_IFMT(st.st_mode):o})")
+
+
+@dataclass
+class Made:
+    """A GNU tar made for tests of the archive readers, and GNU tar's extraction of it."""
+
+    archive: Path
+    ref: Path
+    size: int
+
+
+def block_spanning_archive(base: Path, small_files: int, seed: int) -> Made:
+    """A GNU tar (posix format) whose read blocks start and end inside members and
+    headers: the shapes of build_archive_tree, members of 17 MiB + 1,234 B and 13 MiB
+    (more than a read block, ending mid-block), ``small_files`` files of odd sizes; and
+    GNU tar's own extraction of it."""
+    import random
+
+    src = trees.build_archive_tree(base / "src")
+    rng = random.Random(seed)
+    (src / "big").mkdir()
+    trees.write_patterned(src / "big" / "a.bin", 17 * trees.MiB + 1234, 1)
+    trees.write_patterned(src / "big" / "b.bin", 13 * trees.MiB, 2)
+    for i in range(small_files):
+        body = rng.randbytes(rng.randrange(1, 90_000))
+        trees.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
+    archive = gnu_create(src, base / "a.tar", "posix")
+    return Made(archive, gnu_extract(archive, base / "ref"), archive.stat().st_size)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import fastload
 from fastload import _core
 from kit import fs, tars, trees
+from kit.tars import Made
 
 pytestmark = pytest.mark.native
 
@@ -51,29 +51,11 @@ def direct_reads(enabled: bool) -> Iterator[None]:
         yield
 
 
-class Made:
-    def __init__(self, archive: Path, ref: Path, size: int) -> None:
-        self.archive, self.ref, self.size = archive, ref, size
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
-    """A GNU tar (posix format) of ~48 MiB: the shapes of build_archive_tree, members of
-    17 MiB + 1,234 B and 13 MiB (bigger than a read block, ending mid-block), and 300
-    small files of odd sizes, so read blocks start and end inside members and headers;
-    and GNU tar's own extraction of it."""
-    base = tmp_path_factory.mktemp("direct")
-    src = trees.build_archive_tree(base / "src")
-    rng = random.Random(5)
-    (src / "big").mkdir()
-    trees.write_patterned(src / "big" / "a.bin", 17 * MiB + 1234, 1)
-    trees.write_patterned(src / "big" / "b.bin", 13 * MiB, 2)
-    for i in range(300):
-        body = rng.randbytes(rng.randrange(1, 90_000))
-        trees.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
-    archive = tars.gnu_create(src, base / "a.tar", "posix")
-    ref = tars.gnu_extract(archive, base / "ref")
-    return Made(archive, ref, archive.stat().st_size)
+    """A GNU tar of ~48 MiB whose read blocks start and end inside members and
+    headers (300 small files), and GNU tar's own extraction of it."""
+    return tars.block_spanning_archive(tmp_path_factory.mktemp("direct"), 300, 5)
 
 
 def test_uncached_archive_is_read_direct_and_left_uncached(stage: Stage, made: Made,

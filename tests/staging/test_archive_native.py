@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import fastload
 from fastload.staging import readers as _readers
 from fastload.staging.state import read_manifest
 from kit import fs, procs, tars, trees
+from kit.tars import Made
 
 pytestmark = pytest.mark.native
 
@@ -32,28 +32,11 @@ Stage = Callable[..., Any]
 MiB = trees.MiB
 
 
-class Made:
-    def __init__(self, archive: Path, ref: Path, size: int) -> None:
-        self.archive, self.ref, self.size = archive, ref, size
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
-    """A GNU tar (posix format) of ~40 MiB: the shapes of build_archive_tree, members of
-    17 MiB + 1,234 B and 13 MiB (more than a read block, ending mid-block), 200 small
-    files of odd sizes; and GNU tar's own extraction of it."""
-    base = tmp_path_factory.mktemp("native")
-    src = trees.build_archive_tree(base / "src")
-    rng = random.Random(7)
-    (src / "big").mkdir()
-    trees.write_patterned(src / "big" / "a.bin", 17 * MiB + 1234, 1)
-    trees.write_patterned(src / "big" / "b.bin", 13 * MiB, 2)
-    for i in range(200):
-        body = rng.randbytes(rng.randrange(1, 90_000))
-        trees.write_file(src / f"small/{i // 50}/s{i:03d}.bin", body)
-    archive = tars.gnu_create(src, base / "a.tar", "posix")
-    ref = tars.gnu_extract(archive, base / "ref")
-    return Made(archive, ref, archive.stat().st_size)
+    """A GNU tar of ~40 MiB whose read blocks start and end inside members and
+    headers (200 small files), and GNU tar's own extraction of it."""
+    return tars.block_spanning_archive(tmp_path_factory.mktemp("native"), 200, 7)
 
 
 @pytest.fixture

@@ -29,18 +29,10 @@ def _keys(n: int) -> dict[str, bytes]:
     return out
 
 
-def _tree(root: Path) -> dict[str, bytes]:
-    return {
-        os.path.relpath(os.path.join(d, f), root): Path(d, f).read_bytes()
-        for d, _dirs, files in os.walk(root)
-        for f in files
-    }
-
-
 def test_a_prefix_of_thousands_of_keys_stages_and_restages(
     s3: Any, bucket: str, proxy: Any, tmp_path: Path
 ) -> None:
-    from sources.s3server import upload
+    from sources.s3server import tree_of, upload
 
     files = _keys(3200)
     upload(s3, bucket, files)
@@ -49,7 +41,7 @@ def test_a_prefix_of_thousands_of_keys_stages_and_restages(
     r = fastload.stage(f"s3://{bucket}/", out)
     assert (r.files, r.copied_files, r.skipped) == (len(files), len(files), False)
     assert r.bytes == sum(map(len, files.values()))
-    assert _tree(out) == files
+    assert tree_of(out) == files
     assert proxy.requests["LIST"] >= 3  # the folder of 2,500 keys is three pages
     assert proxy.gets() == sum(1 for v in files.values() if v)
     m = read_manifest(out)
@@ -76,5 +68,5 @@ def test_a_prefix_of_thousands_of_keys_stages_and_restages(
     third = fastload.stage(f"s3://{bucket}/", out)
     assert (third.copied_files, third.files, third.skipped) == (2, len(files), False)
     assert proxy.gets() == 2
-    assert _tree(out) == files
+    assert tree_of(out) == files
     assert fastload.verify(out).ok

@@ -61,7 +61,7 @@ def _status_kib(field: str) -> int:
 def _watch_phases(out: list[tuple[str, int, int]]) -> None:
     """Wraps the steps of a stage (none of them calls another) so each records its name,
     its peak RSS and the RSS after it in ``out``."""
-    from fastload.staging import columns, destination, tree
+    from fastload.staging import destination, done, tree
 
     def wrap(owner: Any, name: str, label: str) -> None:
         fn: Callable[..., Any] = getattr(owner, name)
@@ -83,7 +83,7 @@ def _watch_phases(out: list[tuple[str, int, int]]) -> None:
         (destination.Destination, "drop_stale", "drop stale"),
         (tree.LocalTree, "transfer", "copy (a batch)"),
         (tree.LocalTree, "finish", "links, dir times"),
-        (columns.Done, "table", "manifest table"),
+        (done.Done, "table", "manifest table"),
         (destination.Destination, "commit", "commit"),
     ):
         wrap(owner, name, label)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload.staging.columns import Done, FileTable, Listing, Record
+from fastload.staging.columns import FileTable, Listing, Record
+from fastload.staging.done import Done
 from fastload.staging.state import read_manifest, state_dir
 from kit import trees
 

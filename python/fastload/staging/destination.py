@@ -18,7 +18,8 @@ from typing import Any
 from .. import _core
 from .._util import node_lock
 from ..sources.retry import process_retries
-from .columns import Done, Entry, FileTable, Listing, Record
+from .columns import Entry, FileTable, Listing, Record
+from .done import Done
 from .job import JOURNAL_EVERY, Bar, prove, say_waiting
 from .request import StageRequest
 from .result import StageResult, StageStats

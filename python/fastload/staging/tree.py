@@ -23,8 +23,9 @@ from typing import Any
 
 from .. import _core
 from ..errors import ChecksumMismatchError, stage_error
-from .columns import Done, Entry, FileTable, Listing, Record
+from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
+from .done import Done
 from .job import (
     DEFAULT_FILES_IN_FLIGHT,
     DIR,

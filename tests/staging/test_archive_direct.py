@@ -10,6 +10,7 @@ archive; and the archive's pages are left as they were found.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tarfile
@@ -181,3 +182,40 @@ def test_truncated_uncached_archive_names_it(stage: Stage, made: Made, tmp_path:
     with direct_reads(True), pytest.raises(fastload.TarFormatError, match=r"cut\.tar"):
         stage(cut, tmp_path / "out")
     trees.assert_no_tmp(tmp_path / "out")
+
+
+def test_direct_read_cut_short_mid_file(made: Made, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct read that returns short off a page boundary in the middle of the file (a
+    signal, a device's limit) is not the end of the file: the rest of the block comes
+    through the cache, and the extraction is GNU tar's. (A short O_DIRECT read cannot
+    be made on demand here, so the one read is cut short by hand; the rest are real.)"""
+    from fastload.staging import readers
+
+    out = tmp_path / "out"
+    out.mkdir()
+    options = _core.ExtractOptions(threads=4, files_in_flight=8, chunk_size=1 << 20,
+                                   read_block_size=MiB, read_blocks=8)  # fmt: skip
+    job = _core.ExtractJob(str(out), str(made.archive), options)
+    real, cut = os.preadv, []
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        got = real(fd, buffers, offset)
+        direct = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        if not cut and offset == 16 * MiB and direct and got == MiB:
+            cut.append(offset)
+            return 5000  # the rest of the block is there, but the read says not
+        return got
+
+    drop(made.archive)
+    monkeypatch.setattr(readers.os, "preadv", preadv)
+    with direct_reads(True):
+        reader = readers.Prefetcher(made.archive, made.size, job, depth=4)
+    try:
+        for _off, _n, b, data in reader:
+            job.feed_block(b, len(data))
+    finally:
+        reader.close()
+    job.finish()
+    assert cut == [16 * MiB]  # the one read was cut short, and direct
+    tars.assert_same_extraction(made.ref, out)

@@ -149,7 +149,11 @@ class Prefetcher(_Ahead):
                 cached = True  # cannot tell (mmap refused): read through the cache
             if not cached:
                 return self._read_direct(view, n, off)
-        got = 0
+        return self._read_cached(view, 0, n, off)
+
+    def _read_cached(self, view: memoryview, got: int, n: int, off: int) -> int:
+        """Reads [off + got, off + n) into view[got:n] through the page cache; returns
+        the bytes in the view (short only at the end of the file)."""
         while got < n:
             k = os.preadv(self._fd, [view[got:n]], off + got)
             if k == 0:
@@ -180,8 +184,14 @@ class Prefetcher(_Ahead):
                 self._direct = -1
                 return self._read(view, n, off)
             got += k
-            if k == 0 or got % _ALIGN:
+            if k == 0:
                 break  # the end of the file
+            if got % _ALIGN:
+                # Short off a block boundary: the end of the file, or a read cut short
+                # (a signal, a device's limit). The rest, if any, through the cache: a
+                # short read is the end of the file only where a buffered read says so.
+                got = self._read_cached(view, got, n, off) if got < n else got
+                break
         self.direct_reads += 1
         return min(got, n)
 

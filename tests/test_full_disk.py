@@ -308,3 +308,20 @@ def test_pack_ctrl_c(pack_src: Path, small_fs: SmallFs) -> None:
     assert "KeyboardInterrupt" in child.stderr
     assert child.result is None and child.error is None
     _no_pack_leftovers(out)
+
+
+def test_index_header_skeleton_on_a_full_disk(tmp_path: Path, small_fs: SmallFs) -> None:
+    """The sparse copy of a shard's headers that a remote index is built from, written to
+    a full file system: ENOSPC naming the file, and no partial file left."""
+    from cache.remote_kit import write_shards
+    from fastload.cache.remote import header_skeleton
+
+    shard = write_shards(tmp_path / "local", [40])[0]
+    mnt = small_fs("1m")
+    fill_up(mnt)
+    out = mnt / "skeleton"
+    with pytest.raises(OSError) as info:
+        header_skeleton(shard, out, shard.stat().st_size)
+    assert info.value.errno == errno.ENOSPC, repr(info.value)
+    assert str(out) in str(info.value) and info.value.filename == str(out)
+    assert not out.exists()

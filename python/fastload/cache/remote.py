@@ -425,7 +425,20 @@ class RemoteShards:
 def header_skeleton(src: Path, dst: Path, size: int) -> None:
     """A sparse copy of tar ``src``: its header blocks at their offsets, holes for the
     members' data, the same size. The index builder reads headers only, so indexing it
-    gives the index of ``src``."""
+    gives the index of ``src``. A failed write (a full disk) names ``dst``, and leaves
+    no partial file."""
+    try:
+        _write_skeleton(src, dst, size)
+    except OSError as e:
+        dst.unlink(missing_ok=True)
+        if e.filename is not None or e.errno is None:
+            raise  # names its path already (opening src or dst)
+        raise stage_error(
+            e.errno, f"write the header skeleton '{dst}' of '{src}': {e.strerror}", str(dst)
+        ) from e
+
+
+def _write_skeleton(src: Path, dst: Path, size: int) -> None:
     with open(src, "rb") as f, open(dst, "wb") as out:
         try:
             tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - closed just below

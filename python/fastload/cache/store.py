@@ -104,6 +104,46 @@ class Counters:
 
 COUNTERS = Counters()
 os.register_at_fork(after_in_child=COUNTERS._after_fork)
+
+#: The descriptors this process holds flocks through (pins, downloads, the cache lock).
+#: A flock belongs to the open file, which a forked child shares: a DataLoader worker
+#: forked while its parent held a pin would keep that entry pinned (unevictable) for its
+#: whole life, after the parent let go of it. In a forked child these descriptors are
+#: turned into /dev/null (a later close by the code that took them closes that): the
+#: locks stay the parent's, and the child takes its own.
+_HELD: set[int] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(fd: int) -> int:
+    with _HELD_LOCK:
+        _HELD.add(fd)
+    return fd
+
+
+def _close(fd: int) -> None:
+    """Closes a descriptor taken through :func:`_hold` (drops its flock)."""
+    with _HELD_LOCK:
+        _HELD.discard(fd)
+    os.close(fd)
+
+
+def _leave_locks_to_parent() -> None:
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()  # another thread may have held it at the fork
+    if not _HELD:
+        return
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for fd in _HELD:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_leave_locks_to_parent)
 #: Called as ``on_event(op, entry name, size, start, end)`` (``time.monotonic()``) after
 #: each download (op ``"download"``) and eviction (``"evict"``) this process makes; set by
 #: ``fastload.monitor`` while it traces.
@@ -155,7 +195,7 @@ class Pin:
 
     def release(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)  # drops the shared flock
+            _close(self._fd)  # drops the shared flock
             self._fd = -1
 
     def __enter__(self) -> Pin:
@@ -202,7 +242,7 @@ class ShardCache:
     # --- locks ---------------------------------------------------------------------------
 
     def _open(self, path: Path) -> int:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return _hold(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -211,7 +251,7 @@ class ShardCache:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            _close(fd)
 
     def _log(self, op: str, name: str, size: int) -> None:
         """Appends ``pid op name size`` to ``state/events.log`` (one ``O_APPEND`` write
@@ -267,7 +307,7 @@ class ShardCache:
                     continue
                 if d.name.endswith(".part"):
                     try:
-                        fd = os.open(d.path, os.O_RDONLY | os.O_CLOEXEC)
+                        fd = _hold(os.open(d.path, os.O_RDONLY | os.O_CLOEXEC))
                     except FileNotFoundError:
                         continue
                     try:
@@ -276,7 +316,7 @@ class ShardCache:
                                 os.unlink(d.path)
                             continue
                     finally:
-                        os.close(fd)
+                        _close(fd)
                     used += st.st_size
                 else:
                     used += st.st_size
@@ -298,7 +338,7 @@ class ShardCache:
             _event("evict", name, size, time.monotonic())
             return True
         finally:
-            os.close(fd)
+            _close(fd)
 
     def _evict(self, bytes_: int, entries: list[tuple[int, str, int]]) -> bool:
         """Removes unpinned entries, least recently used first, until ``bytes_`` are
@@ -312,7 +352,7 @@ class ShardCache:
                     break
                 fd = self._open(self.state / f"{name}.pin")
                 if not _try_lock(fd, fcntl.LOCK_EX):  # pinned
-                    os.close(fd)
+                    _close(fd)
                     continue
                 taken.append((fd, name, size))
                 freed += size
@@ -327,7 +367,7 @@ class ShardCache:
             return True
         finally:
             for fd, _, _ in taken:
-                os.close(fd)
+                _close(fd)
 
     def _readers_waiting(self) -> bool:
         """Whether a reader waits for room now (holds ``state/waiting`` shared)."""
@@ -335,7 +375,7 @@ class ShardCache:
         try:
             return not _try_lock(fd, fcntl.LOCK_EX)
         finally:
-            os.close(fd)  # drops the exclusive flock, if taken
+            _close(fd)  # drops the exclusive flock, if taken
 
     def _reserve(self, entry: CacheEntry, keep_free: int | None = None) -> int | None:
         """Makes room for ``entry`` (evicting unpinned entries, least recently used
@@ -355,7 +395,7 @@ class ShardCache:
         part = self.shards / f"{entry.name}.part"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)  # a dead downloader's (we hold the entry's download lock)
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = _hold(os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, entry.size)
         return fd
@@ -385,7 +425,7 @@ class ShardCache:
         keep_free)``: another process downloads (see :mod:`fastload.cache._fetchd`)."""
         pin_fd, ok = self._pinned(entry, fetch, wait, None, via)
         if not ok:
-            os.close(pin_fd)
+            _close(pin_fd)
             return None
         with contextlib.suppress(OSError):
             os.utime(self.path(entry))  # least recently used = oldest mtime
@@ -398,7 +438,7 @@ class ShardCache:
         cached, False when there is no such room now, None when another process or
         thread is downloading it."""
         pin_fd, ok = self._pinned(entry, fetch, False, keep_free, via)
-        os.close(pin_fd)
+        _close(pin_fd)
         return ok
 
     def _pinned(self, entry: CacheEntry, fetch: Fetcher, wait: bool, keep_free: int | None,
@@ -420,7 +460,7 @@ class ShardCache:
                 else via(entry, wait, keep_free)
             return pin_fd, None if ok is None else bool(ok) and self._valid(entry)
         except BaseException:
-            os.close(pin_fd)
+            _close(pin_fd)
             raise
 
     def _download(self, entry: CacheEntry, fetch: Fetcher, wait: bool,
@@ -459,7 +499,7 @@ class ShardCache:
                     )
                 time.sleep(_POLL)
             if waiting >= 0:
-                os.close(waiting)
+                _close(waiting)
                 waiting = -1
             part = self.shards / f"{entry.name}.part"
             started = time.monotonic()
@@ -474,15 +514,15 @@ class ShardCache:
                     os.unlink(part)
                 raise
             finally:
-                os.close(part_fd)
+                _close(part_fd)
             self.downloads.append(entry.name)
             self._log("download", entry.name, entry.size)
             _event("download", entry.name, entry.size, started)
             return True
         finally:
             if waiting >= 0:
-                os.close(waiting)
-            os.close(dl_fd)
+                _close(waiting)
+            _close(dl_fd)
 
     def _fill(self, entry: CacheEntry, fd: int, fetch: Fetcher) -> None:
         written = [0]

@@ -82,22 +82,27 @@ def list_source(src: Path, out_dir: Path, threads: int) -> Listing:
 
 
 def _list_tree(root: Path, out_dir: Path, threads: int) -> Listing:
-    tree = _core.walk(root, [], [], True, threads)
+    # The walk's columns (no Python object per entry), then a name per file packed.
+    cols = _core.walk_columns(root, [], [], True, threads)
     # The output folder inside the source (a re-run) is not part of the data.
     try:
         inside = os.path.relpath(os.path.realpath(out_dir), os.path.realpath(root))
     except ValueError:
         inside = ".."
     exclude = None if inside.startswith("..") else inside + "/"
+    kinds = np.frombuffer(cols["kind"], dtype=np.uint8)
+    offsets = np.frombuffer(cols["offsets"], dtype=np.int64).tolist()
+    all_sizes = np.frombuffer(cols["size"], dtype=np.int64)
+    paths: bytes = cols["paths"]
     names: list[str] = []
     sizes: list[int] = []
-    skipped = list(tree.skipped)
-    for path, kind, size, _blocks, _mode, _mtime, _target in tree.entries():
-        if kind == 1:  # directory
-            continue
+    skipped = [str(x) for x in cols["skipped"]]
+    for i in np.flatnonzero(kinds != 1).tolist():  # directories are not packed
+        path = os.fsdecode(paths[offsets[i] : offsets[i + 1]])
         if exclude is not None and (path + "/").startswith(exclude):
             continue
-        if kind == 2:  # symlink inside the tree: packed as the file it points to
+        size = int(all_sizes[i])
+        if kinds[i] == 2:  # symlink inside the tree: packed as the file it points to
             try:
                 st = os.stat(root / path)
             except OSError:

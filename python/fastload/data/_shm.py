@@ -145,12 +145,13 @@ def _open_peer(pid: int, fd: int, inode: int) -> int:
 
 def _attach_block(
     handle: Any, fdno: int, length: int, pid: int, inode: int, gone: tuple[int, ...] = ()
-) -> torch.Tensor:
-    """The received block's payload as a uint8 tensor holding the lease the sender
-    retained; ``gone``: the inodes of blocks the sender's pool let go of since its last
-    hand-over (their mappings here are dropped)."""
-    poll()  # leases kept for finished copies go back first
-    fd = handle.detach() if handle is not None else None
+) -> _core.ShmLease:
+    """The received block's payload: a lease (a buffer; ``_land`` makes it a uint8
+    tensor) holding the count the sender retained, so dropping it, unlooked at, gives
+    the block back; ``gone``: the inodes of blocks the sender's pool let go of since its
+    last hand-over (their mappings here are dropped)."""
+    if FENCES._pending:
+        FENCES.poll()  # leases kept for finished copies go back first
     key = (pid, inode)
     with _lock:
         for g in gone:
@@ -158,14 +159,19 @@ def _attach_block(
                 _drop((pid, g))
         m = _views.get(key)
         if m is not None and m.length == length:
-            if fd is not None:
-                os.close(fd)
-            return torch.frombuffer(m.view.adopt(), dtype=torch.uint8)
-        view = _core.ShmView(fd if fd is not None else _open_peer(pid, fdno, inode), length)
-        t = torch.frombuffer(view.adopt(), dtype=torch.uint8)
+            if handle is not None:
+                os.close(handle.detach())
+            return m.view.adopt()
+        fd = handle.detach() if handle is not None else _open_peer(pid, fdno, inode)
+        view = _core.ShmView(fd, length)
+        lease = view.adopt()
         _forget_views(pid)
-        _views[key] = _Mapped(view, t.data_ptr() - _HEADER)
-        return t
+        _views[key] = _Mapped(view, _address(lease) - _HEADER)
+        return lease
+
+
+def _address(buffer: Any) -> int:
+    return int(torch.frombuffer(buffer, dtype=torch.uint8).data_ptr())
 
 
 def _drop(key: tuple[int, int]) -> None:
@@ -402,11 +408,14 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
     return base
 
 
-def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
+def _land(bases: Sequence[Any], specs: Sequence[_Spec]) -> list[torch.Tensor]:
+    """The tensors of a received batch, over its storages: a pool block's lease
+    (``_attach_block``), inline bytes, or a tensor torch shared."""
     flat = [
-        b if not isinstance(b, bytes)
-        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
-        else torch.empty(0, dtype=torch.uint8)
+        b if isinstance(b, torch.Tensor)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if isinstance(b, bytes) and b
+        else torch.empty(0, dtype=torch.uint8) if isinstance(b, bytes)
+        else torch.frombuffer(b, dtype=torch.uint8)
         for b in bases
     ]  # each a 1-D uint8 tensor over its whole storage
     typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}

@@ -135,6 +135,34 @@ def test_threads_touching_one_received_batch(as_worker: _shm._BlockPool) -> None
         assert not errors, errors[0]
 
 
+def test_a_pool_keeps_free_blocks_while_they_are_used() -> None:
+    """A free block stays in its worker's pool until it has not been written for
+    ``idle_takes`` batches (letting go of one the loader needs again costs the main
+    process a descriptor and a mapping), or more than ``max_idle`` are free."""
+    pool = _shm._BlockPool(max_idle=8, idle_takes=3)
+    x, y = pool.take(10_000), pool.take(10_000)  # two batches in flight: two blocks
+    spare = pool.block_of(y.untyped_storage())
+    assert spare is not None and len(pool.blocks) == 2
+    pool.sent.add(spare.inode)  # as if handed over
+    del x, y
+    gc.collect()
+    for take in (3, 4, 5):  # one batch at a time: the other block idle since take 2
+        t = pool.take(10_000)
+        assert t.data_ptr() != spare.address and len(pool.blocks) == 2, take
+        del t
+    t = pool.take(10_000)  # idle for 4 takes: let go of, and named to the receiver
+    assert len(pool.blocks) == 1 and pool.retired == [spare.inode]
+    del t
+    held = [pool.take(s) for s in (10_000, 20_000, 3 << 20, 4 << 20)]
+    assert len(pool.blocks) == 4
+    del held
+    gc.collect()
+    pool.max_idle = 2
+    pool.take(10)  # three free beside the one written: one more than max_idle allows
+    sizes = sorted(b.capacity for b in pool.blocks.values())
+    assert len(sizes) == 3 and sizes[-1] >= 4 << 20  # the smallest spare went
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Sample]]:
     root = tmp_path_factory.mktemp("handover")

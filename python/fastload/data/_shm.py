@@ -35,19 +35,30 @@ class _BlockPool:
     4 KiB, and a truncation when freed: most of the cost of a large batch. A block is
     reused once the main process has dropped every tensor over the batch last written
     into it (its lease count, kept in the block, is zero); the pool grows while the
-    main process holds more batches, and keeps at most ``max_idle`` spare blocks."""
+    main process holds more batches.
+
+    A free block is let go of when it has not been written for ``idle_takes`` batches,
+    or when more than ``max_idle`` are free (the smallest first). Not sooner: a block
+    let go of and made again costs the main process a descriptor and a new mapping (a
+    connection to this worker and a millisecond or more), and the number of blocks a
+    loader keeps in flight swings from batch to batch (prefetching, a loop that
+    pauses)."""
 
     _GRAIN = 1 << 20
 
-    def __init__(self, max_idle: int = 2) -> None:
+    def __init__(self, max_idle: int = 8, idle_takes: int = 64) -> None:
         self.pid = os.getpid()
         self.max_idle = max_idle
+        self.idle_takes = idle_takes
+        self.takes = 0
         self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+        self.last: dict[int, int] = {}  # payload address -> the take that last wrote it
         self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
         self.retired: list[int] = []  # of those, let go of since the last hand-over
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
+        self.takes += 1
         free = sorted(
             (b for b in self.blocks.values() if b.users == 0), key=lambda b: b.capacity
         )
@@ -57,14 +68,20 @@ class _BlockPool:
             want = -(-(nbytes + nbytes // 8) // self._GRAIN) * self._GRAIN
             block = _core.ShmBlock(want)
             self.blocks[block.address] = block
+        self.last[block.address] = self.takes
         spare = [b for b in free if b is not block]
-        for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
-            del self.blocks[b.address]
-            if b.inode in self.sent:
-                self.sent.discard(b.inode)
-                self.retired.append(b.inode)
+        extra = max(0, len(spare) - self.max_idle)  # the smallest go first
+        for i, b in enumerate(spare):
+            if i < extra or self.takes - self.last[b.address] > self.idle_takes:
+                self._let_go(b)
         lease = block.lease()
         return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
+
+    def _let_go(self, b: _core.ShmBlock) -> None:
+        del self.blocks[b.address], self.last[b.address]
+        if b.inode in self.sent:
+            self.sent.discard(b.inode)
+            self.retired.append(b.inode)
 
     def block_of(self, storage: torch.UntypedStorage) -> _core.ShmBlock | None:
         return self.blocks.get(storage.data_ptr())

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import threading
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,15 @@ pytestmark = pytest.mark.native
 
 
 @pytest.fixture
-def as_worker(monkeypatch: pytest.MonkeyPatch) -> _shm._BlockPool:
+def as_worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[_shm._BlockPool]:
     """collate in this process allocates in a block pool, as in a DataLoader worker (the
     receiving side is this process too: it maps its own blocks by (pid, inode))."""
     monkeypatch.setattr(importlib.import_module("fastload.data.collate"), "_in_worker",
                         lambda: True)
-    yield _shm._worker_pool()
+    pool = _shm._worker_pool()
+    max_idle = pool.max_idle
+    yield pool
+    pool.max_idle = max_idle
     _shm.FENCES.drain()
     _shm._views.clear()
 
@@ -161,6 +165,23 @@ def test_a_pool_keeps_free_blocks_while_they_are_used() -> None:
     pool.take(10)  # three free beside the one written: one more than max_idle allows
     sizes = sorted(b.capacity for b in pool.blocks.values())
     assert len(sizes) == 3 and sizes[-1] >= 4 << 20  # the smallest spare went
+
+
+def test_a_batch_names_the_blocks_its_pool_let_go_of(as_worker: _shm._BlockPool) -> None:
+    """The one-bytes form of a batch carries the inodes of blocks the sender's pool let
+    go of since its last hand-over; receiving it drops their mappings here."""
+    as_worker.max_idle = 0
+    small, _ = _batch(4, 1_000, 1)
+    first = _block_of(small, as_worker)
+    back = pickle.loads(ForkingPickler.dumps(small))
+    assert (os.getpid(), first.inode) in _shm._views
+    del small, back
+    gc.collect()
+    big, payloads = _batch(4, 2_000_000, 2)  # does not fit: a new block, the free one let go
+    assert _block_of(big, as_worker) is not first and as_worker.retired == [first.inode]
+    got = pickle.loads(ForkingPickler.dumps(big))
+    assert (os.getpid(), first.inode) not in _shm._views and as_worker.retired == []
+    assert got["x"].tolist() == payloads and got.keys == ["k0", "k1", "k2", "k3"]
 
 
 @pytest.fixture(scope="module")

@@ -112,13 +112,18 @@ class _BlockHandover:
         self.pool = pool
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _attach_block, self.args()
+
+    def args(self) -> tuple[Any, int, int, int, int, tuple[int, ...]]:
+        """``_attach_block``'s arguments, a count retained for the receiver: call once
+        per hand-over."""
         b = self.block
         b.retain()  # before this process's own lease can go
         first = b.inode not in self.pool.sent
         self.pool.sent.add(b.inode)
         handle = _reduction.DupFd(b.fd) if first else None
         gone, self.pool.retired = tuple(self.pool.retired), []
-        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode, gone)
+        return handle, b.fd, b.length, os.getpid(), b.inode, gone
 
 
 class _Mapped:

@@ -13,6 +13,7 @@ main process. :class:`PackedBatch` is what comes out.
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -20,7 +21,17 @@ import torch
 
 from .. import _core
 from ..index import ShardIndex
-from ._shm import _Arena, _in_worker, _land, _ship, _Spec, copy_to, pin
+from ._shm import (
+    _Arena,
+    _attach_block,
+    _BlockHandover,
+    _in_worker,
+    _land,
+    _ship,
+    _Spec,
+    copy_to,
+    pin,
+)
 
 __all__ = ["PackedBatch", "PackedField", "collate", "fetch_packed"]
 
@@ -221,7 +232,7 @@ class PackedBatch:
         fields: Mapping[str, Value],
         meta: Mapping[str, list[Any]] | None = None,
     ) -> None:
-        self._keys: list[str] | tuple[int, str] = list(keys)
+        self._keys: list[str] | tuple[int, str | bytes] = list(keys)
         self._n = len(keys)
         self._fields_: dict[str, Value] | None = dict(fields)
         self._lazy: tuple[tuple[Any, ...], bytes] | None = None  # (storages, specs) received
@@ -347,19 +358,48 @@ class PackedBatch:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """A call of :func:`_received`: the keys as one string, the storages (a pool
         block travels as a reference), and the tensors' layout as one ``bytes`` decoded
-        only when a field is touched."""
+        only when a field is touched. The usual batch from a worker (one pool block, no
+        meta) is one ``bytes`` and the block's descriptor the first time
+        (:func:`_received_block`)."""
         tensors, layout = self._flat()
         bases, specs = _ship(tensors)
         keys = self._keys if isinstance(self._keys, tuple) else _join_keys(self._keys)
         spec = pickle.dumps((layout, specs), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(bases) == 1 and isinstance(bases[0], _BlockHandover) and isinstance(keys, tuple) \
+                and not self.meta:
+            handle, fdno, length, pid, inode, gone = bases[0].args()
+            text = keys[1] if isinstance(keys[1], bytes) else keys[1].encode()
+            head = _HEAD.pack(pid, inode, fdno, length, self.nbytes, keys[0], len(text),
+                              len(gone))
+            return _received_block, (b"".join((head, struct.pack(f"<{len(gone)}Q", *gone),
+                                               text, spec)), handle)
         return _received, (keys, self.nbytes, self.meta or None, tuple(bases), spec)
 
     def __repr__(self) -> str:
         return f"PackedBatch({len(self)} samples, fields={self.fields}, {self.nbytes} bytes)"
 
 
+# pid, inode, descriptor number, mapping length, nbytes, samples, key bytes, gone inodes
+_HEAD = struct.Struct("<qQqQqqII")
+
+
+def _received_block(blob: bytes, handle: Any) -> PackedBatch:
+    """A batch in one pool block unpickled (its lease adopted, nothing built): ``blob``
+    holds ``_HEAD``, the inodes of blocks the sender let go of, the keys (UTF-8, joined
+    by NUL) and the layout (a pickle); ``handle`` the block's descriptor, the first time
+    it is handed over."""
+    pid, inode, fdno, length, nbytes, n, nkeys, ngone = _HEAD.unpack_from(blob)
+    at = _HEAD.size + 8 * ngone
+    gone = struct.unpack_from(f"<{ngone}Q", blob, _HEAD.size) if ngone else ()
+    lease = _attach_block(handle, fdno, length, pid, inode, gone)
+    b = PackedBatch.__new__(PackedBatch)
+    b._keys, b._n, b.meta = (n, blob[at : at + nkeys]), n, {}
+    b._fields_, b._lazy, b._nbytes = None, ((lease,), blob[at + nkeys :]), nbytes
+    return b
+
+
 def _received(
-    keys: tuple[int, str] | list[str], nbytes: int, meta: dict[str, list[Any]] | None,
+    keys: tuple[int, str | bytes] | list[str], nbytes: int, meta: dict[str, list[Any]] | None,
     bases: tuple[Any, ...], spec: bytes,
 ) -> PackedBatch:
     """A batch unpickled: its storages landed (the blocks' leases adopted), its tensors
@@ -392,11 +432,12 @@ def _join_keys(keys: list[str]) -> tuple[int, str] | list[str]:
     return (len(keys), joined) if joined.count("\0") == len(keys) - 1 else keys
 
 
-def _split_keys(state: tuple[int, str] | list[str]) -> list[str]:
+def _split_keys(state: tuple[int, str | bytes] | list[str]) -> list[str]:
     if isinstance(state, list):
         return state
     n, joined = state
-    return joined.split("\0") if n else []
+    text = joined.decode() if isinstance(joined, bytes) else joined
+    return text.split("\0") if n else []
 
 
 # --- packing ---------------------------------------------------------------------------

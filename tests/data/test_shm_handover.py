@@ -113,6 +113,19 @@ def test_finish_on_a_received_batch_counts_its_bytes_again(as_worker: _shm._Bloc
     assert pickle.loads(pickle.dumps(back)).to_samples() == back.to_samples()
 
 
+def test_a_field_alone_from_a_worker(as_worker: _shm._BlockPool) -> None:
+    """A PackedField pickled on its own travels by its block too, landed as tensors."""
+    sent, payloads = _batch(5, 1_000, 4)
+    block = _block_of(sent, as_worker)
+    field = pickle.loads(ForkingPickler.dumps(sent["x"]))
+    del sent
+    gc.collect()
+    assert block.users == 1 and field.tolist() == payloads
+    del field
+    gc.collect()
+    assert block.users == 0
+
+
 def test_threads_touching_one_received_batch(as_worker: _shm._BlockPool) -> None:
     """DataLoader's pin thread and the loop may touch a batch at once: each sees the
     whole batch, whichever builds its tensors."""

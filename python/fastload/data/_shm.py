@@ -55,6 +55,8 @@ class _BlockPool:
         self.last: dict[int, int] = {}  # payload address -> the take that last wrote it
         self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
         self.retired: list[int] = []  # of those, let go of since the last hand-over
+        # sent and retired: batches are pickled in the result queue's feeder thread
+        self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
@@ -79,9 +81,10 @@ class _BlockPool:
 
     def _let_go(self, b: _core.ShmBlock) -> None:
         del self.blocks[b.address], self.last[b.address]
-        if b.inode in self.sent:
-            self.sent.discard(b.inode)
-            self.retired.append(b.inode)
+        with self.lock:
+            if b.inode in self.sent:
+                self.sent.discard(b.inode)
+                self.retired.append(b.inode)
 
     def block_of(self, storage: torch.UntypedStorage) -> _core.ShmBlock | None:
         return self.blocks.get(storage.data_ptr())
@@ -117,12 +120,13 @@ class _BlockHandover:
     def args(self) -> tuple[Any, int, int, int, int, tuple[int, ...]]:
         """``_attach_block``'s arguments, a count retained for the receiver: call once
         per hand-over."""
-        b = self.block
+        b, pool = self.block, self.pool
         b.retain()  # before this process's own lease can go
-        first = b.inode not in self.pool.sent
-        self.pool.sent.add(b.inode)
+        with pool.lock:
+            first = b.inode not in pool.sent
+            pool.sent.add(b.inode)
+            gone, pool.retired = tuple(pool.retired), []
         handle = _reduction.DupFd(b.fd) if first else None
-        gone, self.pool.retired = tuple(self.pool.retired), []
         return handle, b.fd, b.length, os.getpid(), b.inode, gone
 
 

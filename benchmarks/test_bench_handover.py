@@ -7,24 +7,33 @@ the main loop touching only ``b.nbytes``.
 
 Group ``main-cpu-W`` (W workers), one tool per case:
   fastload-packed  ShardIndexDataset(packed=True), collate_fn=fastload.collate: one
-                   shared-memory block per field, its descriptor passed once per block
+                   shared-memory block per batch, its descriptor passed once per block;
+                   the loop reads ``b.nbytes`` only (no tensor is built here)
+  fastload-touched the same, the loop touching every field (each PackedField's ``data``
+                   and ``offsets``: the batch's tensors built)
   torch-tensor     the peer: ShardIndexDataset, a collate_fn making plain tensors (the
                    payloads concatenated into one uint8 tensor, and the offsets): torch's
                    own path, a fresh shared-memory segment and a descriptor per batch
   null             the floor: the worker returns the batch's length (DataLoader's own
                    machinery: sampler, index queue, result queue)
+  null-busy        the floor under the same load: the worker reads and packs the batch as
+                   fastload-packed does, and returns its length (on a machine with fewer
+                   cores than processes the main process runs slower beside busy workers,
+                   and waits for batches more often; null's workers are idle)
 
 ``extra_info``: ``cpu_us_per_batch_loop``, ``time.process_time()`` of the main process
 across the whole loop divided by the batches (on a machine with fewer cores than
 processes this also counts the main process running slower beside busy workers), and
 ``cpu_us_per_batch_quiet``: the same for batches taken after every worker has finished
-(all batches asked for up front, ``prefetch_factor`` large enough), the hand-over alone.
+(all batches asked for up front: ``prefetch_factor`` ``QUIET_AHEAD``), the hand-over
+alone.
 Workers are persistent and one epoch runs first, untimed: the steady state is measured,
 not the workers' start or the first mapping of each block.
 
 Group ``unpickle-batch``: the hand-over alone, without DataLoader's queues: a batch
 pickled as a worker pickles it, unpickled here, ``nbytes`` read, dropped
-(``cpu_us_per_batch``), fastload-packed against torch-tensor.
+(``cpu_us_per_batch``), fastload-packed (``nbytes`` only) and fastload-touched (every
+field) against torch-tensor.
 
 Scale: full = 6,000 samples (1,000 per shard), 3 rounds; small (CI smoke,
 ``--benchmark-disable``) = 1,024 samples.
@@ -53,8 +62,9 @@ class Plan:
 PLANS = {"small": Plan(1_024, 256, 1), "full": Plan(6_000, 1_000, 3)}
 BATCH = 256
 KB = 60
-TOOLS = ["fastload-packed", "torch-tensor", "null"]
+TOOLS = ["fastload-packed", "fastload-touched", "torch-tensor", "null", "null-busy"]
 AHEAD = 2  # DataLoader's prefetch_factor (its default)
+QUIET_AHEAD = 4  # the quiet epochs' prefetch_factor: batches per worker taken once done
 QUIET_EPOCHS = 5
 
 
@@ -112,6 +122,11 @@ def _identity(b: Any) -> Any:
     return b
 
 
+def _packed_length(b: Any) -> int:
+    """null-busy's collate_fn: the batch packed as fastload-packed packs it, then dropped."""
+    return len(import_fastload(torch=True).collate(b))
+
+
 def _nbytes(b: Any) -> int:
     if isinstance(b, int):
         return 0
@@ -120,17 +135,32 @@ def _nbytes(b: Any) -> int:
     return int(b.nbytes)
 
 
+def _touched(b: Any) -> int:
+    """What a loop touching every field of a PackedBatch reads: each field's tensors."""
+    total = 0
+    for name in b.fields:
+        f = b[name]
+        total += f.numel() if hasattr(f, "numel") else f.data.numel() + f.offsets.numel()
+    return total
+
+
+def _reader(tool: str) -> Any:
+    return _touched if tool == "fastload-touched" else _nbytes
+
+
 def _dataset(tool: str, s: IndexedShards) -> tuple[Any, Any]:
     fl = import_fastload(torch=True)
-    if tool == "fastload-packed":
+    if tool in ("fastload-packed", "fastload-touched"):
         return fl.ShardIndexDataset(s.index, packed=True), fl.collate
     if tool == "torch-tensor":
         return fl.ShardIndexDataset(s.index, fields=["jpg"]), _plain_tensors
+    if tool == "null-busy":
+        return fl.ShardIndexDataset(s.index, packed=True), _packed_length
     return _Null(s.samples), _identity
 
 
 def _loader(tool: str, s: IndexedShards, workers: int, counter: Any = None,
-            samples: int | None = None) -> Any:
+            samples: int | None = None, ahead: int = AHEAD) -> Any:
     """The DataLoader; with ``samples``, each epoch is that many random samples."""
     import torch
     from torch.utils.data import DataLoader, RandomSampler
@@ -141,29 +171,30 @@ def _loader(tool: str, s: IndexedShards, workers: int, counter: Any = None,
     gen = torch.Generator().manual_seed(0)
     return DataLoader(
         ds, batch_size=BATCH, sampler=RandomSampler(ds, num_samples=samples, generator=gen),
-        num_workers=workers, collate_fn=collate_fn, prefetch_factor=AHEAD,
+        num_workers=workers, collate_fn=collate_fn, prefetch_factor=ahead,
         persistent_workers=True, multiprocessing_context=multiprocessing.get_context("fork"),
     )
 
 
-def _loop(loader: Any) -> tuple[int, int, float]:
-    """(batches, payload bytes, main-process CPU seconds) of one epoch."""
+def _loop(loader: Any, read: Any = _nbytes) -> tuple[int, int, float]:
+    """(batches, what ``read`` counted, main-process CPU seconds) of one epoch."""
     n = total = 0
     t0 = time.process_time()
     for b in loader:
-        total += _nbytes(b)
+        total += read(b)
         n += 1
     return n, total, time.process_time() - t0
 
 
 def _quiet(tool: str, s: IndexedShards, workers: int) -> float:
     """Main-process CPU seconds per batch for batches taken once every worker is done:
-    epochs of exactly the batches DataLoader asks for up front (``AHEAD`` per worker),
-    each drained after the workers have made all of them; the first epoch (every block
-    mapped for the first time) is not counted."""
-    batches = AHEAD * workers
+    epochs of exactly the batches DataLoader asks for up front (``QUIET_AHEAD`` per
+    worker), each drained after the workers have made all of them; the first epoch (every
+    block mapped for the first time) is not counted."""
+    batches = QUIET_AHEAD * workers
     counter = multiprocessing.get_context("fork").Value("i", 0)
-    loader = _loader(tool, s, workers, counter, samples=batches * BATCH)
+    loader = _loader(tool, s, workers, counter, samples=batches * BATCH, ahead=QUIET_AHEAD)
+    read = _reader(tool)
     cpu = []
     for epoch in range(QUIET_EPOCHS + 1):
         it = iter(loader)
@@ -172,7 +203,7 @@ def _quiet(tool: str, s: IndexedShards, workers: int) -> float:
             time.sleep(0.01)
         time.sleep(0.1)  # the last batches pickled and written by the workers' feeders
         t0 = time.process_time()
-        n = sum(1 for b in it if _nbytes(b) >= 0)
+        n = sum(1 for b in it if read(b) >= 0)
         cpu.append((time.process_time() - t0) / n)
         assert n == batches
     return sorted(cpu[1:])[len(cpu) // 2 - 1]  # the median
@@ -187,15 +218,16 @@ def test_main_cpu_per_batch(
 ) -> None:
     warm(shards.folder)
     loader = _loader(tool, shards, workers)
-    _loop(loader)  # workers started, blocks mapped: the rounds time the steady state
+    read = _reader(tool)
+    _loop(loader, read)  # workers started, blocks mapped: the rounds time the steady state
     describe(benchmark, group=f"main-cpu-{workers}", tool=tool, src=shards.source(),
              cache="warm", scale=scale, workers=workers, batch=BATCH)
     cpu: list[float] = []
 
     def epoch() -> int:
-        n, total, seconds = _loop(loader)
+        n, total, seconds = _loop(loader, read)
         cpu.append(seconds / n)
-        assert total > 0 or tool == "null"
+        assert total > 0 or tool.startswith("null")
         return n
 
     n = benchmark.pedantic(epoch, rounds=plan.rounds, iterations=1)
@@ -211,7 +243,7 @@ def test_main_cpu_per_batch(
 
 # --- the hand-over alone: one batch unpickled in the receiving process ---------------------
 
-UNPICKLE_TOOLS = ["fastload-packed", "torch-tensor"]
+UNPICKLE_TOOLS = ["fastload-packed", "fastload-touched", "torch-tensor"]
 UNPICKLES = 200
 
 
@@ -248,15 +280,16 @@ def test_unpickle_per_batch(
 
     make = _pickled_batches(tool, shards, monkeypatch)
     make()  # the first hand-over of each block (its descriptor, the mapping) untimed
+    read = _reader(tool)
     for data in make()[0][0][:4]:
-        _nbytes(pickle.loads(data))
+        read(pickle.loads(data))
     describe(benchmark, group="unpickle-batch", tool=tool, src=shards.source(), cache="warm",
              scale=scale, batch=BATCH)
     cpu: list[float] = []
 
     def receive(datas: list[bytes]) -> int:
         t0 = time.process_time()
-        total = sum(_nbytes(pickle.loads(d)) for d in datas)
+        total = sum(read(pickle.loads(d)) for d in datas)
         cpu.append((time.process_time() - t0) / len(datas))
         return total
 

@@ -176,19 +176,21 @@ def test_pickle_carries_tensors_not_bytes() -> None:
     # The payload travels once, inside the block tensor (which torch's multiprocessing
     # pickler swaps for a shared-memory handle), never also as bytes.
     assert len(data) < len(payload) * 2 + 10_000
-    state = b.__getstate__()
-    (block,) = state["bases"]  # data and offsets: one storage, carried once
+    _, (keys, nbytes, meta, bases, spec) = b.__reduce__()
+    (block,) = bases  # data and offsets: one storage, carried once
     assert isinstance(block, torch.Tensor) and block.numel() >= 2 * len(payload)
-    assert state["keys"] == (2, "a\0b")  # the keys as one string: one object to unpickle
+    assert keys == (2, "a\0b")  # the keys as one string: one object to unpickle
+    assert nbytes == 2 * len(payload) and meta is None  # nbytes without a tensor built
+    assert type(spec) is bytes and len(spec) < 1_000  # the layout: one small object
     odd = fastload.collate([{"__key__": "a\0b", "x": b"1"}, {"__key__": "", "x": b"2"}])
-    assert odd.__getstate__()["keys"] == ["a\0b", ""]
+    assert odd.__reduce__()[1][0] == ["a\0b", ""]
     assert pickle.loads(pickle.dumps(odd)).keys == ["a\0b", ""]
     assert pickle.loads(pickle.dumps(fastload.collate([]))).keys == []
     one_empty = fastload.collate([{"__key__": "", "x": b"1"}])
     assert pickle.loads(pickle.dumps(one_empty)).keys == [""]
     # Small private tensors (labels) travel inline.
     small = fastload.collate([{"__key__": "a", "c": b"1"}, {"__key__": "b", "c": b"2"}], ints="c")
-    assert all(type(x) is bytes for x in small.__getstate__()["bases"])
+    assert all(type(x) is bytes for x in small.__reduce__()[1][3])
     assert torch.equal(pickle.loads(pickle.dumps(small))["c"], torch.tensor([1, 2]))
     # A storage no element of the tensor's dtype divides (12 bytes, an int64 in it).
     odd_storage = torch.zeros(12, dtype=torch.uint8)
@@ -354,11 +356,11 @@ def test_a_block_descriptor_travels_once() -> None:
     again = _shm._BlockHandover(block, pool).__reduce__()[1]
     assert first[0] is not None and again[0] is None  # a DupFd, then nothing
     assert first[1:] == again[1:] == (block.fd, block.length, os.getpid(), block.inode, ())
-    got = _shm._attach_block(*first)  # maps the block (the descriptor taken over)
+    got = _u8(_shm._attach_block(*first))  # maps the block (the descriptor taken over)
     assert got[:4].numpy().tobytes() == b"abcd"
-    assert _shm._attach_block(*again).data_ptr() == got.data_ptr()  # the same mapping
+    assert _u8(_shm._attach_block(*again)).data_ptr() == got.data_ptr()  # the same mapping
     _shm._views.clear()  # the receiver let go of it: reopened through /proc
-    reopened = _shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1])
+    reopened = _u8(_shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1]))
     assert reopened[:4].numpy().tobytes() == b"abcd" and reopened.data_ptr() != got.data_ptr()
     assert block.users == 3  # t, got and reopened (the second view was dropped at once)
     del got, reopened
@@ -372,7 +374,7 @@ def test_a_block_descriptor_travels_once() -> None:
         _shm._attach_block(None, 10**6, block.length, os.getpid(), block.inode + 1)
     # Through a real pickle, as a worker's batch goes to the main process.
     batch_state = ForkingPickler.dumps(_shm._BlockHandover(block, pool))
-    assert pickle.loads(batch_state)[:4].numpy().tobytes() == b"abcd"
+    assert _u8(pickle.loads(batch_state))[:4].numpy().tobytes() == b"abcd"
     _shm._views.clear()
 
 
@@ -400,6 +402,11 @@ def test_a_pool_names_the_blocks_it_let_go_of() -> None:
     assert (os.getpid(), a.inode) not in _shm._views and (os.getpid(), b.inode) in _shm._views
     del landed, big
     _shm._views.clear()
+
+
+def _u8(lease: Any) -> torch.Tensor:
+    """A landed block (its lease) as the uint8 tensor a batch's tensors are views of."""
+    return torch.frombuffer(lease, dtype=torch.uint8)
 
 
 def _core_block() -> Any:

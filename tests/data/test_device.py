@@ -87,7 +87,8 @@ def test_a_block_returns_to_its_pool_only_after_the_copy_event() -> None:
     t = pool.take(50_000)
     block = pool.block_of(t.untyped_storage())
     assert block is not None
-    got = _shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1])
+    got = torch.frombuffer(_shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1]),
+                          dtype=torch.uint8)
     del t  # the worker's own lease goes once the batch is sent
     gc.collect()
     event = StandIn()

@@ -35,19 +35,32 @@ class _BlockPool:
     4 KiB, and a truncation when freed: most of the cost of a large batch. A block is
     reused once the main process has dropped every tensor over the batch last written
     into it (its lease count, kept in the block, is zero); the pool grows while the
-    main process holds more batches, and keeps at most ``max_idle`` spare blocks."""
+    main process holds more batches.
+
+    A free block is let go of when it has not been written for ``idle_takes`` batches,
+    or when more than ``max_idle`` are free (the smallest first). Not sooner: a block
+    let go of and made again costs the main process a descriptor and a new mapping (a
+    connection to this worker and a millisecond or more), and the number of blocks a
+    loader keeps in flight swings from batch to batch (prefetching, a loop that
+    pauses)."""
 
     _GRAIN = 1 << 20
 
-    def __init__(self, max_idle: int = 2) -> None:
+    def __init__(self, max_idle: int = 8, idle_takes: int = 64) -> None:
         self.pid = os.getpid()
         self.max_idle = max_idle
+        self.idle_takes = idle_takes
+        self.takes = 0
         self.blocks: dict[int, _core.ShmBlock] = {}  # payload address -> block
+        self.last: dict[int, int] = {}  # payload address -> the take that last wrote it
         self.sent: set[int] = set()  # inodes of blocks handed over (the receiver maps them)
         self.retired: list[int] = []  # of those, let go of since the last hand-over
+        # sent and retired: batches are pickled in the result queue's feeder thread
+        self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
+        self.takes += 1
         free = sorted(
             (b for b in self.blocks.values() if b.users == 0), key=lambda b: b.capacity
         )
@@ -57,14 +70,21 @@ class _BlockPool:
             want = -(-(nbytes + nbytes // 8) // self._GRAIN) * self._GRAIN
             block = _core.ShmBlock(want)
             self.blocks[block.address] = block
+        self.last[block.address] = self.takes
         spare = [b for b in free if b is not block]
-        for b in spare[: max(0, len(spare) - self.max_idle)]:  # the smallest go first
-            del self.blocks[b.address]
+        extra = max(0, len(spare) - self.max_idle)  # the smallest go first
+        for i, b in enumerate(spare):
+            if i < extra or self.takes - self.last[b.address] > self.idle_takes:
+                self._let_go(b)
+        lease = block.lease()
+        return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
+
+    def _let_go(self, b: _core.ShmBlock) -> None:
+        del self.blocks[b.address], self.last[b.address]
+        with self.lock:
             if b.inode in self.sent:
                 self.sent.discard(b.inode)
                 self.retired.append(b.inode)
-        lease = block.lease()
-        return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
 
     def block_of(self, storage: torch.UntypedStorage) -> _core.ShmBlock | None:
         return self.blocks.get(storage.data_ptr())
@@ -95,13 +115,19 @@ class _BlockHandover:
         self.pool = pool
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        b = self.block
+        return _attach_block, self.args()
+
+    def args(self) -> tuple[Any, int, int, int, int, tuple[int, ...]]:
+        """``_attach_block``'s arguments, a count retained for the receiver: call once
+        per hand-over."""
+        b, pool = self.block, self.pool
         b.retain()  # before this process's own lease can go
-        first = b.inode not in self.pool.sent
-        self.pool.sent.add(b.inode)
+        with pool.lock:
+            first = b.inode not in pool.sent
+            pool.sent.add(b.inode)
+            gone, pool.retired = tuple(pool.retired), []
         handle = _reduction.DupFd(b.fd) if first else None
-        gone, self.pool.retired = tuple(self.pool.retired), []
-        return _attach_block, (handle, b.fd, b.length, os.getpid(), b.inode, gone)
+        return handle, b.fd, b.length, os.getpid(), b.inode, gone
 
 
 class _Mapped:
@@ -145,12 +171,13 @@ def _open_peer(pid: int, fd: int, inode: int) -> int:
 
 def _attach_block(
     handle: Any, fdno: int, length: int, pid: int, inode: int, gone: tuple[int, ...] = ()
-) -> torch.Tensor:
-    """The received block's payload as a uint8 tensor holding the lease the sender
-    retained; ``gone``: the inodes of blocks the sender's pool let go of since its last
-    hand-over (their mappings here are dropped)."""
-    poll()  # leases kept for finished copies go back first
-    fd = handle.detach() if handle is not None else None
+) -> _core.ShmLease:
+    """The received block's payload: a lease (a buffer; ``_land`` makes it a uint8
+    tensor) holding the count the sender retained, so dropping it, unlooked at, gives
+    the block back; ``gone``: the inodes of blocks the sender's pool let go of since its
+    last hand-over (their mappings here are dropped)."""
+    if FENCES._pending:
+        FENCES.poll()  # leases kept for finished copies go back first
     key = (pid, inode)
     with _lock:
         for g in gone:
@@ -158,14 +185,19 @@ def _attach_block(
                 _drop((pid, g))
         m = _views.get(key)
         if m is not None and m.length == length:
-            if fd is not None:
-                os.close(fd)
-            return torch.frombuffer(m.view.adopt(), dtype=torch.uint8)
-        view = _core.ShmView(fd if fd is not None else _open_peer(pid, fdno, inode), length)
-        t = torch.frombuffer(view.adopt(), dtype=torch.uint8)
+            if handle is not None:
+                os.close(handle.detach())
+            return m.view.adopt()
+        fd = handle.detach() if handle is not None else _open_peer(pid, fdno, inode)
+        view = _core.ShmView(fd, length)
+        lease = view.adopt()
         _forget_views(pid)
-        _views[key] = _Mapped(view, t.data_ptr() - _HEADER)
-        return t
+        _views[key] = _Mapped(view, _address(lease) - _HEADER)
+        return lease
+
+
+def _address(buffer: Any) -> int:
+    return int(torch.frombuffer(buffer, dtype=torch.uint8).data_ptr())
 
 
 def _drop(key: tuple[int, int]) -> None:
@@ -402,11 +434,14 @@ def _base(st: torch.UntypedStorage, device: torch.device, pool: _BlockPool | Non
     return base
 
 
-def _land(bases: list[Any], specs: list[_Spec]) -> list[torch.Tensor]:
+def _land(bases: Sequence[Any], specs: Sequence[_Spec]) -> list[torch.Tensor]:
+    """The tensors of a received batch, over its storages: a pool block's lease
+    (``_attach_block``), inline bytes, or a tensor torch shared."""
     flat = [
-        b if not isinstance(b, bytes)
-        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
-        else torch.empty(0, dtype=torch.uint8)
+        b if isinstance(b, torch.Tensor)
+        else torch.frombuffer(bytearray(b), dtype=torch.uint8) if isinstance(b, bytes) and b
+        else torch.empty(0, dtype=torch.uint8) if isinstance(b, bytes)
+        else torch.frombuffer(b, dtype=torch.uint8)
         for b in bases
     ]  # each a 1-D uint8 tensor over its whole storage
     typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}

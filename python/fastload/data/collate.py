@@ -12,6 +12,8 @@ main process. :class:`PackedBatch` is what comes out.
 
 from __future__ import annotations
 
+import pickle
+import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -19,7 +21,17 @@ import torch
 
 from .. import _core
 from ..index import ShardIndex
-from ._shm import _Arena, _in_worker, _land, _ship, _Spec, copy_to, pin
+from ._shm import (
+    _Arena,
+    _attach_block,
+    _BlockHandover,
+    _in_worker,
+    _land,
+    _ship,
+    _Spec,
+    copy_to,
+    pin,
+)
 
 __all__ = ["PackedBatch", "PackedField", "collate", "fetch_packed"]
 
@@ -206,9 +218,13 @@ class PackedBatch:
     ``pin_memory()`` (what ``DataLoader(pin_memory=True)`` calls) pins one block per
     field; ``to(device)`` moves them. Pickling carries tensors only (and the keys), so
     torch moves the blocks between processes through shared memory.
+
+    A received batch is lazy: unpickling adopts its blocks' leases and nothing more; its
+    tensors are built when a field is first touched (``nbytes``, ``len`` and ``keys``
+    need none), and a batch dropped untouched gives its blocks straight back.
     """
 
-    __slots__ = ("_fields", "_keys", "_n", "meta")
+    __slots__ = ("_fields_", "_keys", "_lazy", "_n", "_nbytes", "meta")
 
     def __init__(
         self,
@@ -216,9 +232,11 @@ class PackedBatch:
         fields: Mapping[str, Value],
         meta: Mapping[str, list[Any]] | None = None,
     ) -> None:
-        self._keys: list[str] | tuple[int, str] = list(keys)
+        self._keys: list[str] | tuple[int, str | bytes] = list(keys)
         self._n = len(keys)
-        self._fields: dict[str, Value] = dict(fields)
+        self._fields_: dict[str, Value] | None = dict(fields)
+        self._lazy: tuple[tuple[Any, ...], bytes] | None = None  # (storages, specs) received
+        self._nbytes: int | None = None
         self.meta: dict[str, list[Any]] = dict(meta or {})
         n = self._n
         for name, v in self._fields.items():
@@ -227,6 +245,20 @@ class PackedBatch:
 
     def __len__(self) -> int:
         return self._n
+
+    @property
+    def _fields(self) -> dict[str, Value]:
+        """The fields, their tensors built on first use after the batch was received."""
+        fields = self._fields_
+        if fields is None:
+            lazy = self._lazy
+            if lazy is None:  # another thread built them meanwhile
+                return self._fields_  # type: ignore[return-value]
+            bases, spec = lazy
+            layout, specs = pickle.loads(spec)
+            fields = self._fields_ = _unflat(layout, _land(bases, specs))
+            self._lazy = None  # after the fields are set: see above
+        return fields
 
     @property
     def keys(self) -> list[str]:
@@ -266,10 +298,12 @@ class PackedBatch:
     @property
     def nbytes(self) -> int:
         """Payload bytes (tensor bytes for stacked fields)."""
-        return sum(
-            v.nbytes if isinstance(v, PackedField) else v.numel() * v.element_size()
-            for v in self._fields.values()
-        )
+        if self._nbytes is None:
+            self._nbytes = sum(
+                v.nbytes if isinstance(v, PackedField) else v.numel() * v.element_size()
+                for v in self._fields.values()
+            )
+        return self._nbytes
 
     def to_samples(self) -> list[dict[str, Any]]:
         """The batch as a list of sample dicts: ``"__key__"``, then ``bytes`` (or
@@ -318,25 +352,64 @@ class PackedBatch:
     def _with(self, layout: list[tuple[str, int]], tensors: list[torch.Tensor]) -> PackedBatch:
         out = PackedBatch.__new__(PackedBatch)
         out._keys, out._n, out.meta = self._keys, self._n, self.meta
-        out._fields = _unflat(layout, tensors)
+        out._fields_, out._lazy, out._nbytes = _unflat(layout, tensors), None, self._nbytes
         return out
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """A call of :func:`_received`: the keys as one string, the storages (a pool
+        block travels as a reference), and the tensors' layout as one ``bytes`` decoded
+        only when a field is touched. The usual batch from a worker (one pool block, no
+        meta) is one ``bytes`` and the block's descriptor the first time
+        (:func:`_received_block`)."""
         tensors, layout = self._flat()
         bases, specs = _ship(tensors)
         keys = self._keys if isinstance(self._keys, tuple) else _join_keys(self._keys)
-        return {"keys": keys, "meta": self.meta, "layout": layout, "bases": bases,
-                "specs": specs}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        keys = state["keys"]
-        self._keys = keys
-        self._n = keys[0] if isinstance(keys, tuple) else len(keys)
-        self.meta = state["meta"]
-        self._fields = _unflat(state["layout"], _land(state["bases"], state["specs"]))
+        spec = pickle.dumps((layout, specs), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(bases) == 1 and isinstance(bases[0], _BlockHandover) and isinstance(keys, tuple) \
+                and not self.meta:
+            handle, fdno, length, pid, inode, gone = bases[0].args()
+            text = keys[1] if isinstance(keys[1], bytes) else keys[1].encode()
+            head = _HEAD.pack(pid, inode, fdno, length, self.nbytes, keys[0], len(text),
+                              len(gone))
+            return _received_block, (b"".join((head, struct.pack(f"<{len(gone)}Q", *gone),
+                                               text, spec)), handle)
+        return _received, (keys, self.nbytes, self.meta or None, tuple(bases), spec)
 
     def __repr__(self) -> str:
         return f"PackedBatch({len(self)} samples, fields={self.fields}, {self.nbytes} bytes)"
+
+
+# pid, inode, descriptor number, mapping length, nbytes, samples, key bytes, gone inodes
+_HEAD = struct.Struct("<qQqQqqII")
+
+
+def _received_block(blob: bytes, handle: Any) -> PackedBatch:
+    """A batch in one pool block unpickled (its lease adopted, nothing built): ``blob``
+    holds ``_HEAD``, the inodes of blocks the sender let go of, the keys (UTF-8, joined
+    by NUL) and the layout (a pickle); ``handle`` the block's descriptor, the first time
+    it is handed over."""
+    pid, inode, fdno, length, nbytes, n, nkeys, ngone = _HEAD.unpack_from(blob)
+    at = _HEAD.size + 8 * ngone
+    gone = struct.unpack_from(f"<{ngone}Q", blob, _HEAD.size) if ngone else ()
+    lease = _attach_block(handle, fdno, length, pid, inode, gone)
+    b = PackedBatch.__new__(PackedBatch)
+    b._keys, b._n, b.meta = (n, blob[at : at + nkeys]), n, {}
+    b._fields_, b._lazy, b._nbytes = None, ((lease,), blob[at + nkeys :]), nbytes
+    return b
+
+
+def _received(
+    keys: tuple[int, str | bytes] | list[str], nbytes: int, meta: dict[str, list[Any]] | None,
+    bases: tuple[Any, ...], spec: bytes,
+) -> PackedBatch:
+    """A batch unpickled: its storages landed (the blocks' leases adopted), its tensors
+    not yet built."""
+    b = PackedBatch.__new__(PackedBatch)
+    b._keys = keys
+    b._n = keys[0] if isinstance(keys, tuple) else len(keys)
+    b.meta = meta if meta is not None else {}
+    b._fields_, b._lazy, b._nbytes = None, (bases, spec), nbytes
+    return b
 
 
 def _unflat(layout: list[tuple[str, int]], tensors: list[torch.Tensor]) -> dict[str, Value]:
@@ -359,11 +432,12 @@ def _join_keys(keys: list[str]) -> tuple[int, str] | list[str]:
     return (len(keys), joined) if joined.count("\0") == len(keys) - 1 else keys
 
 
-def _split_keys(state: tuple[int, str] | list[str]) -> list[str]:
+def _split_keys(state: tuple[int, str | bytes] | list[str]) -> list[str]:
     if isinstance(state, list):
         return state
     n, joined = state
-    return joined.split("\0") if n else []
+    text = joined.decode() if isinstance(joined, bytes) else joined
+    return text.split("\0") if n else []
 
 
 # --- packing ---------------------------------------------------------------------------
@@ -383,6 +457,7 @@ def finish(
 ) -> PackedBatch:
     """``batch`` with the fields named in ``stack`` and ``ints`` turned into tensors (see
     :func:`collate`)."""
+    batch._nbytes = None  # ints changes it
     for name in [stack] if isinstance(stack, str) else stack:
         f = batch._fields.get(name)
         if isinstance(f, PackedField):

@@ -14,6 +14,7 @@
 
 #include "common/unique_fd.hpp"
 #include "hash/digest.hpp"
+#include "io/fs.hpp"
 
 namespace fastload::copy {
 namespace {
@@ -138,14 +139,29 @@ class Runner {
     if (opt_.write) {
       dst_root_.reset(::open(job_.dst_root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
       if (!dst_root_) throw Error::os(errno, "open directory", job_.dst_root_);
+      direct_dst_ = !network(job_.dst_root_);
     }
+    direct_src_close_ = !network(job_.src_root_);
+  }
+
+  // Whether path is on a network or FUSE file system (unknown kinds count as local).
+  static bool network(const std::string& path) {
+    uint32_t magic = 0;
+    const io::FsKind* fs = io::fs_magic(path, &magic) == 0 ? io::find_fs(magic) : nullptr;
+    return fs != nullptr && fs->network;
   }
 
   void allocate_buffers() {
     small_size_ = size_t(std::max<uint64_t>(opt_.small_size, 4096));
     big_size_ = size_t(std::max<uint64_t>(opt_.stripe_size, 4096));
     size_t nsmall = std::max(1u, opt_.files_in_flight);
-    size_t nbig = std::max(1u, opt_.big_buffers);
+    // Big buffers only for a job that has big files, no more than its stripes: a job of
+    // small files neither maps nor pins them (registering pins, and so zeroes, every page).
+    size_t nbig = 0;
+    const size_t want_big = std::max(1u, opt_.big_buffers);
+    for (size_t i = 0; i < tasks_.size() && nbig < want_big; ++i)
+      if (tasks_[i].size >= small_size_)
+        nbig = std::min(want_big, nbig + size_t((tasks_[i].size + big_size_ - 1) / big_size_));
     small_stride_ = small_size_ + kPad;
     big_stride_ = big_size_ + kPad;
     size_t small_bytes = nsmall * small_stride_;
@@ -161,13 +177,14 @@ class Runner {
     // Fixed buffers save the kernel a page-pinning walk per read; worth it only for the
     // big stripes, and only if the backend (and RLIMIT_MEMLOCK) allow it.
     iovec iov[2] = {{small_base_, small_bytes}, {big_base_, nbig * big_stride_}};
-    fixed_ = eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
+    fixed_ = nbig > 0 && eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
   }
 
   // ---- admission ---------------------------------------------------------------------
 
   void admit() {
-    while (!free_files_.empty() && !exhausted_ && eng_->in_flight() + 2 <= eng_->capacity()) {
+    while (!error_ && !free_files_.empty() && !exhausted_ &&
+           eng_->in_flight() + 2 <= eng_->capacity()) {
       size_t task = job_.next_task_.fetch_add(1, std::memory_order_relaxed);
       if (task >= tasks_.size()) {
         exhausted_ = true;
@@ -206,10 +223,15 @@ class Runner {
          slot, tag(slot, kOpenSrc));
     if (opt_.write) {
       f.tmp_path = temp_name(t.dst);
-      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
-            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-           slot, tag(slot, kOpenDst));
+      open_dst(slot);
     }
+  }
+
+  void open_dst(uint32_t slot) {
+    issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(),
+           .path = files_[slot].tmp_path.c_str(),
+           .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+          slot, tag(slot, kOpenDst), direct_dst_);
   }
 
   bool is_small(const FileState& f) const { return tasks_[f.task].size < small_size_; }
@@ -272,10 +294,26 @@ class Runner {
          slot, tag(slot, kRead, big, b));
   }
 
+  // A small file's write goes straight to a local destination's page cache: handing it
+  // to a worker cost more CPU than the copy itself (RESULTS.md, issue 33: CPU per file).
+  // A big file's stripes stay on the engine, where writeback throttling of gigabytes
+  // stalls a worker, not the submitter.
   void submit_write(uint32_t slot, Stripe& s, bool big, uint32_t b) {
-    push({.code = io::OpCode::kWrite, .fd = files_[slot].dst_fd, .buf = s.buf + s.put,
-          .len = uint32_t(s.len - s.put), .offset = s.offset + s.put, .buf_index = s.buf_index},
-         slot, tag(slot, kWrite, big, b));
+    issue({.code = io::OpCode::kWrite, .fd = files_[slot].dst_fd, .buf = s.buf + s.put,
+           .len = uint32_t(s.len - s.put), .offset = s.offset + s.put,
+           .buf_index = s.buf_index},
+          slot, tag(slot, kWrite, big, b), direct_dst_ && !big);
+  }
+
+  // Pushes the operation to the engine, or (direct) runs it now on this thread and
+  // handles its completion before returning: the caller must hold no state that the
+  // completion may change (it may finish the file and free its slot).
+  void issue(io::Op op, uint32_t slot, uint64_t user_data, bool direct) {
+    if (!direct) return push(op, slot, user_data);
+    op.user_data = user_data;
+    ++files_[slot].ops;
+    busy_begin(busy_kind(Kind(user_data & 15)));
+    complete(io::Completion{user_data, eng_->run_now(op)});
   }
 
   void push(io::Op op, uint32_t slot, uint64_t user_data) {
@@ -354,9 +392,7 @@ class Runner {
             .flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW},
            slot, tag(slot, kOpenSrc));
     else
-      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
-            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-           slot, tag(slot, kOpenDst));
+      open_dst(slot);
   }
 
   void on_src_open(uint32_t slot) {
@@ -508,20 +544,18 @@ class Runner {
     close_fds(slot);
   }
 
+  // Both closes are counted before either is issued: a direct one completes at once.
   void close_fds(uint32_t slot) {
     FileState& f = files_[slot];
-    f.closes = 0;
-    if (f.src_fd >= 0) {
-      push({.code = io::OpCode::kClose, .fd = f.src_fd}, slot, tag(slot, kCloseSrc));
-      f.src_fd = -1;
-      ++f.closes;
-    }
-    if (f.dst_fd >= 0) {
-      push({.code = io::OpCode::kClose, .fd = f.dst_fd}, slot, tag(slot, kCloseDst));
-      f.dst_fd = -1;
-      ++f.closes;
-    }
-    if (f.closes == 0) finish_file(slot);
+    const int src = f.src_fd, dst = f.dst_fd;
+    f.src_fd = f.dst_fd = -1;
+    f.closes = unsigned(src >= 0) + unsigned(dst >= 0);
+    if (f.closes == 0) return finish_file(slot);
+    if (src >= 0)
+      issue({.code = io::OpCode::kClose, .fd = src}, slot, tag(slot, kCloseSrc),
+            direct_src_close_);
+    if (dst >= 0)
+      issue({.code = io::OpCode::kClose, .fd = dst}, slot, tag(slot, kCloseDst), direct_dst_);
   }
 
   // Called once both descriptors are closed. A file completed before another file's
@@ -604,6 +638,8 @@ class Runner {
   char* big_base_ = nullptr;
   size_t small_size_ = 0, big_size_ = 0, small_stride_ = 0, big_stride_ = 0;
   bool fixed_ = false;
+  bool direct_dst_ = false;        // the destination is local: its operations run now
+  bool direct_src_close_ = false;  // the source is local: closing it runs now
   std::vector<FileState> files_;
   std::deque<uint32_t> free_files_;
   std::vector<Stripe> big_;

@@ -300,16 +300,19 @@ class LocalTree:
     ) -> tuple[str, int, int]:
         files, todo = plan.files, plan.todo
         copied = [0, 0]
+        # The files to do, as columns: per file only its path is made into an object
+        # (once for the job's lists, once for its journal record), no Entry.
+        sub = files.take(todo) if len(todo) != len(files) else files
+        size, mtime, mode = sub.size, sub.mtime_ns, sub.mode
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
             records = []
             for idx, digests in batch:
-                i = todo[idx]
-                e = files[i]
-                done.set(i, (e.size, e.mtime_ns, e.mode, digests))
-                records.append((e.path, e.size, e.mtime_ns, e.mode, digests.hex()))
-                copied[0] += 1
-                copied[1] += e.size
+                n, t, m = size[idx], mtime[idx], mode[idx]
+                done.set(todo[idx], (n, t, m, digests))
+                records.append((sub.path(idx), n, t, m, digests.hex()))
+                copied[1] += n
+            copied[0] += len(batch)
             flusher.add(records)
 
         if not todo:
@@ -317,16 +320,17 @@ class LocalTree:
                 on_progress(plan.total_bytes, plan.total_bytes, len(files), len(files))
             return "none", 0, 0
         root = self.src.parent if self.single else self.src
+        paths = list(sub.path_bytes())
         job = _core.CopyJob(
             str(root),
             str(dest.root),
             _core.CopyFiles(
-                [self.src.name] if self.single else [files[i].path for i in todo],
-                [files[i].path for i in todo],
-                [files[i].size for i in todo],
-                [files[i].blocks for i in todo],
-                [files[i].mode for i in todo],
-                [files[i].mtime_ns for i in todo],
+                [os.fsencode(self.src.name)] if self.single else paths,
+                paths,
+                size,
+                sub.blocks,
+                mode,
+                mtime,
             ),
             copy_options(req.engine, req.workers, req.stripe, root),
         )

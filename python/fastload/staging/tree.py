@@ -27,13 +27,13 @@ from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
 from .job import (
-    DEFAULT_FILES_IN_FLIGHT,
     DIR,
     FILE,
     LINK,
     ProgressCallback,
     copy_options,
     digest_local,
+    in_flight,
     progress_callback,
     run_job,
 )
@@ -227,7 +227,7 @@ class LocalTree:
 
     def listing(self, req: StageRequest) -> Listing:
         """The source's entries, the subset filter applied; for a file, its one entry."""
-        threads = min(64, max(8, (req.workers or DEFAULT_FILES_IN_FLIGHT)))
+        threads = min(64, max(8, in_flight(req.workers, self.src).files))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
         entries = Listing.from_walk(

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -65,6 +66,9 @@ struct FileState {
   bool closing = false;
   bool sparse = false;
   bool failed = false;  // this file caused the job's error: never rename it into place
+  bool excl = false;    // the temporary is being created with O_EXCL and its final mode
+  bool chmod = true;    // its mode is still to be set (fchmod)
+  bool leftover = false;  // an earlier run left its temporary: truncated, not created
   std::vector<std::pair<uint64_t, uint64_t>> data;  // sparse: data extents [start, end)
   std::vector<uint64_t> digests;
   std::vector<uint32_t> waiting_write;  // big stripes read before the temporary was open
@@ -140,6 +144,7 @@ class Runner {
       dst_root_.reset(::open(job_.dst_root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
       if (!dst_root_) throw Error::os(errno, "open directory", job_.dst_root_);
       direct_dst_ = !network(job_.dst_root_);
+      umask_ = read_umask();
     }
     direct_src_close_ = !network(job_.src_root_);
   }
@@ -227,11 +232,35 @@ class Runner {
     }
   }
 
+  // The temporary is created with the file's final mode where the umask keeps it and the
+  // owner may read and write it (no fchmod then); O_EXCL, since an existing temporary (an
+  // interrupted run's) keeps its old mode: that one is truncated and chmod-ed as before.
   void open_dst(uint32_t slot) {
-    issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(),
-           .path = files_[slot].tmp_path.c_str(),
-           .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
+    FileState& f = files_[slot];
+    const uint32_t mode = tasks_[f.task].mode & 07777;
+    if (!f.leftover && !f.excl && umask_ >= 0 && (mode & 07000) == 0 && (mode & 0600) == 0600 &&
+        (mode & uint32_t(umask_)) == 0)
+      f.excl = true;
+    int flags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (f.excl ? O_EXCL : O_TRUNC);
+    issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
+           .flags = flags, .mode = f.excl ? mode : 0600},
           slot, tag(slot, kOpenDst), direct_dst_);
+  }
+
+  // The process's umask, from /proc/self/status (umask(2) cannot read it without setting
+  // it, racing other threads), or -1 where it cannot be read.
+  static int read_umask() {
+    UniqueFd fd(::open("/proc/self/status", O_RDONLY | O_CLOEXEC));
+    if (!fd) return -1;
+    char buf[4096];
+    ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char* at = std::strstr(buf, "\nUmask:");
+    if (!at) return -1;
+    char* end = nullptr;
+    long v = std::strtol(at + 7, &end, 8);
+    return end == at + 7 || v < 0 || v > 0777 ? -1 : int(v);
   }
 
   bool is_small(const FileState& f) const { return tasks_[f.task].size < small_size_; }
@@ -364,6 +393,12 @@ class Runner {
         return;
       case kOpenDst:
         if (retry) return reopen(slot, false);
+        if (res == -EEXIST && f.excl) {  // an earlier run's temporary: truncate it
+          f.excl = false;
+          f.leftover = true;
+          return reopen(slot, false);
+        }
+        if (res >= 0 && f.excl) f.chmod = false;
         if (res < 0) return file_error(slot, Error::os(int(-res), "create", dst_name(f, true)));
         f.dst_fd = int(res);
         f.dst_open = true;
@@ -535,7 +570,7 @@ class Runner {
         times[0].tv_sec -= 1;
       }
       times[1] = times[0];
-      if (::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
+      if (f.chmod && ::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
         return file_error(slot, Error::os(errno, "set mode of", dst_name(f, true)));
       if (::futimens(f.dst_fd, times) != 0)
         return file_error(slot, Error::os(errno, "set times of", dst_name(f, true)));
@@ -640,6 +675,7 @@ class Runner {
   bool fixed_ = false;
   bool direct_dst_ = false;        // the destination is local: its operations run now
   bool direct_src_close_ = false;  // the source is local: closing it runs now
+  int umask_ = -1;                 // the process's, or -1: unknown (always fchmod)
   std::vector<FileState> files_;
   std::deque<uint32_t> free_files_;
   std::vector<Stripe> big_;

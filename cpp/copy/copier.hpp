@@ -4,7 +4,11 @@
 // thread driving an io::Engine of its own (a ring per thread, or a pool per thread),
 // take files from the one task list in turn; the metadata work of a file (its opens,
 // ftruncate, fchmod, futimens, closes and the rename) is done by the submitter that
-// copies it, so no single thread carries it all. Each admitted file goes through
+// copies it, so no single thread carries it all. On a local destination its create, the
+// write of a small file and its closes are done at once on the submitter (Engine::run_now):
+// handing them to io_uring's workers or the pool cost more CPU than the work itself
+// (RESULTS.md, issue 33: CPU per file); the source's opens and reads stay on the engine,
+// where its latency is hidden. Each admitted file goes through
 //   open src (+ open a hidden temporary in the destination) -> stripes of
 //   read -> digest -> write at the same offset -> fchmod/futimens -> close -> rename
 // and up to `files_in_flight` files advance at once, so on network storage the

@@ -69,6 +69,8 @@ struct FileState {
   bool excl = false;    // the temporary is being created with O_EXCL and its final mode
   bool chmod = true;    // its mode is still to be set (fchmod)
   bool leftover = false;  // an earlier run left its temporary: truncated, not created
+  bool anon = false;      // the temporary is an O_TMPFILE: linked into place, not renamed
+  std::string dir_path;   // anon: the folder it is made in (relative; "." for the root)
   std::vector<std::pair<uint64_t, uint64_t>> data;  // sparse: data extents [start, end)
   std::vector<uint64_t> digests;
   std::vector<uint32_t> waiting_write;  // big stripes read before the temporary was open
@@ -235,12 +237,27 @@ class Runner {
   // The temporary is created with the file's final mode where the umask keeps it and the
   // owner may read and write it (no fchmod then); O_EXCL, since an existing temporary (an
   // interrupted run's) keeps its old mode: that one is truncated and chmod-ed as before.
+  //
+  // On a local destination whose file system has them, the temporary is an O_TMPFILE in
+  // the file's folder, linked to its final name once whole: no name to create, look up,
+  // rename and remove (each a search of the folder), and nothing left by a crash.
   void open_dst(uint32_t slot) {
     FileState& f = files_[slot];
     const uint32_t mode = tasks_[f.task].mode & 07777;
-    if (!f.leftover && !f.excl && umask_ >= 0 && (mode & 07000) == 0 && (mode & 0600) == 0600 &&
-        (mode & uint32_t(umask_)) == 0)
-      f.excl = true;
+    const bool keeps = umask_ >= 0 && (mode & 07000) == 0 && (mode & 0600) == 0600 &&
+                       (mode & uint32_t(umask_)) == 0;
+    if (tmpfile_ && direct_dst_ && !f.leftover && !f.excl) {  // (again on a retry)
+      const std::string& dst = tasks_[f.task].dst;
+      auto slash = dst.rfind('/');
+      f.dir_path = slash == std::string::npos ? "." : dst.substr(0, slash);
+      f.anon = true;
+      f.chmod = !keeps;
+      issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.dir_path.c_str(),
+             .flags = O_WRONLY | O_TMPFILE | O_CLOEXEC, .mode = keeps ? mode : 0600},
+            slot, tag(slot, kOpenDst), true);
+      return;
+    }
+    if (!f.leftover && !f.excl && keeps) f.excl = true;
     int flags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (f.excl ? O_EXCL : O_TRUNC);
     issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
            .flags = flags, .mode = f.excl ? mode : 0600},
@@ -393,6 +410,12 @@ class Runner {
         return;
       case kOpenDst:
         if (retry) return reopen(slot, false);
+        if (f.anon && (res == -EOPNOTSUPP || res == -EISDIR || res == -EINVAL)) {
+          tmpfile_ = false;  // not on this file system: named temporaries from now on
+          f.anon = false;
+          f.chmod = true;
+          return reopen(slot, false);
+        }
         if (res == -EEXIST && f.excl) {  // an earlier run's temporary: truncate it
           f.excl = false;
           f.leftover = true;
@@ -574,9 +597,35 @@ class Runner {
         return file_error(slot, Error::os(errno, "set mode of", dst_name(f, true)));
       if (::futimens(f.dst_fd, times) != 0)
         return file_error(slot, Error::os(errno, "set times of", dst_name(f, true)));
+      if (f.anon) {
+        int err = link_into_place(f, t.dst);
+        if (err == EEXIST) {
+          // A file of that name (an older copy) stays until replaced whole: the link
+          // goes to the temporary name, renamed over it once closed, as a named one.
+          ::unlinkat(dst_root_.get(), f.tmp_path.c_str(), 0);  // an earlier run's leftover
+          err = link_into_place(f, f.tmp_path);
+          f.anon = false;
+        }
+        if (err != 0)
+          return file_error(slot, Error::os(err, "link into place", dst_name(f, false)));
+      }
     }
     f.closing = true;
     close_fds(slot);
+  }
+
+  // Links the anonymous temporary f.dst_fd to rel: 0 or errno. AT_EMPTY_PATH where this
+  // process may (CAP_DAC_READ_SEARCH on older kernels), else through /proc/self/fd.
+  int link_into_place(const FileState& f, const std::string& rel) {
+    if (empty_path_link_) {
+      if (::linkat(f.dst_fd, "", dst_root_.get(), rel.c_str(), AT_EMPTY_PATH) == 0) return 0;
+      if (errno != ENOENT && errno != EPERM) return errno;
+      empty_path_link_ = false;
+    }
+    char proc[40];
+    std::snprintf(proc, sizeof proc, "/proc/self/fd/%d", f.dst_fd);
+    return ::linkat(AT_FDCWD, proc, dst_root_.get(), rel.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0
+                                                                                          : errno;
   }
 
   // Both closes are counted before either is issued: a direct one completes at once.
@@ -599,7 +648,7 @@ class Runner {
     FileState& f = files_[slot];
     if (f.failed) return maybe_retire(slot);
     const FileTask& t = tasks_[f.task];
-    if (opt_.write &&
+    if (opt_.write && !f.anon &&
         ::renameat(dst_root_.get(), f.tmp_path.c_str(), dst_root_.get(), t.dst.c_str()) != 0)
       return file_error(slot, Error::os(errno, "rename into place", dst_name(f, false)));
     {
@@ -676,6 +725,8 @@ class Runner {
   bool direct_dst_ = false;        // the destination is local: its operations run now
   bool direct_src_close_ = false;  // the source is local: closing it runs now
   int umask_ = -1;                 // the process's, or -1: unknown (always fchmod)
+  bool tmpfile_ = true;            // O_TMPFILE works on the destination (till it fails)
+  bool empty_path_link_ = true;    // linkat(AT_EMPTY_PATH) is allowed (till refused)
   std::vector<FileState> files_;
   std::deque<uint32_t> free_files_;
   std::vector<Stripe> big_;

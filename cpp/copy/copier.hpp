@@ -17,7 +17,9 @@
 // one large file on a striped file system is read at a high queue depth.
 //
 // A file appears at its final path only after every byte was written and its
-// metadata set (rename of the temporary). The last read of each file asks for one byte
+// metadata set: on a local destination with O_TMPFILE, the anonymous temporary is linked
+// there (linkat); else, or where an older copy holds the name, a named temporary is
+// renamed over it. The last read of each file asks for one byte
 // more than expected, so a file that grew is noticed without an extra round trip.
 //
 // With write == false the job only reads and digests (verify()).

@@ -269,8 +269,9 @@ class LocalTree:
         fp = tree_fingerprint(self.name, entries, {**self.options, "chunk": req.stripe})
         plan = plan_against(dest, entries, fp)
         journal = dest.journal
-        # Files an interrupted run renamed into place but had not journalled yet: whole, as
-        # long as the machine did not reboot since; their digests are read back locally.
+        # Files an interrupted run put in place (linked or renamed) but had not journalled
+        # yet: whole, as long as the machine did not reboot since; their digests are read
+        # back locally.
         if not plan.complete and journal.found and journal.same_boot and plan.todo:
             files = plan.files
             rehash = [i for i in plan.todo

@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
 
 #include "common/unique_fd.hpp"
 #include "hash/digest.hpp"
+#include "io/fs.hpp"
 
 namespace fastload::copy {
 namespace {
@@ -64,6 +66,11 @@ struct FileState {
   bool closing = false;
   bool sparse = false;
   bool failed = false;  // this file caused the job's error: never rename it into place
+  bool excl = false;    // the temporary is being created with O_EXCL and its final mode
+  bool chmod = true;    // its mode is still to be set (fchmod)
+  bool leftover = false;  // an earlier run left its temporary: truncated, not created
+  bool anon = false;      // the temporary is an O_TMPFILE: linked into place, not renamed
+  std::string dir_path;   // anon: the folder it is made in (relative; "." for the root)
   std::vector<std::pair<uint64_t, uint64_t>> data;  // sparse: data extents [start, end)
   std::vector<uint64_t> digests;
   std::vector<uint32_t> waiting_write;  // big stripes read before the temporary was open
@@ -138,14 +145,30 @@ class Runner {
     if (opt_.write) {
       dst_root_.reset(::open(job_.dst_root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
       if (!dst_root_) throw Error::os(errno, "open directory", job_.dst_root_);
+      direct_dst_ = !network(job_.dst_root_);
+      umask_ = read_umask();
     }
+    direct_src_close_ = !network(job_.src_root_);
+  }
+
+  // Whether path is on a network or FUSE file system (unknown kinds count as local).
+  static bool network(const std::string& path) {
+    uint32_t magic = 0;
+    const io::FsKind* fs = io::fs_magic(path, &magic) == 0 ? io::find_fs(magic) : nullptr;
+    return fs != nullptr && fs->network;
   }
 
   void allocate_buffers() {
     small_size_ = size_t(std::max<uint64_t>(opt_.small_size, 4096));
     big_size_ = size_t(std::max<uint64_t>(opt_.stripe_size, 4096));
     size_t nsmall = std::max(1u, opt_.files_in_flight);
-    size_t nbig = std::max(1u, opt_.big_buffers);
+    // Big buffers only for a job that has big files, no more than its stripes: a job of
+    // small files neither maps nor pins them (registering pins, and so zeroes, every page).
+    size_t nbig = 0;
+    const size_t want_big = std::max(1u, opt_.big_buffers);
+    for (size_t i = 0; i < tasks_.size() && nbig < want_big; ++i)
+      if (tasks_[i].size >= small_size_)
+        nbig = std::min(want_big, nbig + size_t((tasks_[i].size + big_size_ - 1) / big_size_));
     small_stride_ = small_size_ + kPad;
     big_stride_ = big_size_ + kPad;
     size_t small_bytes = nsmall * small_stride_;
@@ -161,13 +184,14 @@ class Runner {
     // Fixed buffers save the kernel a page-pinning walk per read; worth it only for the
     // big stripes, and only if the backend (and RLIMIT_MEMLOCK) allow it.
     iovec iov[2] = {{small_base_, small_bytes}, {big_base_, nbig * big_stride_}};
-    fixed_ = eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
+    fixed_ = nbig > 0 && eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
   }
 
   // ---- admission ---------------------------------------------------------------------
 
   void admit() {
-    while (!free_files_.empty() && !exhausted_ && eng_->in_flight() + 2 <= eng_->capacity()) {
+    while (!error_ && !free_files_.empty() && !exhausted_ &&
+           eng_->in_flight() + 2 <= eng_->capacity()) {
       size_t task = job_.next_task_.fetch_add(1, std::memory_order_relaxed);
       if (task >= tasks_.size()) {
         exhausted_ = true;
@@ -206,10 +230,54 @@ class Runner {
          slot, tag(slot, kOpenSrc));
     if (opt_.write) {
       f.tmp_path = temp_name(t.dst);
-      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
-            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-           slot, tag(slot, kOpenDst));
+      open_dst(slot);
     }
+  }
+
+  // The temporary is created with the file's final mode where the umask keeps it and the
+  // owner may read and write it (no fchmod then); O_EXCL, since an existing temporary (an
+  // interrupted run's) keeps its old mode: that one is truncated and chmod-ed as before.
+  //
+  // On a local destination whose file system has them, the temporary is an O_TMPFILE in
+  // the file's folder, linked to its final name once whole: no name to create, look up,
+  // rename and remove (each a search of the folder), and nothing left by a crash.
+  void open_dst(uint32_t slot) {
+    FileState& f = files_[slot];
+    const uint32_t mode = tasks_[f.task].mode & 07777;
+    const bool keeps = umask_ >= 0 && (mode & 07000) == 0 && (mode & 0600) == 0600 &&
+                       (mode & uint32_t(umask_)) == 0;
+    if (tmpfile_ && direct_dst_ && !f.leftover && !f.excl) {  // (again on a retry)
+      const std::string& dst = tasks_[f.task].dst;
+      auto slash = dst.rfind('/');
+      f.dir_path = slash == std::string::npos ? "." : dst.substr(0, slash);
+      f.anon = true;
+      f.chmod = !keeps;
+      issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.dir_path.c_str(),
+             .flags = O_WRONLY | O_TMPFILE | O_CLOEXEC, .mode = keeps ? mode : 0600},
+            slot, tag(slot, kOpenDst), true);
+      return;
+    }
+    if (!f.leftover && !f.excl && keeps) f.excl = true;
+    int flags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | (f.excl ? O_EXCL : O_TRUNC);
+    issue({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
+           .flags = flags, .mode = f.excl ? mode : 0600},
+          slot, tag(slot, kOpenDst), direct_dst_);
+  }
+
+  // The process's umask, from /proc/self/status (umask(2) cannot read it without setting
+  // it, racing other threads), or -1 where it cannot be read.
+  static int read_umask() {
+    UniqueFd fd(::open("/proc/self/status", O_RDONLY | O_CLOEXEC));
+    if (!fd) return -1;
+    char buf[4096];
+    ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char* at = std::strstr(buf, "\nUmask:");
+    if (!at) return -1;
+    char* end = nullptr;
+    long v = std::strtol(at + 7, &end, 8);
+    return end == at + 7 || v < 0 || v > 0777 ? -1 : int(v);
   }
 
   bool is_small(const FileState& f) const { return tasks_[f.task].size < small_size_; }
@@ -272,10 +340,26 @@ class Runner {
          slot, tag(slot, kRead, big, b));
   }
 
+  // A small file's write goes straight to a local destination's page cache: handing it
+  // to a worker cost more CPU than the copy itself (RESULTS.md, issue 33: CPU per file).
+  // A big file's stripes stay on the engine, where writeback throttling of gigabytes
+  // stalls a worker, not the submitter.
   void submit_write(uint32_t slot, Stripe& s, bool big, uint32_t b) {
-    push({.code = io::OpCode::kWrite, .fd = files_[slot].dst_fd, .buf = s.buf + s.put,
-          .len = uint32_t(s.len - s.put), .offset = s.offset + s.put, .buf_index = s.buf_index},
-         slot, tag(slot, kWrite, big, b));
+    issue({.code = io::OpCode::kWrite, .fd = files_[slot].dst_fd, .buf = s.buf + s.put,
+           .len = uint32_t(s.len - s.put), .offset = s.offset + s.put,
+           .buf_index = s.buf_index},
+          slot, tag(slot, kWrite, big, b), direct_dst_ && !big);
+  }
+
+  // Pushes the operation to the engine, or (direct) runs it now on this thread and
+  // handles its completion before returning: the caller must hold no state that the
+  // completion may change (it may finish the file and free its slot).
+  void issue(io::Op op, uint32_t slot, uint64_t user_data, bool direct) {
+    if (!direct) return push(op, slot, user_data);
+    op.user_data = user_data;
+    ++files_[slot].ops;
+    busy_begin(busy_kind(Kind(user_data & 15)));
+    complete(io::Completion{user_data, eng_->run_now(op)});
   }
 
   void push(io::Op op, uint32_t slot, uint64_t user_data) {
@@ -326,6 +410,18 @@ class Runner {
         return;
       case kOpenDst:
         if (retry) return reopen(slot, false);
+        if (f.anon && (res == -EOPNOTSUPP || res == -EISDIR || res == -EINVAL)) {
+          tmpfile_ = false;  // not on this file system: named temporaries from now on
+          f.anon = false;
+          f.chmod = true;
+          return reopen(slot, false);
+        }
+        if (res == -EEXIST && f.excl) {  // an earlier run's temporary: truncate it
+          f.excl = false;
+          f.leftover = true;
+          return reopen(slot, false);
+        }
+        if (res >= 0 && f.excl) f.chmod = false;
         if (res < 0) return file_error(slot, Error::os(int(-res), "create", dst_name(f, true)));
         f.dst_fd = int(res);
         f.dst_open = true;
@@ -354,9 +450,7 @@ class Runner {
             .flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW},
            slot, tag(slot, kOpenSrc));
     else
-      push({.code = io::OpCode::kOpenAt, .dir_fd = dst_root_.get(), .path = f.tmp_path.c_str(),
-            .flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, .mode = 0600},
-           slot, tag(slot, kOpenDst));
+      open_dst(slot);
   }
 
   void on_src_open(uint32_t slot) {
@@ -499,29 +593,53 @@ class Runner {
         times[0].tv_sec -= 1;
       }
       times[1] = times[0];
-      if (::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
+      if (f.chmod && ::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
         return file_error(slot, Error::os(errno, "set mode of", dst_name(f, true)));
       if (::futimens(f.dst_fd, times) != 0)
         return file_error(slot, Error::os(errno, "set times of", dst_name(f, true)));
+      if (f.anon) {
+        int err = link_into_place(f, t.dst);
+        if (err == EEXIST) {
+          // A file of that name (an older copy) stays until replaced whole: the link
+          // goes to the temporary name, renamed over it once closed, as a named one.
+          ::unlinkat(dst_root_.get(), f.tmp_path.c_str(), 0);  // an earlier run's leftover
+          err = link_into_place(f, f.tmp_path);
+          f.anon = false;
+        }
+        if (err != 0)
+          return file_error(slot, Error::os(err, "link into place", dst_name(f, false)));
+      }
     }
     f.closing = true;
     close_fds(slot);
   }
 
+  // Links the anonymous temporary f.dst_fd to rel: 0 or errno. AT_EMPTY_PATH where this
+  // process may (CAP_DAC_READ_SEARCH on older kernels), else through /proc/self/fd.
+  int link_into_place(const FileState& f, const std::string& rel) {
+    if (empty_path_link_) {
+      if (::linkat(f.dst_fd, "", dst_root_.get(), rel.c_str(), AT_EMPTY_PATH) == 0) return 0;
+      if (errno != ENOENT && errno != EPERM) return errno;
+      empty_path_link_ = false;
+    }
+    char proc[40];
+    std::snprintf(proc, sizeof proc, "/proc/self/fd/%d", f.dst_fd);
+    return ::linkat(AT_FDCWD, proc, dst_root_.get(), rel.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0
+                                                                                          : errno;
+  }
+
+  // Both closes are counted before either is issued: a direct one completes at once.
   void close_fds(uint32_t slot) {
     FileState& f = files_[slot];
-    f.closes = 0;
-    if (f.src_fd >= 0) {
-      push({.code = io::OpCode::kClose, .fd = f.src_fd}, slot, tag(slot, kCloseSrc));
-      f.src_fd = -1;
-      ++f.closes;
-    }
-    if (f.dst_fd >= 0) {
-      push({.code = io::OpCode::kClose, .fd = f.dst_fd}, slot, tag(slot, kCloseDst));
-      f.dst_fd = -1;
-      ++f.closes;
-    }
-    if (f.closes == 0) finish_file(slot);
+    const int src = f.src_fd, dst = f.dst_fd;
+    f.src_fd = f.dst_fd = -1;
+    f.closes = unsigned(src >= 0) + unsigned(dst >= 0);
+    if (f.closes == 0) return finish_file(slot);
+    if (src >= 0)
+      issue({.code = io::OpCode::kClose, .fd = src}, slot, tag(slot, kCloseSrc),
+            direct_src_close_);
+    if (dst >= 0)
+      issue({.code = io::OpCode::kClose, .fd = dst}, slot, tag(slot, kCloseDst), direct_dst_);
   }
 
   // Called once both descriptors are closed. A file completed before another file's
@@ -530,7 +648,7 @@ class Runner {
     FileState& f = files_[slot];
     if (f.failed) return maybe_retire(slot);
     const FileTask& t = tasks_[f.task];
-    if (opt_.write &&
+    if (opt_.write && !f.anon &&
         ::renameat(dst_root_.get(), f.tmp_path.c_str(), dst_root_.get(), t.dst.c_str()) != 0)
       return file_error(slot, Error::os(errno, "rename into place", dst_name(f, false)));
     {
@@ -604,6 +722,11 @@ class Runner {
   char* big_base_ = nullptr;
   size_t small_size_ = 0, big_size_ = 0, small_stride_ = 0, big_stride_ = 0;
   bool fixed_ = false;
+  bool direct_dst_ = false;        // the destination is local: its operations run now
+  bool direct_src_close_ = false;  // the source is local: closing it runs now
+  int umask_ = -1;                 // the process's, or -1: unknown (always fchmod)
+  bool tmpfile_ = true;            // O_TMPFILE works on the destination (till it fails)
+  bool empty_path_link_ = true;    // linkat(AT_EMPTY_PATH) is allowed (till refused)
   std::vector<FileState> files_;
   std::deque<uint32_t> free_files_;
   std::vector<Stripe> big_;

@@ -4,7 +4,11 @@
 // thread driving an io::Engine of its own (a ring per thread, or a pool per thread),
 // take files from the one task list in turn; the metadata work of a file (its opens,
 // ftruncate, fchmod, futimens, closes and the rename) is done by the submitter that
-// copies it, so no single thread carries it all. Each admitted file goes through
+// copies it, so no single thread carries it all. On a local destination its create, the
+// write of a small file and its closes are done at once on the submitter (Engine::run_now):
+// handing them to io_uring's workers or the pool cost more CPU than the work itself
+// (RESULTS.md, issue 33: CPU per file); the source's opens and reads stay on the engine,
+// where its latency is hidden. Each admitted file goes through
 //   open src (+ open a hidden temporary in the destination) -> stripes of
 //   read -> digest -> write at the same offset -> fchmod/futimens -> close -> rename
 // and up to `files_in_flight` files advance at once, so on network storage the
@@ -13,7 +17,9 @@
 // one large file on a striped file system is read at a high queue depth.
 //
 // A file appears at its final path only after every byte was written and its
-// metadata set (rename of the temporary). The last read of each file asks for one byte
+// metadata set: on a local destination with O_TMPFILE, the anonymous temporary is linked
+// there (linkat); else, or where an older copy holds the name, a named temporary is
+// renamed over it. The last read of each file asks for one byte
 // more than expected, so a file that grew is noticed without an extra round trip.
 //
 // With write == false the job only reads and digests (verify()).

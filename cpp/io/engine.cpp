@@ -59,6 +59,8 @@ const char* kind_name(Kind kind) {
   return "auto";
 }
 
+int64_t Engine::run_now(const Op& op) noexcept { return PreadPool::execute(op); }
+
 int resolve_kind(Kind requested, const std::string& where, bool honour_env, Kind* out) {
   Kind kind = requested;
   // A malformed variable is an error, not silently "auto": a test that asked for a

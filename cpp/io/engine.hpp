@@ -83,6 +83,13 @@ class Engine {
     return -95;  // EOPNOTSUPP
   }
 
+  // Runs op on the calling thread with blocking system calls, outside the queue, and
+  // returns its result (>= 0 or -errno; the pool's semantics, PreadPool::execute). For
+  // operations cheaper done at once than handed to the kernel's workers or the pool: a
+  // node-local destination's creates, buffered writes and closes (the copier). A
+  // wrapping engine (faults) sees these operations too.
+  virtual int64_t run_now(const Op& op) noexcept;
+
   // "uring" or "pread" (a fault-injecting wrapper reports the backend it wraps).
   virtual const char* name() const = 0;
 };

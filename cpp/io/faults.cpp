@@ -46,15 +46,14 @@ class FaultEngine final : public Engine {
     // outstanding operations must hold whichever way an operation completes.
     if (in_flight() >= capacity()) return -EBUSY;
     Op fwd = op;
-    if ((spec_.ops_mask & bit(op.code)) && seen_++ >= spec_.after) {
-      const double u = rng_.uniform();
-      if (u < spec_.eio) return fake(op.user_data, -EIO);
-      if (u < spec_.eio + spec_.eintr) return fake(op.user_data, -EINTR);
-      const bool rw = op.code == OpCode::kRead || op.code == OpCode::kWrite;
-      if (u < spec_.eio + spec_.eintr + spec_.short_io && rw && op.len > 1)
-        fwd.len = op.len / 2;  // >= 1 since len > 1
-    }
+    if (int64_t r = decide(op, &fwd); r < 0) return fake(op.user_data, r);
     return inner_->push(fwd);
+  }
+
+  int64_t run_now(const Op& op) noexcept override {
+    Op fwd = op;
+    if (int64_t r = decide(op, &fwd); r < 0) return r;
+    return inner_->run_now(fwd);
   }
 
   // Synthetic completions are handed out first: they are ready by construction, so the
@@ -84,6 +83,19 @@ class FaultEngine final : public Engine {
   const char* name() const override { return inner_->name(); }
 
  private:
+  // The fate of an operation: -EIO or -EINTR (not run), else 0 with *fwd the operation
+  // to run (its length halved for a short read or write).
+  int64_t decide(const Op& op, Op* fwd) {
+    if (!(spec_.ops_mask & bit(op.code)) || seen_++ < spec_.after) return 0;
+    const double u = rng_.uniform();
+    if (u < spec_.eio) return -EIO;
+    if (u < spec_.eio + spec_.eintr) return -EINTR;
+    const bool rw = op.code == OpCode::kRead || op.code == OpCode::kWrite;
+    if (u < spec_.eio + spec_.eintr + spec_.short_io && rw && op.len > 1)
+      fwd->len = op.len / 2;  // >= 1 since len > 1
+    return 0;
+  }
+
   int fake(uint64_t user_data, int64_t res) {
     // Fits: fake_count_ <= in_flight() < capacity() == fake_.size().
     fake_[(fake_head_ + fake_count_) % fake_.size()] = Completion{user_data, res};

@@ -614,6 +614,41 @@ void fault_injection(const char* label, const Factory& make, int dir_fd) {
     CHECK_EQ(run_one(*e, rw_op(OpCode::kRead, fd, buf, 1, 0)), 1);
     CHECK_EQ(run_one(*e, rw_op(OpCode::kRead, fd, buf, 2, 0)), 1);
   }
+
+  // run_now: the operation done on the calling thread, outside the queue (nothing in
+  // flight before or after), and a wrapping engine's faults apply to it as to push().
+  {
+    auto e = make(4);
+    char buf[16];
+    CHECK_EQ(e->run_now(rw_op(OpCode::kRead, fd, buf, 16, 0)), int64_t{16});
+    CHECK_EQ(e->in_flight(), 0u);
+    CHECK_EQ(e->run_now(rw_op(OpCode::kRead, -1, buf, 16, 0)), int64_t{-EBADF});
+    Op open_op{.code = OpCode::kOpenAt, .dir_fd = dir_fd, .path = "data.bin",
+               .flags = O_RDONLY | O_CLOEXEC};
+    const int64_t opened = e->run_now(open_op);
+    CHECK(opened >= 0);
+    if (opened >= 0) CHECK_EQ(e->run_now(Op{.code = OpCode::kClose, .fd = int(opened)}), 0);
+  }
+  CHECK(parse_fault_spec("eio=1,ops=write", &spec));
+  {
+    auto e = wrap_with_faults(make(4), spec);
+    char buf[16];
+    CHECK_EQ(e->run_now(rw_op(OpCode::kRead, fd, buf, 16, 0)), int64_t{16});  // not a write
+    CHECK_EQ(e->run_now(rw_op(OpCode::kWrite, fd, buf, 16, 0)), int64_t{-EIO});
+    CHECK_EQ(e->in_flight(), 0u);
+  }
+  CHECK(parse_fault_spec("eintr=1,ops=read", &spec));
+  {
+    auto e = wrap_with_faults(make(4), spec);
+    char buf[16];
+    CHECK_EQ(e->run_now(rw_op(OpCode::kRead, fd, buf, 16, 0)), int64_t{-EINTR});
+  }
+  CHECK(parse_fault_spec("short=1,ops=read", &spec));
+  {
+    auto e = wrap_with_faults(make(4), spec);
+    char buf[16];
+    CHECK_EQ(e->run_now(rw_op(OpCode::kRead, fd, buf, 16, 0)), int64_t{8});
+  }
   close(fd);
 }
 

@@ -112,3 +112,51 @@ def test_one_submitters_failure_is_the_jobs_error(tmp_path: Path, engine: str) -
         assert (tmp_path / "dst" / rel).read_bytes() == (tmp_path / "src" / rel).read_bytes()
     copied = {str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("f*")}
     assert copied == {names[i] for i in done}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_modes_whatever_the_umask_and_leftover_temporaries(
+    tmp_path: Path, engine: str, umask: int
+) -> None:
+    """A temporary is created with its file's final mode where the umask keeps it (no
+    fchmod), else set after. One an interrupted run left under the temporary name (mode
+    0600, stale bytes) is never taken for the file: an anonymous temporary (O_TMPFILE,
+    where the file system has it) leaves it alone, a named one truncates it. Either way
+    the copy has the source's mode, bytes and time, and an older copy at the final
+    name is replaced whole."""
+    modes = [0o644, 0o640, 0o600, 0o664, 0o755, 0o444, 0o400, 0o2755, 0o1777]
+    names = [f"d/m{i}" for i in range(len(modes))]
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "d").mkdir(parents=True)
+    (dst / "d").mkdir(parents=True)
+    sizes = []
+    for i, rel in enumerate(names):
+        (src / rel).write_bytes(os.urandom(1000 + i))
+        sizes.append(1000 + i)
+    # Leftovers of an interrupted run beside every other file.
+    for rel in names[::2]:
+        stale = dst / "d" / f".{rel.split('/')[1]}.fl-tmp"
+        stale.write_bytes(b"stale" * 1000)
+        stale.chmod(0o600)
+    # Older copies at the final names of some files (a changed source staged again).
+    for rel in names[1::3]:
+        (dst / rel).write_bytes(b"old copy")
+        (dst / rel).chmod(0o600)
+    mtimes = [(src / n).stat().st_mtime_ns for n in names]
+    files = _core.CopyFiles(names, names, sizes, [(s + 511) // 512 for s in sizes], modes,
+                            mtimes)  # fmt: skip
+    old = os.umask(umask)
+    try:
+        job = _core.CopyJob(src, dst, files, _core.CopyOptions(engine=engine))
+        _run(job)
+    finally:
+        os.umask(old)
+    job.rethrow()
+    for rel, mode, mtime in zip(names, modes, mtimes, strict=True):
+        st = (dst / rel).stat()
+        assert oct(st.st_mode & 0o7777) == oct(mode), rel
+        assert st.st_mtime_ns == mtime, rel
+        assert (dst / rel).read_bytes() == (src / rel).read_bytes(), rel
+    # What is left under temporary names is an earlier run's, untouched.
+    for p in dst.rglob("*.fl-tmp"):
+        assert p.read_bytes() == b"stale" * 1000, p

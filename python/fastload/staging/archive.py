@@ -26,7 +26,7 @@ from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, 
 from ..sources.objstore import selected
 from .destination import Destination, Manifest
 from .engine import resolve_engine
-from .job import PROGRESS_EVERY, progress_callback
+from .job import PROGRESS_EVERY, in_flight, progress_callback
 from .readers import BLOCK, ArchiveSource, NativeReader, PyDecoder
 from .request import StageRequest
 from .result import StageResult
@@ -251,7 +251,7 @@ class _Extraction:
         pydecomp = PyDecoder(new_pydecomp, compression, data.name) if new_pydecomp else None
         hasher = hashlib.new(req.checksum[0]) if req.checksum else None
         can_seek = compression == "none" and hasher is None and not data.stream
-        files_in_flight = max(1, req.workers or 64)
+        flight = in_flight(req.workers, dest.path)
         journal = dest.journal
         resolve_engine(req.engine)  # a malformed FASTLOAD_ENGINE: a ValueError naming it
         options = _core.ExtractOptions(
@@ -265,8 +265,8 @@ class _Extraction:
             # written through io_uring.
             engine=req.engine,
             engine_path=dest.path,
-            threads=min(64, max(4, files_in_flight // 2)),
-            files_in_flight=files_in_flight,
+            threads=flight.threads,
+            files_in_flight=flight.files,
             chunk_size=req.stripe,
             adopt_existing=journal.found and journal.same_boot,
             direct_write_min=data.direct_write_min(dest.path),

@@ -7,6 +7,8 @@ Used by the tree pipeline (tree.py), the archive pipeline (archive.py) and verif
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from .. import _core
-from .engine import resolve_engine
+from .engine import network_fs, resolve_engine
 from .state import Record, Records, quick_same
 
 Patterns = Union[str, Sequence[str], None]
@@ -22,8 +24,14 @@ ProgressCallback = Callable[[int, int, int, int], None]
 Progress = Union[bool, ProgressCallback, None]
 
 DEFAULT_STRIPE = 16 << 20
-DEFAULT_FILES_IN_FLIGHT = 64
 DEFAULT_BIG_BUFFERS = 8
+# Files in flight per submitter (a core, up to 8; the copier's default_submitters) by the
+# storage's latency: local disks answer in tens of microseconds, so a few files per core
+# keep them busy; a network or FUSE file system answers in milliseconds, and Little's
+# law wants rate x latency in flight (RESULTS.md, issue 33: CPU per file).
+LOCAL_PER_CORE = 16
+NETWORK_PER_CORE = 64
+MAX_SUBMITTERS = 8
 POLL_MS = 100
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
@@ -111,20 +119,59 @@ def run_job(
     report()
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """How many files a native job keeps in flight, and the pread pool's threads."""
+
+    files: int
+    threads: int
+    cores: int
+    """The cores this process may run on (its affinity: taskset, a cgroup's cpuset)."""
+    network: bool
+    """Whether the storage the job waits on is a network or FUSE file system."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (``taskset`` respected), not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def in_flight(
+    workers: int | None, where: Path | str | None = None, cores: int | None = None
+) -> InFlight:
+    """The one rule for files in flight of every native job (a tree copy, verify, an
+    archive's extraction, the walk's threads): ``workers`` when given; else
+    ``per_core x min(cores, 8)`` (a submitter per core, up to 8), ``per_core``
+    being NETWORK_PER_CORE where ``where`` (what the job waits on: a tree's source, an
+    extraction's destination) is on a network or FUSE file system, else LOCAL_PER_CORE.
+    Threads of the pread pool: half the files, at least 4, at most 64 on local storage
+    (blocked threads there are few) and 256 on a network (each waits out a round trip)."""
+    cores = usable_cores() if cores is None else max(1, cores)
+    network = bool(where is not None and network_fs(where))
+    if workers:
+        files = max(1, workers)
+    else:
+        files = (NETWORK_PER_CORE if network else LOCAL_PER_CORE) * min(cores, MAX_SUBMITTERS)
+    return InFlight(files, min(max(4, files // 2), 256 if network else 64), cores, network)
+
+
 def copy_options(
     engine: str, workers: int | None, stripe_size: int, src: Path | None = None
 ) -> _core.CopyOptions:
-    """A CopyJob's options: ``workers`` files in flight (default 64), the engine's rule
-    looking at ``src`` (the source of a tree copy)."""
+    """A CopyJob's options: ``workers`` files in flight (default: :func:`in_flight`'s
+    rule for ``src``), the engine's rule looking at ``src`` (the source of a tree copy)."""
     resolve_engine(engine)  # a malformed FASTLOAD_ENGINE: a ValueError naming it, up front
-    files_in_flight = max(1, workers or DEFAULT_FILES_IN_FLIGHT)
+    flight = in_flight(workers, src)
     big = DEFAULT_BIG_BUFFERS
     return _core.CopyOptions(
         engine=engine,
         engine_path=src,
-        depth=2 * files_in_flight + big + 8,
-        threads=min(max(4, files_in_flight // 2), 64),
-        files_in_flight=files_in_flight,
+        depth=2 * flight.files + big + 8,
+        threads=flight.threads,
+        files_in_flight=flight.files,
         stripe_size=stripe_size,
         big_buffers=big,
     )

@@ -27,13 +27,13 @@ from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
 from .job import (
-    DEFAULT_FILES_IN_FLIGHT,
     DIR,
     FILE,
     LINK,
     ProgressCallback,
     copy_options,
     digest_local,
+    in_flight,
     progress_callback,
     run_job,
 )
@@ -227,7 +227,7 @@ class LocalTree:
 
     def listing(self, req: StageRequest) -> Listing:
         """The source's entries, the subset filter applied; for a file, its one entry."""
-        threads = min(64, max(8, (req.workers or DEFAULT_FILES_IN_FLIGHT)))
+        threads = min(64, max(8, in_flight(req.workers, self.src).files))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
         entries = Listing.from_walk(
@@ -269,8 +269,9 @@ class LocalTree:
         fp = tree_fingerprint(self.name, entries, {**self.options, "chunk": req.stripe})
         plan = plan_against(dest, entries, fp)
         journal = dest.journal
-        # Files an interrupted run renamed into place but had not journalled yet: whole, as
-        # long as the machine did not reboot since; their digests are read back locally.
+        # Files an interrupted run put in place (linked or renamed) but had not journalled
+        # yet: whole, as long as the machine did not reboot since; their digests are read
+        # back locally.
         if not plan.complete and journal.found and journal.same_boot and plan.todo:
             files = plan.files
             rehash = [i for i in plan.todo
@@ -300,16 +301,19 @@ class LocalTree:
     ) -> tuple[str, int, int]:
         files, todo = plan.files, plan.todo
         copied = [0, 0]
+        # The files to do, as columns: per file only its path is made into an object
+        # (once for the job's lists, once for its journal record), no Entry.
+        sub = files.take(todo) if len(todo) != len(files) else files
+        size, mtime, mode = sub.size, sub.mtime_ns, sub.mode
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
             records = []
             for idx, digests in batch:
-                i = todo[idx]
-                e = files[i]
-                done.set(i, (e.size, e.mtime_ns, e.mode, digests))
-                records.append((e.path, e.size, e.mtime_ns, e.mode, digests.hex()))
-                copied[0] += 1
-                copied[1] += e.size
+                n, t, m = size[idx], mtime[idx], mode[idx]
+                done.set(todo[idx], (n, t, m, digests))
+                records.append((sub.path(idx), n, t, m, digests.hex()))
+                copied[1] += n
+            copied[0] += len(batch)
             flusher.add(records)
 
         if not todo:
@@ -317,16 +321,17 @@ class LocalTree:
                 on_progress(plan.total_bytes, plan.total_bytes, len(files), len(files))
             return "none", 0, 0
         root = self.src.parent if self.single else self.src
+        paths = list(sub.path_bytes())
         job = _core.CopyJob(
             str(root),
             str(dest.root),
             _core.CopyFiles(
-                [self.src.name] if self.single else [files[i].path for i in todo],
-                [files[i].path for i in todo],
-                [files[i].size for i in todo],
-                [files[i].blocks for i in todo],
-                [files[i].mode for i in todo],
-                [files[i].mtime_ns for i in todo],
+                [os.fsencode(self.src.name)] if self.single else paths,
+                paths,
+                size,
+                sub.blocks,
+                mode,
+                mtime,
             ),
             copy_options(req.engine, req.workers, req.stripe, root),
         )

@@ -1,0 +1,93 @@
+"""The one rule for files in flight (staging/job.py ``in_flight``, issue 33): from the
+cores this process may use (taskset respected) and the storage's latency (a network or
+FUSE file system gets more in flight); ``workers`` overrides it; the copy options, the
+plan ``fastload probe`` reports and the jobs that run all take it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastload
+from fastload.staging.job import (
+    LOCAL_PER_CORE,
+    MAX_SUBMITTERS,
+    NETWORK_PER_CORE,
+    copy_options,
+    in_flight,
+)
+from kit import procs, trees
+from kit.netsim import mounts
+
+
+@pytest.mark.parametrize("cores", [1, 2, 5, 8, 16, 64])
+def test_local_storage_keeps_a_few_files_per_core(tmp_path: Path, cores: int) -> None:
+    f = in_flight(None, tmp_path, cores=cores)
+    assert not f.network and f.cores == cores
+    assert f.files == LOCAL_PER_CORE * min(cores, MAX_SUBMITTERS)
+    assert f.threads == min(max(4, f.files // 2), 64)
+
+
+def test_workers_overrides_the_rule(tmp_path: Path) -> None:
+    assert in_flight(7, tmp_path, cores=16).files == 7
+    assert in_flight(300, tmp_path, cores=1).files == 300
+    assert in_flight(300, tmp_path, cores=1).threads == 64  # local: at most 64 threads
+    opts = copy_options("auto", 5, 1 << 20, tmp_path)
+    assert (opts.files_in_flight, opts.threads) == (5, 4)
+
+
+def test_without_a_path_the_storage_counts_as_local() -> None:
+    f = in_flight(None, None, cores=4)
+    assert not f.network and f.files == 4 * LOCAL_PER_CORE
+
+
+_CHILD = """
+import json, os, sys
+from fastload.staging.job import copy_options, in_flight
+cpus = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, set(cpus[: int(sys.argv[2])]))
+f = in_flight(None, sys.argv[1])
+o = copy_options("auto", None, 1 << 20, sys.argv[1])
+print(json.dumps([f.cores, f.files, o.files_in_flight, o.threads]))
+"""
+
+
+@pytest.mark.parametrize("which", ["one", "all"])
+def test_the_default_follows_the_affinity(tmp_path: Path, which: str) -> None:
+    """A process pinned to fewer cores (taskset) keeps fewer files in flight; the copy
+    options a job gets say the same."""
+    allowed = 1 if which == "one" else len(os.sched_getaffinity(0))
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), str(allowed)],
+        env=procs.child_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    cores, files, opt_files, threads = json.loads(r.stdout)
+    assert cores == allowed
+    assert files == opt_files == LOCAL_PER_CORE * min(allowed, MAX_SUBMITTERS)
+    assert threads == min(max(4, files // 2), 64)
+
+
+def test_a_network_mount_gets_more_in_flight(tmp_path: Path) -> None:
+    """A FUSE mount (netsim, 1 ms per request) is a network file system to the rule:
+    NETWORK_PER_CORE per submitter core and up to 256 pool threads; a stage through it
+    with the default copies the tree whole."""
+    src = tmp_path / "src"
+    trees.build_small_files(src, 40)
+    with mounts(tmp_path) as mount:
+        mnt = mount(src, 1000, 1000).path
+        for cores in (1, 2, 16):
+            f = in_flight(None, mnt, cores=cores)
+            assert f.network
+            assert f.files == NETWORK_PER_CORE * min(cores, MAX_SUBMITTERS)
+            assert f.threads == min(f.files // 2, 256)
+        assert in_flight(None, mnt, cores=2).files > in_flight(None, tmp_path, cores=2).files
+        opts = copy_options("auto", None, 1 << 20, mnt)
+        assert opts.files_in_flight == in_flight(None, mnt).files
+        res = fastload.stage(mnt, tmp_path / "dst")
+        assert res.engine == "pread" and res.copied_files == 40
+    trees.assert_same_tree(src, tmp_path / "dst")

@@ -61,11 +61,18 @@ class Manifest:
     symlinks: dict[str, str] = dataclasses.field(default_factory=dict)
     dirs: list[str] = dataclasses.field(default_factory=list)
     archive: dict[str, Any] | None = None
-    objects: dict[str, str] | None = None
+    # An object prefix's: its files (a listing, sorted) and each one's identity, kept as
+    # the tags of the table's rows.
+    tags: tuple[Listing, Iterable[bytes]] | None = None
 
     def __post_init__(self) -> None:
         files = self.files
-        self.files = files.table() if isinstance(files, Done) else FileTable.of(files)
+        table = files.table() if isinstance(files, Done) else FileTable.of(files)
+        if self.tags is not None:
+            listed, identities = self.tags
+            table = table.tagged(listed.path_bytes(), identities)
+            self.tags = None
+        self.files = table
 
     @property
     def table(self) -> FileTable:
@@ -98,8 +105,6 @@ class Manifest:
             engine=self.engine,
             created=time.time(),
         )
-        if self.objects is not None:
-            out["objects"] = self.objects
         out["symlinks"] = self.symlinks
         out["dirs"] = self.dirs
         return out
@@ -249,11 +254,10 @@ class Destination:
             with contextlib.suppress(OSError):
                 if not self.single and self.path.is_dir() and not any(self.path.iterdir()):
                     self.path.rmdir()
-            if os.path.lexists(self.path) or self.journal.load():
+            if os.path.lexists(self.path) or self.journal.has_records():
                 return
             state = state_dir(self.path)
-            with contextlib.suppress(OSError):
-                (state / "journal.jsonl").unlink()
+            self.journal.remove()
             with contextlib.suppress(OSError):
                 state.rmdir()
 
@@ -362,6 +366,18 @@ def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:
         archive = m.get("archive")
         if archive is not None and archive.get("identity") == str(identity):
             return str(archive["compression"])
-        if m.get("kind") == "file" and m.get("objects", {}).get(candidate.name) == identity:
+        if m.get("kind") == "file" and _identity(m, candidate.name) == identity:
             return ""
     return None
+
+
+def _identity(manifest: dict[str, Any], name: str) -> str | None:
+    """The identity an object prefix's manifest records for ``name``: its table's tag (a
+    manifest of an older version: its ``objects``)."""
+    if "objects" in manifest:
+        got = manifest["objects"].get(name)
+        return None if got is None else str(got)
+    table: FileTable = manifest["files"]
+    row = table.find(name)
+    tag = table.tag(row) if row >= 0 else None
+    return os.fsdecode(tag) if tag else None

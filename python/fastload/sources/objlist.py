@@ -1,0 +1,264 @@
+"""A listing of objects in columns (issue 38): a prefix of millions of keys costs its keys'
+and ETags' bytes plus a few typed arrays, not an :class:`ObjectInfo` per key.
+
+:class:`ObjectList` is built a listing page (1,000 keys) at a time (:meth:`ObjectList.add`
+per key's metadata, no object kept per key) and reads as a ``Sequence[ObjectInfo]``: an
+ObjectInfo is made on demand for the one object asked for. Keys are encoded as
+``os.fsencode`` does (UTF-8, surrogateescape), so their byte order is the store's and the
+native walk's. It pickles as its columns (what fan-out's node 0 sends the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import compress
+from typing import Any
+
+__all__ = ["ObjectInfo", "ObjectList"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object: its key relative to the listed prefix, size, ETag and time."""
+
+    key: str
+    size: int
+    etag: str | None
+    mtime_ns: int
+    version: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """What changes whenever the object's content may have changed."""
+        return self.version or self.etag or f"{self.size}:{self.mtime_ns}"
+
+
+def _numbered(objects: ObjectList, first: int) -> Iterator[tuple[bytes, int]]:
+    for i, k in enumerate(objects.key_bytes()):
+        yield k, first + i
+
+
+def _enc(s: str) -> bytes:
+    return s.encode("utf-8", "surrogateescape")
+
+
+def _dec(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+class ObjectList(Sequence[ObjectInfo]):
+    """Objects in columns: keys (one blob plus offsets), sizes and times (``array("q")``),
+    ETags (a blob plus offsets; empty for none) and versions (likewise, the offsets made
+    only once a version is seen: an unversioned bucket pays nothing for them)."""
+
+    def __init__(self) -> None:
+        self.keys = bytearray()
+        self.key_ends = array("q", [0])
+        self.size = array("q")
+        self.mtime_ns = array("q")
+        self.etags = bytearray()
+        self.etag_ends = array("q", [0])
+        self.versions = bytearray()
+        self.version_ends: array[int] | None = None
+
+    # --- building ----------------------------------------------------------------------
+
+    def append(self, key: str, size: int, etag: str | None, mtime_ns: int,
+               version: str | None = None) -> None:  # fmt: skip
+        self.keys += _enc(key)
+        self.key_ends.append(len(self.keys))
+        self.size.append(size)
+        self.mtime_ns.append(mtime_ns)
+        if etag:
+            self.etags += _enc(etag)
+        self.etag_ends.append(len(self.etags))
+        if version and self.version_ends is None:
+            self.version_ends = array("q", [0]) * len(self.size)
+        if self.version_ends is not None:
+            if version:
+                self.versions += _enc(version)
+            self.version_ends.append(len(self.versions))
+
+    def add(self, key: str, meta: Mapping[str, Any]) -> None:
+        """One object of a listing page (obstore's metadata dict), under ``key``."""
+        when = meta.get("last_modified")
+        mtime_ns = int(when.timestamp() * 1e9) if when is not None else 0
+        self.append(key, int(meta["size"]), meta.get("e_tag"), mtime_ns, meta.get("version"))
+
+    @classmethod
+    def of(cls, objects: Iterable[ObjectInfo]) -> ObjectList:
+        out = cls()
+        for o in objects:
+            out.append(o.key, o.size, o.etag, o.mtime_ns, o.version)
+        return out
+
+    @classmethod
+    def concat(cls, parts: Sequence[ObjectList]) -> ObjectList:
+        """The parts one after another (each part's columns appended at C speed)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls()
+        versioned = any(p.version_ends is not None for p in parts)
+        if versioned:
+            out.version_ends = array("q", [0])
+        for p in parts:
+            kb, eb, vb = len(out.keys), len(out.etags), len(out.versions)
+            out.keys += p.keys
+            out.key_ends.extend(e + kb for e in p.key_ends[1:])
+            out.size.extend(p.size)
+            out.mtime_ns.extend(p.mtime_ns)
+            out.etags += p.etags
+            out.etag_ends.extend(e + eb for e in p.etag_ends[1:])
+            if out.version_ends is not None:
+                if p.version_ends is None:
+                    out.version_ends.extend(array("q", [vb]) * len(p))
+                else:
+                    out.versions += p.versions
+                    out.version_ends.extend(e + vb for e in p.version_ends[1:])
+        return out
+
+    def take(self, rows: Iterable[int]) -> ObjectList:
+        """The rows ``rows``, in that order."""
+        out = ObjectList()
+        if self.version_ends is not None:
+            out.version_ends = array("q", [0])
+        k, e, v = memoryview(self.keys), memoryview(self.etags), memoryview(self.versions)
+        ko, eo, vo = self.key_ends, self.etag_ends, self.version_ends
+        for r in rows:
+            out.keys += k[ko[r] : ko[r + 1]]
+            out.key_ends.append(len(out.keys))
+            out.size.append(self.size[r])
+            out.mtime_ns.append(self.mtime_ns[r])
+            out.etags += e[eo[r] : eo[r + 1]]
+            out.etag_ends.append(len(out.etags))
+            if vo is not None and out.version_ends is not None:
+                out.versions += v[vo[r] : vo[r + 1]]
+                out.version_ends.append(len(out.versions))
+        return out
+
+    def select(self, keep: bytes | bytearray) -> ObjectList:
+        """The rows whose byte in ``keep`` is not 0, in order (itself when all are)."""
+        if keep.count(0) == 0:
+            return self
+        return self.take(compress(range(len(self)), keep))
+
+    def sorted(self) -> ObjectList:
+        """In key byte order (itself when it already is); a key listed twice is kept once
+        (the first)."""
+        prev = None
+        for k in self.key_bytes():
+            if prev is not None and not prev < k:
+                break
+            prev = k
+        else:
+            return self
+        order = sorted(range(len(self)), key=self.key)
+        rows = array("q")
+        last = None
+        for r in order:
+            k = self.key(r)
+            if k != last:
+                rows.append(r)
+            last = k
+        del order
+        return self.take(rows)
+
+    @classmethod
+    def merge(cls, parts: Sequence[ObjectList]) -> ObjectList:
+        """Sorted parts as one sorted list (a merge: no key list of the whole)."""
+        if len(parts) == 1:
+            return parts[0].sorted()
+        parts = [p.sorted() for p in parts]
+        whole = cls.concat(parts)
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + len(p))
+        runs = [_numbered(p, starts[j]) for j, p in enumerate(parts)]
+        rows = array("q", (r for _, r in heapq.merge(*runs)))
+        return whole.take(rows)
+
+    def finish(self) -> ObjectList:
+        """Trims the growth slack of the blobs (bytes, not bytearrays)."""
+        self.keys = bytearray(bytes(self.keys))
+        self.etags = bytearray(bytes(self.etags))
+        self.versions = bytearray(bytes(self.versions))
+        return self
+
+    # --- reading -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    def key(self, i: int) -> bytes:
+        return bytes(self.keys[self.key_ends[i] : self.key_ends[i + 1]])
+
+    def key_str(self, i: int) -> str:
+        return _dec(self.key(i))
+
+    def key_bytes(self) -> Iterator[bytes]:
+        """Every key, encoded, in order."""
+        mv, ends = memoryview(self.keys), self.key_ends
+        for i in range(len(self)):
+            yield mv[ends[i] : ends[i + 1]].tobytes()
+
+    def etag(self, i: int) -> str | None:
+        a, b = self.etag_ends[i], self.etag_ends[i + 1]
+        return _dec(bytes(self.etags[a:b])) if b > a else None
+
+    def version(self, i: int) -> str | None:
+        ends = self.version_ends
+        if ends is None or ends[i + 1] == ends[i]:
+            return None
+        return _dec(bytes(self.versions[ends[i] : ends[i + 1]]))
+
+    def identity(self, i: int) -> bytes:
+        """Object ``i``'s :attr:`ObjectInfo.identity`, encoded."""
+        ends = self.version_ends
+        if ends is not None and ends[i + 1] > ends[i]:
+            return bytes(self.versions[ends[i] : ends[i + 1]])
+        a, b = self.etag_ends[i], self.etag_ends[i + 1]
+        if b > a:
+            return bytes(self.etags[a:b])
+        return b"%d:%d" % (self.size[i], self.mtime_ns[i])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return ObjectInfo(self.key_str(i), self.size[i], self.etag(i), self.mtime_ns[i],
+                          self.version(i))  # fmt: skip
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def digest_into(self, h: Any) -> None:
+        """Feeds what identifies every object to the hash ``h`` (a fingerprint's part):
+        keys, sizes, ETags, versions; the times only of objects with neither (their
+        identity is their size and time)."""
+        for col in (self.key_ends, self.keys, self.size, self.etag_ends, self.etags):
+            h.update(col)
+        eo = self.etag_ends
+        h.update(array("q", (0 if eo[i + 1] > eo[i] else t
+                             for i, t in enumerate(self.mtime_ns))))  # fmt: skip
+        if self.version_ends is not None:
+            h.update(self.version_ends)
+            h.update(self.versions)
+
+    def nbytes(self) -> int:
+        """The bytes its columns hold."""
+        cols = (self.keys, self.key_ends, self.size, self.mtime_ns, self.etags,
+                self.etag_ends, self.versions, self.version_ends or b"")  # fmt: skip
+        return sum(memoryview(c).nbytes for c in cols)
+
+
+def as_object_list(objects: Iterable[ObjectInfo]) -> ObjectList:
+    """``objects`` as an :class:`ObjectList` (one is returned as it is)."""
+    return objects if isinstance(objects, ObjectList) else ObjectList.of(objects)

@@ -6,6 +6,7 @@ nothing fetched, and a changed key alone fetched again; a real S3 server on loop
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,47 @@ def test_a_prefix_of_thousands_of_keys_stages_and_restages(
     assert proxy.gets() == 2
     assert tree_of(out) == files
     assert fastload.verify(out).ok
+
+
+def _planned_peak(url: str, dst: Path) -> tuple[int, int]:
+    """The peak of Python's traced memory while ``url`` is listed and planned against
+    ``dst`` (what stage() does before its first GET), and the files planned."""
+    from fastload.staging.api import open_source
+    from fastload.staging.request import StageRequest
+
+    req = StageRequest.make()
+    tracemalloc.start()
+    try:
+        source, dest = open_source(url, dst, req)
+        with dest.locked():
+            plan = source.plan(req, dest)  # type: ignore[attr-defined]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak, len(plan.files)
+
+
+@pytest.mark.parametrize("layout", ["flat", "tree"])
+def test_listing_and_planning_a_prefix_hold_no_object_per_key(
+    s3: Any, bucket: str, tmp_path: Path, layout: str
+) -> None:
+    """Bytes per key above a fixed base (the clients; the listing pages in flight, a page
+    of 1,000 keys' metadata per folder listed at once): the peak of listing and planning
+    the big prefix less that of the small one, per key added (in the tree, two folders,
+    each of more than a page in both). A list of ObjectInfo (plus a name per key) took
+    over 400 bytes per key."""
+    from sources.s3server import upload
+
+    small, big = (1200, 5000) if layout == "flat" else (2200, 6000)
+
+    def keys(name: str, n: int) -> dict[str, bytes]:
+        folder = (lambda i: "") if layout == "flat" else (lambda i: f"f{i % 2}/")
+        return {f"{name}/{folder(i)}key {i:06d}.bin": b"x" for i in range(n)}
+
+    upload(s3, bucket, {**keys("small", small), **keys("big", big)})
+    _planned_peak(f"s3://{bucket}/small/", tmp_path / "warm")  # clients, imports
+    low, n_low = _planned_peak(f"s3://{bucket}/small/", tmp_path / "small")
+    high, n_high = _planned_peak(f"s3://{bucket}/big/", tmp_path / "big")
+    assert (n_low, n_high) == (small, big)
+    per_key = (high - low) / (big - small)
+    assert per_key < 200, f"{per_key:.0f} bytes per key ({low}, {high})"

@@ -11,7 +11,6 @@ native walk's. It pickles as its columns (what fan-out's node 0 sends the others
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress
@@ -36,11 +35,6 @@ class ObjectInfo:
         return self.version or self.etag or f"{self.size}:{self.mtime_ns}"
 
 
-def _numbered(objects: ObjectList, first: int) -> Iterator[tuple[bytes, int]]:
-    for i, k in enumerate(objects.key_bytes()):
-        yield k, first + i
-
-
 def _enc(s: str) -> bytes:
     return s.encode("utf-8", "surrogateescape")
 
@@ -55,7 +49,7 @@ class ObjectList(Sequence[ObjectInfo]):
     only once a version is seen: an unversioned bucket pays nothing for them)."""
 
     def __init__(self) -> None:
-        self.keys = bytearray()
+        self.keys: bytes | bytearray = bytearray()
         self.key_ends = array("q", [0])
         self.size = array("q")
         self.mtime_ns = array("q")
@@ -93,31 +87,6 @@ class ObjectList(Sequence[ObjectInfo]):
         out = cls()
         for o in objects:
             out.append(o.key, o.size, o.etag, o.mtime_ns, o.version)
-        return out
-
-    @classmethod
-    def concat(cls, parts: Sequence[ObjectList]) -> ObjectList:
-        """The parts one after another (each part's columns appended at C speed)."""
-        if len(parts) == 1:
-            return parts[0]
-        out = cls()
-        versioned = any(p.version_ends is not None for p in parts)
-        if versioned:
-            out.version_ends = array("q", [0])
-        for p in parts:
-            kb, eb, vb = len(out.keys), len(out.etags), len(out.versions)
-            out.keys += p.keys
-            out.key_ends.extend(e + kb for e in p.key_ends[1:])
-            out.size.extend(p.size)
-            out.mtime_ns.extend(p.mtime_ns)
-            out.etags += p.etags
-            out.etag_ends.extend(e + eb for e in p.etag_ends[1:])
-            if out.version_ends is not None:
-                if p.version_ends is None:
-                    out.version_ends.extend(array("q", [vb]) * len(p))
-                else:
-                    out.versions += p.versions
-                    out.version_ends.extend(e + vb for e in p.version_ends[1:])
         return out
 
     def take(self, rows: Iterable[int]) -> ObjectList:
@@ -166,25 +135,58 @@ class ObjectList(Sequence[ObjectInfo]):
         del order
         return self.take(rows)
 
-    @classmethod
-    def merge(cls, parts: Sequence[ObjectList]) -> ObjectList:
-        """Sorted parts as one sorted list (a merge: no key list of the whole)."""
-        if len(parts) == 1:
-            return parts[0].sorted()
-        parts = [p.sorted() for p in parts]
-        whole = cls.concat(parts)
-        starts = [0]
-        for p in parts:
-            starts.append(starts[-1] + len(p))
-        runs = [_numbered(p, starts[j]) for j, p in enumerate(parts)]
-        rows = array("q", (r for _, r in heapq.merge(*runs)))
-        return whole.take(rows)
+    def extend(self, other: ObjectList, rows: range | None = None) -> None:
+        """Appends ``other``'s rows (all, or ``rows``: consecutive) at C speed."""
+        r = rows if rows is not None else range(len(other))
+        if not len(r):
+            return
+        a, b = r.start, r.stop
+        kb, eb = len(self.keys) - other.key_ends[a], len(self.etags) - other.etag_ends[a]
+        self.keys += memoryview(other.keys)[other.key_ends[a] : other.key_ends[b]]
+        self.key_ends.extend(e + kb for e in other.key_ends[a + 1 : b + 1])
+        self.size.extend(other.size[a:b])
+        self.mtime_ns.extend(other.mtime_ns[a:b])
+        self.etags += memoryview(other.etags)[other.etag_ends[a] : other.etag_ends[b]]
+        self.etag_ends.extend(e + eb for e in other.etag_ends[a + 1 : b + 1])
+        if other.version_ends is not None and self.version_ends is None:
+            self.version_ends = array("q", [0]) * (len(self.size) - (b - a) + 1)
+        if self.version_ends is not None:
+            if other.version_ends is None:
+                self.version_ends.extend(array("q", [len(self.versions)]) * (b - a))
+            else:
+                vo = other.version_ends
+                vb = len(self.versions) - vo[a]
+                self.versions += memoryview(other.versions)[vo[a] : vo[b]]
+                self.version_ends.extend(e + vb for e in vo[a + 1 : b + 1])
 
-    def finish(self) -> ObjectList:
-        """Trims the growth slack of the blobs (bytes, not bytearrays)."""
-        self.keys = bytearray(bytes(self.keys))
-        self.etags = bytearray(bytes(self.etags))
-        self.versions = bytearray(bytes(self.versions))
+    @classmethod
+    def joined(cls, top: ObjectList, parts: list[ObjectList]) -> ObjectList:
+        """One sorted list of ``parts`` (each sorted, in order, apart: a folder's listing
+        each) and ``top`` (a few keys, each sorting before or after a whole part), built
+        in place: each part is let go of (taken out of ``parts``) once appended, so the
+        whole is held about once. Sorted after all where the parts were not so."""
+        top = top.sorted()
+        out = cls()
+        t = 0
+        parts.reverse()
+        while parts:
+            p = parts.pop()
+            if not len(p):
+                continue
+            first = p.key(0)
+            start = t
+            while t < len(top) and top.key(t) < first:
+                t += 1
+            out.extend(top, range(start, t))
+            out.extend(p)
+            del p
+        out.extend(top, range(t, len(top)))
+        return out.sorted().frozen()
+
+    def frozen(self) -> ObjectList:
+        """Itself with its keys as ``bytes`` (a listing's paths are: shared, not
+        copied, by the plan), once built."""
+        self.keys = bytes(self.keys)
         return self
 
     # --- reading -------------------------------------------------------------------------

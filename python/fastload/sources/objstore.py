@@ -257,24 +257,47 @@ class ObjectStore:
                 got = ObjectList()
                 for page in self._ob.list(self._store, prefix=sub, chunk_size=1000):
                     take(page, got)
-                return got.finish()
+                    del page  # not held while the next one is fetched
+                return got
 
             infos: ObjectList = self._call(base, attempt)
             return infos
 
+        def flat() -> ObjectList | None:
+            # The first page of a listing of everything: where it is not full, or names
+            # no folder, the rest follows in the same listing (a flat prefix of a million
+            # keys is never held as metadata dicts); else None: a tree, listed by folder.
+            got = ObjectList()
+            pages = iter(self._ob.list(self._store, prefix=prefix or None, chunk_size=1000))
+            first: builtins.list[Any] = next(pages, [])
+            if len(first) >= 1000 and any("/" in m["path"][len(base):].rstrip("/")
+                                          for m in first):  # fmt: skip
+                return None
+            take(first, got)
+            del first
+            for page in pages:
+                take(page, got)
+                del page  # not held while the next one is fetched
+            return got
+
+        listed: ObjectList | None = self._call(base, flat)
+        if listed is not None:
+            return listed.sorted().frozen()
         top = self._call(base, lambda: self._ob.list_with_delimiter(self._store, prefix or None))
         first = ObjectList()
         take(top["objects"], first)
-        parts = [first]
         subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
         del top
+        parts: builtins.list[ObjectList] = []
         if len(subs) == 1:
             parts.append(under(subs[0]))
         elif subs:
             with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
                                     thread_name_prefix="fastload-list") as pool:
                 parts.extend(pool.map(under, subs))
-        return ObjectList.merge([p for p in parts if len(p)] or [first]).finish()
+        # The folders' listings are in key order and apart (each under its own "a/"); a
+        # key at the top sorts before or after a folder's whole listing, never inside.
+        return ObjectList.joined(first, parts)
 
     def list_tree(
         self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
@@ -322,7 +345,7 @@ class ObjectStore:
             if (inc or exc) and not selected(os.fsdecode(key), inc, exc):
                 keep[i] = 0
         del parents
-        objects = everything.select(keep).finish()
+        objects = everything.select(keep).frozen()
         dirs = [] if inc else [d for d in dirs if selected(d, [], exc)]
         return objects, dirs
 

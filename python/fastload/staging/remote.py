@@ -70,30 +70,26 @@ def fingerprint(url: str, objects: ObjectList, options: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _listing(dirs: list[str], objects: ObjectList, name: str | None) -> Listing:
-    """The folders, then the objects as files (under their keys, or the one object under
-    ``name``), as a listing's columns (no object per entry)."""
+def _listing(dirs: list[str], objects: ObjectList, name: str | None) -> tuple[Listing, Listing]:
+    """The folders, and the objects as files (under their keys, or the one object under
+    ``name``), as listings' columns: the files' paths, sizes and times are the objects'
+    own columns, shared, not copied."""
     blob, ends = bytearray(), array("q", [0])
     for p in dirs:
         blob += os.fsencode(p)
         ends.append(len(blob))
-    if name is None:
-        base = len(blob)
-        blob += objects.keys
-        ends.extend(e + base for e in objects.key_ends[1:])
-    else:
-        blob += os.fsencode(name)
-        ends.append(len(blob))
     nd, nf = len(dirs), len(objects)
-    size = array("q", [0]) * nd
-    size.extend(objects.size)
-    blocks = array("q", [0]) * nd
-    blocks.extend((s + 511) // 512 for s in objects.size)
-    mtime = array("q", [0]) * nd
-    mtime.extend(objects.mtime_ns)
-    kind = array("B", [DIR]) * nd + array("B", [FILE]) * nf
-    mode = array("I", [0o755]) * nd + array("I", [_MODE]) * nf
-    return Listing(bytes(blob), ends, kind, size, blocks, mode, mtime, {})
+    zero = array("q", [0]) * nd
+    folders = Listing(bytes(blob), ends, array("B", [DIR]) * nd, zero, zero,
+                      array("I", [0o755]) * nd, zero, {})  # fmt: skip
+    if name is None:
+        paths, offsets = bytes(objects.keys), objects.key_ends
+    else:
+        paths, offsets = os.fsencode(name), array("q", [0, len(os.fsencode(name))])
+    blocks = array("q", ((s + 511) // 512 for s in objects.size))
+    files = Listing(paths, offsets, array("B", [FILE]) * nf, objects.size, blocks,
+                    array("I", [_MODE]) * nf, objects.mtime_ns, {})  # fmt: skip
+    return folders, files
 
 
 def _digests(chunks: list[int]) -> str:
@@ -313,17 +309,17 @@ class ObjectPrefix:
         if self.dirs:
             shape["dirs"] = self.dirs  # an added or removed empty folder is a change
         fp = fingerprint(self.name, objs, shape)
-        folders: set[bytes] = {os.fsencode(d) for d in self.dirs}
+        names: set[bytes] = {os.fsencode(d) for d in self.dirs}
         if not self.single:
-            for key in (*folders, *objs.key_bytes()):
+            for key in chain(list(names), objs.key_bytes()):  # a key at a time
                 at = key.find(b"/")
                 while at >= 0:
-                    folders.add(key[:at])
+                    names.add(key[:at])
                     at = key.find(b"/", at + 1)
-        dirs = sorted(map(os.fsdecode, folders))
-        del folders
-        entries = _listing(dirs, objs, dest.path.name if self.single else None)
-        return plan_against(dest, entries, fp, self._same(dest))
+        dirs = sorted(map(os.fsdecode, names))
+        del names
+        folders, files = _listing(dirs, objs, dest.path.name if self.single else None)
+        return plan_against(dest, folders, fp, self._same(dest), files=files)
 
     def _same(self, dest: Destination) -> Callable[[int, Record], bool]:
         """Whether object ``i`` is the one an earlier stage recorded under its name (its

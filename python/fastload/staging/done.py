@@ -14,6 +14,11 @@ from .columns import Column, FileTable, Listing, Record, _gather
 __all__ = ["Done"]
 
 
+def _ones(flags: bytes | bytearray) -> Iterable[int]:
+    """The places of the non-zero bytes of ``flags``."""
+    return compress(range(len(flags)), flags)
+
+
 class Done(Mapping[str, Record]):
     """The files of a listing (``files``) that are complete: rows of an earlier stage's
     table (``base``, ``base_rows[i]`` the row of file ``i`` there, -1 for none), and
@@ -87,6 +92,17 @@ class Done(Mapping[str, Record]):
         return bytearray(
             a >= 0 or b >= 0 for a, b in zip(self._set_rows(), self.base_rows, strict=True)
         )
+
+    def mask_bits(self) -> bytes:
+        """The complete files as a bitmap (bit ``i % 8`` of byte ``i // 8``)."""
+        m = self.mask()
+        n = len(m)
+        out = bytearray((n + 7) // 8)
+        for bit in range(8):
+            col = m[bit::8]  # the files i with i % 8 == bit, one per byte of the bitmap
+            for k in _ones(col):
+                out[k] |= 1 << bit
+        return bytes(out)
 
     def rows(self) -> list[int]:
         """The complete files' rows."""

@@ -279,17 +279,26 @@ class ObjectPrefix:
     object being fetched."""
 
     def __init__(
-        self, store: ObjectStore, objects: ObjectList, req: StageRequest, *,
+        self, store: ObjectStore, objects: ObjectList | None, req: StageRequest, *,
         single: bool, dirs: list[str] | None = None,
     ) -> None:  # fmt: skip
-        self.store, self.objects, self.single = store, objects, single
+        # ``objects`` None: listed when first needed (fan-out: node 0 alone lists).
+        self.listed = objects is not None
+        self.listing_seconds = 0.0
+        self.store, self.objects, self.single = store, objects or ObjectList(), single
         self.dirs = dirs or []  # folders that markers name (empty ones too)
         self.name = store.url
         self.label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
         self.options: dict[str, Any] = {**req.selection(), "file": single}
 
-    def listing(self, req: StageRequest) -> ObjectList:
-        return self.objects
+    def listing(self, req: StageRequest) -> tuple[ObjectList, list[str]]:
+        """The objects and the folders markers name (listed now if they were not)."""
+        if not self.listed:
+            t0 = time.monotonic()
+            self.objects, self.dirs = _listed(self.store, self.store.url, req)
+            self.listed = True
+            self.listing_seconds = time.monotonic() - t0
+        return self.objects, self.dirs
 
     def _name(self, dest: Destination, i: int) -> str:
         return dest.path.name if self.single else self.objects.key_str(i)
@@ -299,7 +308,12 @@ class ObjectPrefix:
         pipeline's terms: ``files`` are the objects (keys relative to the prefix, or the
         destination's name for a single object), ``entries`` also their directories."""
         if listing is not None:
-            self.objects = listing  # fan-out's node 0's: the units are numbered in it
+            # fan-out's node 0's: the units are numbered in it
+            self.objects, self.dirs = listing
+            self.listed = True
+        elif not self.listed:
+            self.listing(req)
+            dest.add_time("listing", self.listing_seconds)
         with dest.timed("planning"):
             return self._plan(req, dest)
 
@@ -447,20 +461,24 @@ def open_remote(
     from .readers import RemoteArchive
 
     store: ObjectStore = store_for(url, req.storage_options)
-    include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
     objects = ObjectList()
     dirs: list[str] = []
     listed = time.monotonic()
+    if req.fanout and (url.endswith("/") or not store.prefix):
+        # A prefix fanned out: node 0 lists it, once, and sends the others its listing.
+        if req.checksum is not None:
+            raise ValueError("checksum= applies to an object or an archive, not to a prefix")
+        return _destination(dst, req, ObjectPrefix(store, None, req, single=False))
     try:
         if url.endswith("/") or not store.prefix:
-            objects, dirs = store.list_tree(include, exclude)
+            objects, dirs = _listed(store, url, req)
         else:
             try:
                 info = store.head()
             except FileNotFoundError:
                 store = store_for(url + "/", req.storage_options)
-                objects, dirs = store.list_tree(include, exclude)
+                objects, dirs = _listed(store, url, req)
     except OSError as e:
         if e.errno != errno.EHOSTUNREACH or req.check_source == "strict":
             raise
@@ -468,16 +486,6 @@ def open_remote(
         if held is None:
             raise
         return held
-    if info is None and not objects and not dirs and not req.allow_empty:
-        if (req.include or req.exclude) and store.list():
-            raise req.nothing_selected(store.url)
-        what = "no objects under it" if store.url == url else "no such object, and none under it"
-        raise stage_error(
-            errno.ENOENT,
-            f"'{url}': {what} at {store.endpoint} (check the bucket and the prefix: keys "
-            "are case-sensitive); pass allow_empty=True (--allow-empty) to stage nothing",
-            url,
-        )
     if info is None:
         if req.checksum is not None:
             raise ValueError("checksum= applies to an object or an archive, not to a prefix")
@@ -507,6 +515,23 @@ def open_remote(
         return _destination(dst, req, ObjectPrefix(store, objects, req, single=True))
     options = {**req.selection(), "file": False, "unpack": req.unpack_option}
     return _destination(dst, req, Archive(RemoteArchive(store, info), compression, options))
+
+
+def _listed(store: ObjectStore, url: str, req: StageRequest) -> tuple[ObjectList, list[str]]:
+    """The objects and marked folders under ``store``'s prefix (``url`` as given); none
+    at all is an error naming the URL, unless ``allow_empty``."""
+    objects, dirs = store.list_tree(list(req.include), list(req.exclude))
+    if not objects and not dirs and not req.allow_empty:
+        if (req.include or req.exclude) and len(store.list_columns()):
+            raise req.nothing_selected(store.url)
+        what = "no objects under it" if store.url == url else "no such object, and none under it"
+        raise stage_error(
+            errno.ENOENT,
+            f"'{url}': {what} at {store.endpoint} (check the bucket and the prefix: keys "
+            "are case-sensitive); pass allow_empty=True (--allow-empty) to stage nothing",
+            url,
+        )
+    return objects, dirs
 
 
 def _destination(

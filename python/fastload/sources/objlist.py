@@ -11,12 +11,16 @@ native walk's. It pickles as its columns (what fan-out's node 0 sends the others
 from __future__ import annotations
 
 import dataclasses
+import operator
+import re
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import compress
+from itertools import accumulate, compress, islice
 from typing import Any
 
 __all__ = ["ObjectInfo", "ObjectList"]
+
+_MD5 = re.compile(rb'"[0-9a-f]{32}"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +49,11 @@ def _dec(b: bytes) -> str:
 
 class ObjectList(Sequence[ObjectInfo]):
     """Objects in columns: keys (one blob plus offsets), sizes and times (``array("q")``),
-    ETags (a blob plus offsets; empty for none) and versions (likewise, the offsets made
-    only once a version is seen: an unversioned bucket pays nothing for them)."""
+    ETags and versions (the offsets of versions made only once a version is seen: an
+    unversioned bucket pays nothing for them). ETags are 16 raw bytes each while every
+    one is an MD5's (``"`` and 32 hex digits and ``"``, what S3 gives an object not
+    uploaded in parts); from the first other one on, a blob of them plus offsets (empty
+    for none). It pickles with each key's length in 2 bytes (4 for a long one)."""
 
     def __init__(self) -> None:
         self.keys: bytes | bytearray = bytearray()
@@ -54,7 +61,7 @@ class ObjectList(Sequence[ObjectInfo]):
         self.size = array("q")
         self.mtime_ns = array("q")
         self.etags = bytearray()
-        self.etag_ends = array("q", [0])
+        self.etag_ends: array[int] | None = None  # None: 16 raw bytes per ETag
         self.versions = bytearray()
         self.version_ends: array[int] | None = None
 
@@ -66,9 +73,7 @@ class ObjectList(Sequence[ObjectInfo]):
         self.key_ends.append(len(self.keys))
         self.size.append(size)
         self.mtime_ns.append(mtime_ns)
-        if etag:
-            self.etags += _enc(etag)
-        self.etag_ends.append(len(self.etags))
+        self._put_etag(_enc(etag) if etag else b"")
         if version and self.version_ends is None:
             self.version_ends = array("q", [0]) * len(self.size)
         if self.version_ends is not None:
@@ -94,15 +99,14 @@ class ObjectList(Sequence[ObjectInfo]):
         out = ObjectList()
         if self.version_ends is not None:
             out.version_ends = array("q", [0])
-        k, e, v = memoryview(self.keys), memoryview(self.etags), memoryview(self.versions)
-        ko, eo, vo = self.key_ends, self.etag_ends, self.version_ends
+        k, v = memoryview(self.keys), memoryview(self.versions)
+        ko, vo = self.key_ends, self.version_ends
         for r in rows:
             out.keys += k[ko[r] : ko[r + 1]]
             out.key_ends.append(len(out.keys))
             out.size.append(self.size[r])
             out.mtime_ns.append(self.mtime_ns[r])
-            out.etags += e[eo[r] : eo[r + 1]]
-            out.etag_ends.append(len(out.etags))
+            out._put_etag(self._etag_bytes(r))
             if vo is not None and out.version_ends is not None:
                 out.versions += v[vo[r] : vo[r + 1]]
                 out.version_ends.append(len(out.versions))
@@ -141,13 +145,21 @@ class ObjectList(Sequence[ObjectInfo]):
         if not len(r):
             return
         a, b = r.start, r.stop
-        kb, eb = len(self.keys) - other.key_ends[a], len(self.etags) - other.etag_ends[a]
+        kb = len(self.keys) - other.key_ends[a]
         self.keys += memoryview(other.keys)[other.key_ends[a] : other.key_ends[b]]
         self.key_ends.extend(e + kb for e in other.key_ends[a + 1 : b + 1])
         self.size.extend(other.size[a:b])
         self.mtime_ns.extend(other.mtime_ns[a:b])
-        self.etags += memoryview(other.etags)[other.etag_ends[a] : other.etag_ends[b]]
-        self.etag_ends.extend(e + eb for e in other.etag_ends[a + 1 : b + 1])
+        mine, theirs = self.etag_ends, other.etag_ends
+        if mine is None and theirs is None:
+            self.etags += memoryview(other.etags)[16 * a : 16 * b]
+        elif mine is not None and theirs is not None:
+            eb = len(self.etags) - theirs[a]
+            self.etags += memoryview(other.etags)[theirs[a] : theirs[b]]
+            mine.extend(e + eb for e in theirs[a + 1 : b + 1])
+        else:
+            for i in r:
+                self._put_etag(other._etag_bytes(i))
         if other.version_ends is not None and self.version_ends is None:
             self.version_ends = array("q", [0]) * (len(self.size) - (b - a) + 1)
         if self.version_ends is not None:
@@ -206,9 +218,30 @@ class ObjectList(Sequence[ObjectInfo]):
         for i in range(len(self)):
             yield mv[ends[i] : ends[i + 1]].tobytes()
 
+    def _put_etag(self, etag: bytes) -> None:
+        """Appends an ETag (encoded; empty for none)."""
+        if self.etag_ends is None:
+            if _MD5.fullmatch(etag):
+                self.etags += bytes.fromhex(etag[1:33].decode())
+                return
+            # The first ETag that is not an MD5's: every one kept as it is from now on.
+            raw, n = self.etags, len(self.etags) // 16
+            self.etags, self.etag_ends = bytearray(), array("q", [0])
+            for k in range(n):
+                self.etags += b'"%s"' % raw[16 * k : 16 * k + 16].hex().encode()
+                self.etag_ends.append(len(self.etags))
+        self.etags += etag
+        self.etag_ends.append(len(self.etags))
+
+    def _etag_bytes(self, i: int) -> bytes:
+        ends = self.etag_ends
+        if ends is None:
+            return b'"%s"' % self.etags[16 * i : 16 * i + 16].hex().encode()
+        return bytes(self.etags[ends[i] : ends[i + 1]])
+
     def etag(self, i: int) -> str | None:
-        a, b = self.etag_ends[i], self.etag_ends[i + 1]
-        return _dec(bytes(self.etags[a:b])) if b > a else None
+        got = self._etag_bytes(i)
+        return _dec(got) if got else None
 
     def version(self, i: int) -> str | None:
         ends = self.version_ends
@@ -221,10 +254,8 @@ class ObjectList(Sequence[ObjectInfo]):
         ends = self.version_ends
         if ends is not None and ends[i + 1] > ends[i]:
             return bytes(self.versions[ends[i] : ends[i + 1]])
-        a, b = self.etag_ends[i], self.etag_ends[i + 1]
-        if b > a:
-            return bytes(self.etags[a:b])
-        return b"%d:%d" % (self.size[i], self.mtime_ns[i])
+        etag = self._etag_bytes(i)
+        return etag or b"%d:%d" % (self.size[i], self.mtime_ns[i])
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -245,11 +276,15 @@ class ObjectList(Sequence[ObjectInfo]):
         """Feeds what identifies every object to the hash ``h`` (a fingerprint's part):
         keys, sizes, ETags, versions; the times only of objects with neither (their
         identity is their size and time)."""
-        for col in (self.key_ends, self.keys, self.size, self.etag_ends, self.etags):
+        for col in (self.key_ends, self.keys, self.size, self.etags):
             h.update(col)
         eo = self.etag_ends
-        h.update(array("q", (0 if eo[i + 1] > eo[i] else t
-                             for i, t in enumerate(self.mtime_ns))))  # fmt: skip
+        if eo is None:
+            h.update(b"md5")  # every object has an ETag: times are not part of identities
+        else:
+            h.update(eo)
+            h.update(array("q", (0 if eo[i + 1] > eo[i] else t
+                                 for i, t in enumerate(self.mtime_ns))))  # fmt: skip
         if self.version_ends is not None:
             h.update(self.version_ends)
             h.update(self.versions)
@@ -257,8 +292,26 @@ class ObjectList(Sequence[ObjectInfo]):
     def nbytes(self) -> int:
         """The bytes its columns hold."""
         cols = (self.keys, self.key_ends, self.size, self.mtime_ns, self.etags,
-                self.etag_ends, self.versions, self.version_ends or b"")  # fmt: skip
+                self.etag_ends or b"", self.versions, self.version_ends or b"")  # fmt: skip
         return sum(memoryview(c).nbytes for c in cols)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        ends = state.pop("key_ends")
+        lengths = array("H" if len(self) == 0 or max(_lengths(ends)) < 1 << 16 else "I",
+                        _lengths(ends))  # fmt: skip
+        state["key_lengths"] = lengths
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        lengths = state.pop("key_lengths")
+        self.__dict__.update(state)
+        self.key_ends = array("q", [0])
+        self.key_ends.extend(accumulate(lengths))
+
+
+def _lengths(ends: array[int]) -> Iterator[int]:
+    return map(operator.sub, islice(ends, 1, None), ends)
 
 
 def as_object_list(objects: Iterable[ObjectInfo]) -> ObjectList:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 import random
 
-from fastload.sources.objlist import ObjectInfo, ObjectList
+from fastload.sources.objlist import ObjectInfo, ObjectList, compact_identity
 
 
 def _infos(n: int, seed: int, odd_every: int = 0, versions: bool = False) -> list[ObjectInfo]:
@@ -32,6 +32,9 @@ def test_read_back_as_made() -> None:
         assert (objs.etag_ends is None) == (odd == 0)  # MD5s alone: 16 bytes each
         for i, o in enumerate(infos):
             assert objs.identity(i) == o.identity.encode("utf-8", "surrogateescape")
+            assert objs.tag(i) == compact_identity(o.identity)
+            if o.version is None and o.etag is not None and len(o.etag) == 34:
+                assert objs.tag(i) == bytes.fromhex(o.etag[1:33])  # an MD5's: 16 bytes
         assert list(pickle.loads(pickle.dumps(objs))) == infos
         assert objs[-1] == infos[-1] and objs[3:6] == infos[3:6]
 

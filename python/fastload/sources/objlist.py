@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, compress, islice
 from typing import Any
 
-__all__ = ["ObjectInfo", "ObjectList"]
+__all__ = ["ObjectInfo", "ObjectList", "compact_identity"]
 
 _MD5 = re.compile(rb'"[0-9a-f]{32}"')
 
@@ -257,6 +257,13 @@ class ObjectList(Sequence[ObjectInfo]):
         etag = self._etag_bytes(i)
         return etag or b"%d:%d" % (self.size[i], self.mtime_ns[i])
 
+    def tag(self, i: int) -> bytes:
+        """Object ``i``'s identity as a manifest records it (:func:`compact_identity`)."""
+        ends = self.version_ends
+        if self.etag_ends is None and (ends is None or ends[i + 1] == ends[i]):
+            return bytes(self.etags[16 * i : 16 * i + 16])
+        return compact_identity(self.identity(i))
+
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
@@ -308,6 +315,13 @@ class ObjectList(Sequence[ObjectInfo]):
         self.__dict__.update(state)
         self.key_ends = array("q", [0])
         self.key_ends.extend(accumulate(lengths))
+
+
+def compact_identity(identity: str | bytes) -> bytes:
+    """An identity (:attr:`ObjectInfo.identity`) as a manifest's tag: an MD5's ETag as its
+    16 bytes, any other as it is (encoded)."""
+    raw = identity if isinstance(identity, bytes) else _enc(identity)
+    return bytes.fromhex(raw[1:33].decode()) if _MD5.fullmatch(raw) else raw
 
 
 def _lengths(ends: array[int]) -> Iterator[int]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _core
 from .._util import node_lock
+from ..sources.objlist import compact_identity
 from ..sources.retry import process_retries
 from .columns import Entry, FileTable, Listing, Record
 from .done import Done
@@ -366,18 +367,16 @@ def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:
         archive = m.get("archive")
         if archive is not None and archive.get("identity") == str(identity):
             return str(archive["compression"])
-        if m.get("kind") == "file" and _identity(m, candidate.name) == identity:
+        if m.get("kind") == "file" and _identity(m, candidate.name, identity):
             return ""
     return None
 
 
-def _identity(manifest: dict[str, Any], name: str) -> str | None:
-    """The identity an object prefix's manifest records for ``name``: its table's tag (a
-    manifest of an older version: its ``objects``)."""
+def _identity(manifest: dict[str, Any], name: str, identity: str) -> bool:
+    """Whether an object prefix's manifest records ``identity`` for ``name``: its table's
+    tag (a manifest of an older version: its ``objects``)."""
     if "objects" in manifest:
-        got = manifest["objects"].get(name)
-        return None if got is None else str(got)
+        return bool(manifest["objects"].get(name) == identity)
     table: FileTable = manifest["files"]
     row = table.find(name)
-    tag = table.tag(row) if row >= 0 else None
-    return os.fsdecode(tag) if tag else None
+    return row >= 0 and table.tag(row) == compact_identity(identity)

@@ -354,7 +354,7 @@ class ObjectPrefix:
 
         def same(i: int, rec: Record) -> bool:
             r = rows[i]
-            return r < 0 or table.tag(r) in (None, b"", objs.identity(i))
+            return r < 0 or table.tag(r) in (None, b"", objs.tag(i))
 
         return same
 
@@ -446,9 +446,10 @@ class ObjectPrefix:
         pass
 
     def extra(self, plan: TreePlan) -> dict[str, Any]:
-        """Each object's identity, the tag of its row in the manifest's table."""
+        """Each object's identity, the tag of its row in the manifest's table (an MD5's
+        ETag: its 16 bytes)."""
         objs = self.objects
-        return {"tags": (plan.files, map(objs.identity, range(len(objs))))}
+        return {"tags": (plan.files, map(objs.tag, range(len(objs))))}
 
 
 def open_remote(

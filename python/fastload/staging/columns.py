@@ -346,10 +346,13 @@ class FileTable(Mapping[str, Record]):
         blob, off = self.tags
         return bytes(blob[off[i] : off[i + 1]])
 
-    def tagged(self, paths: Iterable[bytes], tags: Iterable[bytes]) -> FileTable:
-        """This table with a tag per file: ``tags[i]`` of ``paths[i]`` (sorted, encoded);
-        a file of the table not in ``paths`` gets an empty tag."""
-        rows = self.matches(paths)
+    def tagged(self, listed: Listing, tags: Iterable[bytes]) -> FileTable:
+        """This table with a tag per file: ``tags[i]`` of the file ``listed.path(i)``
+        (``listed`` sorted); a file of the table not listed gets an empty tag."""
+        same = (self.paths is listed.paths and self.offsets is listed.offsets) or (
+            len(self) == len(listed) and memoryview(self.paths) == memoryview(listed.paths)
+            and _as_bytes(self.offsets) == _as_bytes(listed.offsets))  # fmt: skip
+        rows: Iterable[int] = range(len(self)) if same else self.matches(listed.path_bytes())
         out, ends = bytearray(), array("q", [0])
         at = 0
         for r, t in zip(rows, tags, strict=False):
@@ -365,7 +368,7 @@ class FileTable(Mapping[str, Record]):
             ends.append(len(out))
             at += 1
         return FileTable(self.paths, self.offsets, self.size, self.mtime_ns, self.mode,
-                         self.digests, self.digest_offsets, (bytes(out), ends))  # fmt: skip
+                         self.digests, self.digest_offsets, (out, ends))  # fmt: skip
 
     # --- reading it --------------------------------------------------------------------
 
@@ -512,6 +515,11 @@ class FileTable(Mapping[str, Record]):
         paths, dig = col("B", npaths, 1), col("B", ndig, 1)
         tags = None if toff is None else (col("B", ntags, 1), toff)
         return cls(paths, off, sz, mt, mode, dig, doff, tags)
+
+
+def _as_bytes(col: Column) -> memoryview:
+    mv = memoryview(col)
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _concat(a: FileTable, b: FileTable) -> FileTable:

@@ -71,7 +71,7 @@ class Manifest:
         table = files.table() if isinstance(files, Done) else FileTable.of(files)
         if self.tags is not None:
             listed, identities = self.tags
-            table = table.tagged(listed.path_bytes(), identities)
+            table = table.tagged(listed, identities)
             self.tags = None
         self.files = table
 

@@ -155,8 +155,15 @@ class Done(Mapping[str, Record]):
         )
         if self._at is None:
             return kept.sorted()
-        mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         files = self.files
+        if not self._other and len(files) and self._at.count(-1) == 0:
+            # Every file done by this stage, as listed: the listing's columns are the
+            # table's (shared, not copied); only the digests are put in listing order.
+            dig, doff = _gather(self._dig, self._dend, self._at)
+            whole = FileTable(files.paths, files.offsets, files.size, files.mtime_ns,
+                              files.mode, dig, doff).sorted()  # fmt: skip
+            return kept.sorted().union(whole) if len(kept) else whole
+        mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         paths, off = _gather(files.paths, files.offsets, mine)
         dig, doff = _gather(self._dig, self._dend, (self._at[i] for i in mine))
         size, mtime, mode = array("q"), array("q"), array("I")

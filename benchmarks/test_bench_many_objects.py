@@ -1,10 +1,11 @@
 """Many objects under a prefix (issue 38): what an object-prefix stage holds per key, on
 the real S3 server on loopback (tests/sources/s3server.py).
 
-Each step (``plan``: list and plan; ``stage``: the whole stage) runs in a process of its
-own (``_many_objects.py``), on a prefix of ``small`` keys and one of ``big`` keys; the
-bytes per key are the difference of their tracemalloc peaks over the difference of the
-keys (the fixed base, clients and listing pages in flight, cancels). With
+Each step (``plan``: list and plan; ``stage``: the whole stage; ``restage``: the stage
+again, nothing changed) runs in a process of its own (``_many_objects.py``), on a
+prefix of ``small`` keys and one of ``big`` keys; the bytes per key are the difference
+of their tracemalloc peaks over the difference of the keys (the fixed base, clients and
+listing pages in flight, cancels). With
 ``FASTLOAD_BENCH_OTHER`` naming another checkout's ``python/`` folder (an older
 version's), the same children run with it too, in the same run, alternated: the
 "before" figures.
@@ -80,6 +81,12 @@ def _child(step: str, url: str, dst: Path, pythonpath: str) -> dict[str, Any]:
 
 
 def _per_key(step: str, small: int, big: int, tmp: Path, pythonpath: str) -> dict[str, Any]:
+    """``step`` on each prefix; ``restage``: a stage of the prefix staged before (not
+    measured), nothing changed."""
+    if step == "restage":
+        for name in ("small", "big"):
+            _child("stage", f"s3://{BUCKET}/{name}/", tmp / name, pythonpath)
+        step = "stage"
     lo = _child(step, f"s3://{BUCKET}/small/", tmp / "small", pythonpath)
     hi = _child(step, f"s3://{BUCKET}/big/", tmp / "big", pythonpath)
     assert (lo["files"], hi["files"]) == (small, big)
@@ -91,7 +98,7 @@ def _per_key(step: str, small: int, big: int, tmp: Path, pythonpath: str) -> dic
     }
 
 
-@pytest.mark.parametrize("step", ["plan", "stage"])
+@pytest.mark.parametrize("step", ["plan", "stage", "restage"])
 def test_bytes_per_key(
     benchmark: Any, prefixes: tuple[int, int], tmp_path: Path, step: str
 ) -> None:

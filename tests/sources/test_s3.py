@@ -455,12 +455,14 @@ def test_registry_entry_with_an_s3_url(
 def test_directories_are_listed_in_parallel(
     s3: S3Server, bucket: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
-    """One listing with a delimiter, then each "directory" under the prefix listed on its
-    own (page after page where it holds more than a page): every object found once."""
+    """A first page of the whole listing names folders (else the listing would go on
+    page after page: a flat prefix); then one listing with a delimiter, and each
+    "directory" under the prefix listed on its own (page after page where it holds more
+    than a page): every object found once."""
     files = _random_tree(200, seed=5)  # d0..d6 and top.txt
     files.update({f"many/k{i:04d}": b"m" for i in range(1005)})  # two pages
     upload(s3, bucket, files)
     proxy.reset_counts()
     r = fastload.stage(f"s3://{bucket}/", tmp_path / "out")
     assert r.files == len(files) and tree_of(tmp_path / "out") == files
-    assert proxy.requests["LIST"] == 1 + 8 + 1
+    assert proxy.requests["LIST"] == 1 + 1 + 8 + 1

@@ -60,6 +60,7 @@ def test_prefix_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path) ->
     proxy.reset_counts()
     dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
     got = results(start_nodes(f"s3://{bucket}/ds/", dsts))
+    assert proxy.requests["LIST"] == 1  # node 0 lists the prefix (one page), the others not
     assert proxy.bytes_out <= 1.1 * total + (1 << 20), (proxy.bytes_out, total)
     assert sum(r["read_bytes"] for r in got) == total
     for d in dsts:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload.staging.state import boot_id, state_dir
+from fastload.staging.state import Journal, boot_id, state_dir
 
 pytestmark = pytest.mark.native
 
@@ -152,14 +153,17 @@ def test_after_reboot_interrupted_journal_is_read_back(stage: Stage, tmp_path: P
 
     with pytest.raises(KeyboardInterrupt):
         stage(tmp_path / "src", dst, progress=stop_midway, workers=1)
-    journal = state_dir(dst) / "journal.jsonl"
-    lines = journal.read_text().splitlines()
-    header = json.loads(lines[0])
+    journal = state_dir(dst) / "journal.bin"
+    raw = journal.read_bytes()
+    assert raw[:8] == b"FLJOURN1"
+    (n,) = struct.unpack_from("<I", raw, 8)
+    header = json.loads(raw[12 : 12 + n])
     assert header["durable"] is False and header["boot_id"] == boot_id()
-    journalled = [json.loads(line)[0] for line in lines[1:]]
+    journalled = [p for p, *_ in Journal(dst, header["chunk_size"]).rows()]
     assert journalled, "the interrupted stage journalled the files it finished"
     header["boot_id"] = "an-earlier-boot"
-    journal.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    text = json.dumps(header).encode()
+    journal.write_bytes(raw[:8] + struct.pack("<I", len(text)) + text + raw[12 + n :])
     lose_writeback(dst / journalled[0])
 
     r = stage(tmp_path / "src", dst)

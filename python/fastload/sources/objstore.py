@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import errno
 import fnmatch
 import importlib
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceChangedError, stage_error
+from .objlist import ObjectInfo, ObjectList
 from .retry import RetryCounts, Tries
 from .settings import (
     StorageOptions,
@@ -46,21 +46,6 @@ LIST_IN_FLIGHT = 16
 # Pieces of a streamed range: small enough for the CPU's cache and for malloc to reuse
 # (1 MiB pieces page-faulted 4x as often), large enough that a GiB is a few thousand.
 STREAM_CHUNK = 256 << 10
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    """One object: its key relative to the listed prefix, size, ETag and time."""
-
-    key: str
-    size: int
-    etag: str | None
-    mtime_ns: int
-    version: str | None = None
-
-    @property
-    def identity(self) -> str:
-        """What changes whenever the object's content may have changed."""
-        return self.version or self.etag or f"{self.size}:{self.mtime_ns}"
-
 
 def split_url(url: str) -> tuple[str, str, str]:
     """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``."""
@@ -238,8 +223,14 @@ class ObjectStore:
 
     def list(self, include: list[str] | None = None, exclude: list[str] | None = None
              ) -> list[ObjectInfo]:
+        """Every object under the prefix (:meth:`list_columns`), an ObjectInfo each."""
+        return builtins.list(self.list_columns(include, exclude))
+
+    def list_columns(self, include: Sequence[str] | None = None,
+                     exclude: Sequence[str] | None = None) -> ObjectList:  # fmt: skip
         """Every object under the prefix (a directory tree: keys split on ``/``), keys
-        relative to it, filtered by glob patterns, sorted.
+        relative to it, filtered by glob patterns, sorted by key, in columns (no object
+        per key: each page's metadata dicts are dropped once its keys are added).
 
         The top level is listed with a delimiter first; the "directories" it names are
         then listed at once, :data:`LIST_IN_FLIGHT` at a time, each one page after
@@ -247,83 +238,114 @@ class ObjectStore:
         costs the pages of its largest directory in sequence, not all of them."""
         prefix = self.prefix.rstrip("/")
         base = f"{prefix}/" if prefix else ""
-        out: list[ObjectInfo] = []
+        inc, exc = builtins.list(include or ()), builtins.list(exclude or ())
 
-        def take(metas: Iterable[Mapping[str, Any]], into: list[ObjectInfo]) -> None:
+        def take(metas: Iterable[Mapping[str, Any]], into: ObjectList) -> None:
             for meta in metas:
                 path = meta["path"]
                 if not path.startswith(base) or path.endswith("/"):
                     continue  # the prefix itself, or a "folder" marker
                 rel = path[len(base):]
-                if selected(rel, include or [], exclude or []):
-                    into.append(_info(rel, meta))
+                if selected(rel, inc, exc):
+                    into.add(rel, meta)
 
-        def under(sub: str) -> list[ObjectInfo]:
+        def under(sub: str) -> ObjectList:
             # Each page (1,000 keys) is taken as it comes: its metadata dicts are dropped
             # before the next page, not held for the whole prefix. A listing cut short is
             # listed again from its start (pages are not resumed).
-            def attempt() -> list[ObjectInfo]:
-                got: list[ObjectInfo] = []
+            def attempt() -> ObjectList:
+                got = ObjectList()
                 for page in self._ob.list(self._store, prefix=sub, chunk_size=1000):
                     take(page, got)
+                    del page  # not held while the next one is fetched
                 return got
 
-            infos: list[ObjectInfo] = self._call(base, attempt)
+            infos: ObjectList = self._call(base, attempt)
             return infos
 
+        def flat() -> ObjectList | None:
+            # The first page of a listing of everything: where it is not full, or names
+            # no folder, the rest follows in the same listing (a flat prefix of a million
+            # keys is never held as metadata dicts); else None: a tree, listed by folder.
+            got = ObjectList()
+            pages = iter(self._ob.list(self._store, prefix=prefix or None, chunk_size=1000))
+            first: builtins.list[Any] = next(pages, [])
+            if len(first) >= 1000 and any("/" in m["path"][len(base):].rstrip("/")
+                                          for m in first):  # fmt: skip
+                return None
+            take(first, got)
+            del first
+            for page in pages:
+                take(page, got)
+                del page  # not held while the next one is fetched
+            return got
+
+        listed: ObjectList | None = self._call(base, flat)
+        if listed is not None:
+            return listed.sorted().frozen()
         top = self._call(base, lambda: self._ob.list_with_delimiter(self._store, prefix or None))
-        take(top["objects"], out)
+        first = ObjectList()
+        take(top["objects"], first)
         subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
+        del top
+        parts: builtins.list[ObjectList] = []
         if len(subs) == 1:
-            out.extend(under(subs[0]))
+            parts.append(under(subs[0]))
         elif subs:
             with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
                                     thread_name_prefix="fastload-list") as pool:
-                for infos in pool.map(under, subs):
-                    out.extend(infos)
-        out.sort(key=lambda o: o.key)
-        return out
+                parts.extend(pool.map(under, subs))
+        # The folders' listings are in key order and apart (each under its own "a/"); a
+        # key at the top sorts before or after a folder's whole listing, never inside.
+        return ObjectList.joined(first, parts)
 
     def list_tree(
         self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
-    ) -> tuple[builtins.list[ObjectInfo], builtins.list[str]]:
-        """:meth:`list` as a directory tree to stage: the objects, and the folders that
-        markers name (zero-byte keys ending in ``/``, what the console's "Create folder",
-        s3fs and rclone write; the listing shows them without the ``/``: one with keys
-        under it is a marker, one without is told from an empty file by a HEAD). A key
-        that is an object and also a prefix of others (``a`` and ``a/b``) cannot be both
-        a file and a directory: a FileExistsError naming both, before anything is
-        written. Markers are kept unless include patterns are given (as directories
-        are)."""
-        everything = self.list()
-        parents: dict[str, str] = {}
-        for o in everything:
-            parts = o.key.split("/")
-            for i in range(1, len(parts)):
-                parents.setdefault("/".join(parts[:i]), o.key)
-        objects: builtins.list[ObjectInfo] = []
+    ) -> tuple[ObjectList, builtins.list[str]]:
+        """:meth:`list_columns` as a directory tree to stage: the objects, and the
+        folders that markers name (zero-byte keys ending in ``/``, what the console's
+        "Create folder", s3fs and rclone write; the listing shows them without the
+        ``/``: one with keys under it is a marker, one without is told from an empty
+        file by a HEAD). A key that is an object and also a prefix of others (``a`` and
+        ``a/b``) cannot be both a file and a directory: a FileExistsError naming both,
+        before anything is written. Markers are kept unless include patterns are given
+        (as directories are)."""
+        everything = self.list_columns()
+        parents: dict[bytes, int] = {}  # a folder -> the row of a key under it
+        for i, key in enumerate(everything.key_bytes()):
+            at = key.find(b"/")
+            while at >= 0:
+                parents.setdefault(key[:at], i)
+                at = key.find(b"/", at + 1)
+        keep = bytearray(b"\1") * len(everything)
         dirs: builtins.list[str] = []
-        for o in everything:
-            if o.key in parents:
-                if o.size == 0:
-                    dirs.append(o.key)
-                    continue
-                where = self.url if self.url.endswith("/") else self.url + "/"
-                raise stage_error(
-                    errno.EEXIST,
-                    f"'{where}': '{self._full(o.key)}' and '{self._full(parents[o.key])}' are "
-                    "both in the bucket, an object and a prefix of the same name, which "
-                    "cannot both be on a file system: stage a narrower prefix, or exclude "
-                    f"one (--exclude '{o.key}')",
-                    self.url,
-                )
-            if o.size == 0 and self._is_marker(o.key):
-                dirs.append(o.key)
-                continue
-            objects.append(o)
         inc: builtins.list[str] = [*(include or ())]
         exc: builtins.list[str] = [*(exclude or ())]
-        objects = [o for o in objects if selected(o.key, inc, exc)]
+        for i, key in enumerate(everything.key_bytes()):
+            size = everything.size[i]
+            if key in parents:
+                if size == 0:
+                    dirs.append(os.fsdecode(key))
+                    keep[i] = 0
+                    continue
+                where = self.url if self.url.endswith("/") else self.url + "/"
+                k, other = os.fsdecode(key), everything.key_str(parents[key])
+                raise stage_error(
+                    errno.EEXIST,
+                    f"'{where}': '{self._full(k)}' and '{self._full(other)}' are "
+                    "both in the bucket, an object and a prefix of the same name, which "
+                    "cannot both be on a file system: stage a narrower prefix, or exclude "
+                    f"one (--exclude '{k}')",
+                    self.url,
+                )
+            if size == 0 and self._is_marker(os.fsdecode(key)):
+                dirs.append(os.fsdecode(key))
+                keep[i] = 0
+                continue
+            if (inc or exc) and not selected(os.fsdecode(key), inc, exc):
+                keep[i] = 0
+        del parents
+        objects = everything.select(keep).frozen()
         dirs = [] if inc else [d for d in dirs if selected(d, [], exc)]
         return objects, dirs
 
@@ -511,9 +533,10 @@ def _unreachable(low: str, retries: int) -> str:
 
 
 def _info(rel: str, meta: Mapping[str, Any]) -> ObjectInfo:
-    when = meta.get("last_modified")
-    mtime_ns = int(when.timestamp() * 1e9) if when is not None else 0
-    return ObjectInfo(rel, int(meta["size"]), meta.get("e_tag"), mtime_ns, meta.get("version"))
+    one = ObjectList()
+    one.add(rel, meta)
+    info: ObjectInfo = one[0]
+    return info
 
 
 def selected(path: str, include: list[str], exclude: list[str]) -> bool:
@@ -561,6 +584,7 @@ def is_object_url(location: str | os.PathLike[str] | Path) -> bool:
 __all__ = [
     "SCHEMES",
     "ObjectInfo",
+    "ObjectList",
     "ObjectStore",
     "StorageOptions",
     "is_object_url",

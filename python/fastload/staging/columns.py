@@ -32,6 +32,10 @@ from typing import Any, NamedTuple
 
 TABLE_MAGIC = b"FLTABLE1"
 _HEAD = struct.Struct("<8sQQQ")  # magic, files, path bytes, digest bytes
+# A table with tags (an object's identity per file: its ETag or version): the same, then
+# the tags' offsets and bytes after the digests.
+TAGGED_MAGIC = b"FLTABLE2"
+_TAGS = struct.Struct("<Q")  # tag bytes (after _HEAD)
 
 # Entry kinds of a listing (the native walk's).
 FILE, DIR, LINK = 0, 1, 2
@@ -270,10 +274,12 @@ class FileTable(Mapping[str, Record]):
         mode: Column,
         digests: Any,
         digest_offsets: Column,
+        tags: tuple[Any, Column] | None = None,
     ) -> None:
         self.paths, self.offsets = paths, offsets
         self.size, self.mtime_ns, self.mode = size, mtime_ns, mode
         self.digests, self.digest_offsets = digests, digest_offsets
+        self.tags = tags  # (blob, offsets): each file's tag (an object's identity), or None
 
     # --- making one ----------------------------------------------------------------------
 
@@ -327,9 +333,42 @@ class FileTable(Mapping[str, Record]):
         """The rows ``rows`` (in that order)."""
         blob, off = _gather(self.paths, self.offsets, rows)
         dig, doff = _gather(self.digests, self.digest_offsets, rows)
+        tags = None if self.tags is None else _gather(*self.tags, rows)
         return FileTable(blob, off, array("q", (self.size[r] for r in rows)),
                          array("q", (self.mtime_ns[r] for r in rows)),
-                         array("I", (self.mode[r] for r in rows)), dig, doff)  # fmt: skip
+                         array("I", (self.mode[r] for r in rows)), dig, doff,
+                         tags)  # fmt: skip
+
+    def tag(self, i: int) -> bytes | None:
+        """File ``i``'s tag (an object's identity), or None where the table has none."""
+        if self.tags is None:
+            return None
+        blob, off = self.tags
+        return bytes(blob[off[i] : off[i + 1]])
+
+    def tagged(self, listed: Listing, tags: Iterable[bytes]) -> FileTable:
+        """This table with a tag per file: ``tags[i]`` of the file ``listed.path(i)``
+        (``listed`` sorted); a file of the table not listed gets an empty tag."""
+        same = (self.paths is listed.paths and self.offsets is listed.offsets) or (
+            len(self) == len(listed) and memoryview(self.paths) == memoryview(listed.paths)
+            and _as_bytes(self.offsets) == _as_bytes(listed.offsets))  # fmt: skip
+        rows: Iterable[int] = range(len(self)) if same else self.matches(listed.path_bytes())
+        out, ends = bytearray(), array("q", [0])
+        at = 0
+        for r, t in zip(rows, tags, strict=False):
+            if r < 0:
+                continue
+            while at < r:  # rows without a tag
+                ends.append(len(out))
+                at += 1
+            out += t
+            ends.append(len(out))
+            at = r + 1
+        while at < len(self):
+            ends.append(len(out))
+            at += 1
+        return FileTable(self.paths, self.offsets, self.size, self.mtime_ns, self.mode,
+                         self.digests, self.digest_offsets, (out, ends))  # fmt: skip
 
     # --- reading it --------------------------------------------------------------------
 
@@ -417,10 +456,16 @@ class FileTable(Mapping[str, Record]):
     def write(self, path: Path) -> None:
         """Writes the table to ``path`` (a temporary renamed into place, fsynced)."""
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        magic = TABLE_MAGIC if self.tags is None else TAGGED_MAGIC
         with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(TABLE_MAGIC, len(self), len(self.paths), len(self.digests)))
-            for col, code in ((self.offsets, "q"), (self.size, "q"), (self.mtime_ns, "q"),
-                              (self.digest_offsets, "q"), (self.mode, "I")):  # fmt: skip
+            f.write(_HEAD.pack(magic, len(self), len(self.paths), len(self.digests)))
+            if self.tags is not None:
+                f.write(_TAGS.pack(len(self.tags[0])))
+            cols = [(self.offsets, "q"), (self.size, "q"), (self.mtime_ns, "q"),
+                    (self.digest_offsets, "q"), (self.mode, "I")]  # fmt: skip
+            if self.tags is not None:
+                cols.append((self.tags[1], "q"))
+            for col, code in cols:
                 a = col if isinstance(col, array) else array(code, col)
                 if sys.byteorder != "little":
                     a = array(code, a)
@@ -428,6 +473,8 @@ class FileTable(Mapping[str, Record]):
                 f.write(a)
             f.write(self.paths)
             f.write(self.digests)
+            if self.tags is not None:
+                f.write(self.tags[0])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -442,9 +489,15 @@ class FileTable(Mapping[str, Record]):
                 raise ValueError(f"'{path}': not a fastload file table (too short)")
             buf = memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
         magic, n, npaths, ndig = _HEAD.unpack_from(buf, 0)
-        if magic != TABLE_MAGIC or size != _HEAD.size + 8 * (4 * n + 2) + 4 * n + npaths + ndig:
+        ntags, extra, pos = 0, 0, _HEAD.size
+        if magic == TAGGED_MAGIC and size >= _HEAD.size + _TAGS.size:
+            (ntags,) = _TAGS.unpack_from(buf, pos)
+            pos += _TAGS.size
+            extra = _TAGS.size + 8 * (n + 1) + ntags
+        elif magic != TABLE_MAGIC:
+            raise ValueError(f"'{path}': not a fastload file table")
+        if size != _HEAD.size + 8 * (4 * n + 2) + 4 * n + npaths + ndig + extra:
             raise ValueError(f"'{path}': not a fastload file table, or torn")
-        pos = _HEAD.size
 
         def col(code: str, count: int, width: int) -> Any:
             nonlocal pos
@@ -458,8 +511,15 @@ class FileTable(Mapping[str, Record]):
 
         off, sz, mt = col("q", n + 1, 8), col("q", n, 8), col("q", n, 8)
         doff, mode = col("q", n + 1, 8), col("I", n, 4)
+        toff = col("q", n + 1, 8) if magic == TAGGED_MAGIC else None
         paths, dig = col("B", npaths, 1), col("B", ndig, 1)
-        return cls(paths, off, sz, mt, mode, dig, doff)
+        tags = None if toff is None else (col("B", ntags, 1), toff)
+        return cls(paths, off, sz, mt, mode, dig, doff, tags)
+
+
+def _as_bytes(col: Column) -> memoryview:
+    mv = memoryview(col)
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _concat(a: FileTable, b: FileTable) -> FileTable:

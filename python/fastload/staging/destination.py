@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import _core
 from .._util import node_lock
+from ..sources.objlist import compact_identity
 from ..sources.retry import process_retries
 from .columns import Entry, FileTable, Listing, Record
 from .done import Done
@@ -61,11 +62,18 @@ class Manifest:
     symlinks: dict[str, str] = dataclasses.field(default_factory=dict)
     dirs: list[str] = dataclasses.field(default_factory=list)
     archive: dict[str, Any] | None = None
-    objects: dict[str, str] | None = None
+    # An object prefix's: its files (a listing, sorted) and each one's identity, kept as
+    # the tags of the table's rows.
+    tags: tuple[Listing, Iterable[bytes]] | None = None
 
     def __post_init__(self) -> None:
         files = self.files
-        self.files = files.table() if isinstance(files, Done) else FileTable.of(files)
+        table = files.table() if isinstance(files, Done) else FileTable.of(files)
+        if self.tags is not None:
+            listed, identities = self.tags
+            table = table.tagged(listed, identities)
+            self.tags = None
+        self.files = table
 
     @property
     def table(self) -> FileTable:
@@ -98,8 +106,6 @@ class Manifest:
             engine=self.engine,
             created=time.time(),
         )
-        if self.objects is not None:
-            out["objects"] = self.objects
         out["symlinks"] = self.symlinks
         out["dirs"] = self.dirs
         return out
@@ -249,11 +255,10 @@ class Destination:
             with contextlib.suppress(OSError):
                 if not self.single and self.path.is_dir() and not any(self.path.iterdir()):
                     self.path.rmdir()
-            if os.path.lexists(self.path) or self.journal.load():
+            if os.path.lexists(self.path) or self.journal.has_records():
                 return
             state = state_dir(self.path)
-            with contextlib.suppress(OSError):
-                (state / "journal.jsonl").unlink()
+            self.journal.remove()
             with contextlib.suppress(OSError):
                 state.rmdir()
 
@@ -362,6 +367,16 @@ def recorded_kind(dst: Path, name: str, url: str, identity: str) -> str | None:
         archive = m.get("archive")
         if archive is not None and archive.get("identity") == str(identity):
             return str(archive["compression"])
-        if m.get("kind") == "file" and m.get("objects", {}).get(candidate.name) == identity:
+        if m.get("kind") == "file" and _identity(m, candidate.name, identity):
             return ""
     return None
+
+
+def _identity(manifest: dict[str, Any], name: str, identity: str) -> bool:
+    """Whether an object prefix's manifest records ``identity`` for ``name``: its table's
+    tag (a manifest of an older version: its ``objects``)."""
+    if "objects" in manifest:
+        return bool(manifest["objects"].get(name) == identity)
+    table: FileTable = manifest["files"]
+    row = table.find(name)
+    return row >= 0 and table.tag(row) == compact_identity(identity)

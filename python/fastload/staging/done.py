@@ -14,6 +14,11 @@ from .columns import Column, FileTable, Listing, Record, _gather
 __all__ = ["Done"]
 
 
+def _ones(flags: bytes | bytearray) -> Iterable[int]:
+    """The places of the non-zero bytes of ``flags``."""
+    return compress(range(len(flags)), flags)
+
+
 class Done(Mapping[str, Record]):
     """The files of a listing (``files``) that are complete: rows of an earlier stage's
     table (``base``, ``base_rows[i]`` the row of file ``i`` there, -1 for none), and
@@ -88,6 +93,17 @@ class Done(Mapping[str, Record]):
             a >= 0 or b >= 0 for a, b in zip(self._set_rows(), self.base_rows, strict=True)
         )
 
+    def mask_bits(self) -> bytes:
+        """The complete files as a bitmap (bit ``i % 8`` of byte ``i // 8``)."""
+        m = self.mask()
+        n = len(m)
+        out = bytearray((n + 7) // 8)
+        for bit in range(8):
+            col = m[bit::8]  # the files i with i % 8 == bit, one per byte of the bitmap
+            for k in _ones(col):
+                out[k] |= 1 << bit
+        return bytes(out)
+
     def rows(self) -> list[int]:
         """The complete files' rows."""
         return list(compress(range(len(self.files)), self.mask()))
@@ -139,8 +155,15 @@ class Done(Mapping[str, Record]):
         )
         if self._at is None:
             return kept.sorted()
-        mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         files = self.files
+        if not self._other and len(files) and self._at.count(-1) == 0:
+            # Every file done by this stage, as listed: the listing's columns are the
+            # table's (shared, not copied); only the digests are put in listing order.
+            dig, doff = _gather(self._dig, self._dend, self._at)
+            whole = FileTable(files.paths, files.offsets, files.size, files.mtime_ns,
+                              files.mode, dig, doff).sorted()  # fmt: skip
+            return kept.sorted().union(whole) if len(kept) else whole
+        mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         paths, off = _gather(files.paths, files.offsets, mine)
         dig, doff = _gather(self._dig, self._dend, (self._at[i] for i in mine))
         size, mtime, mode = array("q"), array("q"), array("I")

@@ -33,15 +33,17 @@ import threading
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import _core
 from .._util import pwrite_all
 from ..errors import stage_error
 from ..sources import store_for
+from ..sources.objlist import ObjectList
 from ..sources.objstore import ObjectInfo, ObjectStore
-from .columns import Listing
+from .columns import FileTable, Listing
 from .destination import Destination, recorded_kind
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
 from .request import Source, StageRequest
@@ -61,31 +63,33 @@ _WHOLE_UP_TO = 1 << 20
 _MODE = 0o644
 
 
-def fingerprint(url: str, objects: list[ObjectInfo], options: dict[str, Any]) -> str:
+def fingerprint(url: str, objects: ObjectList, options: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([url, options], sort_keys=True).encode())
-    for o in objects:
-        h.update(f"{o.key}\0{o.size}\0{o.identity}\n".encode("utf-8", "surrogateescape"))
+    h.update(json.dumps([url, options, "columns"], sort_keys=True).encode())
+    objects.digest_into(h)
     return h.hexdigest()
 
 
-def _listing(dirs: list[str], names: list[str], objects: list[ObjectInfo]) -> Listing:
-    """The folders, then the objects as files under ``names``, as a listing's columns
-    (no object per entry)."""
+def _listing(dirs: list[str], objects: ObjectList, name: str | None) -> tuple[Listing, Listing]:
+    """The folders, and the objects as files (under their keys, or the one object under
+    ``name``), as listings' columns: the files' paths, sizes and times are the objects'
+    own columns, shared, not copied."""
     blob, ends = bytearray(), array("q", [0])
-    for p in (*dirs, *names):
+    for p in dirs:
         blob += os.fsencode(p)
         ends.append(len(blob))
     nd, nf = len(dirs), len(objects)
-    size = array("q", [0]) * nd
-    size.extend(o.size for o in objects)
-    blocks = array("q", [0]) * nd
-    blocks.extend((o.size + 511) // 512 for o in objects)
-    mtime = array("q", [0]) * nd
-    mtime.extend(o.mtime_ns for o in objects)
-    kind = array("B", [DIR]) * nd + array("B", [FILE]) * nf
-    mode = array("I", [0o755]) * nd + array("I", [_MODE]) * nf
-    return Listing(bytes(blob), ends, kind, size, blocks, mode, mtime, {})
+    zero = array("q", [0]) * nd
+    folders = Listing(bytes(blob), ends, array("B", [DIR]) * nd, zero, zero,
+                      array("I", [0o755]) * nd, zero, {})  # fmt: skip
+    if name is None:
+        paths, offsets = bytes(objects.keys), objects.key_ends
+    else:
+        paths, offsets = os.fsencode(name), array("q", [0, len(os.fsencode(name))])
+    blocks = array("q", ((s + 511) // 512 for s in objects.size))
+    files = Listing(paths, offsets, array("B", [FILE]) * nf, objects.size, blocks,
+                    array("I", [_MODE]) * nf, objects.mtime_ns, {})  # fmt: skip
+    return folders, files
 
 
 def _digests(chunks: list[int]) -> str:
@@ -270,50 +274,89 @@ class _Fetcher:
 
 class ObjectPrefix:
     """Every object under a prefix of a store (a tree, keys split on ``/``), or one
-    object (``single``: stored under the destination's name) (:class:`Source`)."""
+    object (``single``: stored under the destination's name) (:class:`Source`). The
+    objects are held in columns (:class:`ObjectList`); an ObjectInfo is made only for an
+    object being fetched."""
 
     def __init__(
-        self, store: ObjectStore, objects: list[ObjectInfo], req: StageRequest, *,
+        self, store: ObjectStore, objects: ObjectList | None, req: StageRequest, *,
         single: bool, dirs: list[str] | None = None,
     ) -> None:  # fmt: skip
-        self.store, self.objects, self.single = store, objects, single
+        # ``objects`` None: listed when first needed (fan-out: node 0 alone lists).
+        self.listed = objects is not None
+        self.listing_seconds = 0.0
+        self.store, self.objects, self.single = store, objects or ObjectList(), single
         self.dirs = dirs or []  # folders that markers name (empty ones too)
         self.name = store.url
         self.label = store.prefix.rstrip("/").rsplit("/", 1)[-1] or store.bucket
         self.options: dict[str, Any] = {**req.selection(), "file": single}
 
-    def listing(self, req: StageRequest) -> list[ObjectInfo]:
-        return self.objects
+    def listing(self, req: StageRequest) -> tuple[ObjectList, list[str]]:
+        """The objects and the folders markers name (listed now if they were not)."""
+        if not self.listed:
+            t0 = time.monotonic()
+            self.objects, self.dirs = _listed(self.store, self.store.url, req)
+            self.listed = True
+            self.listing_seconds = time.monotonic() - t0
+        return self.objects, self.dirs
 
-    def _names(self, dest: Destination) -> list[str]:
-        return [dest.path.name if self.single else o.key for o in self.objects]
+    def _name(self, dest: Destination, i: int) -> str:
+        return dest.path.name if self.single else self.objects.key_str(i)
 
     def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> TreePlan:
         """What staging the objects into ``dest`` has to do (under its lock), in the tree
         pipeline's terms: ``files`` are the objects (keys relative to the prefix, or the
         destination's name for a single object), ``entries`` also their directories."""
         if listing is not None:
-            self.objects = listing  # fan-out's node 0's: the units are numbered in it
+            # fan-out's node 0's: the units are numbered in it
+            self.objects, self.dirs = listing
+            self.listed = True
+        elif not self.listed:
+            self.listing(req)
+            dest.add_time("listing", self.listing_seconds)
         with dest.timed("planning"):
             return self._plan(req, dest)
 
     def _plan(self, req: StageRequest, dest: Destination) -> TreePlan:
-        names = self._names(dest)
+        objs = self.objects
         shape = {**self.options, "chunk": req.stripe}
         if self.dirs:
             shape["dirs"] = self.dirs  # an added or removed empty folder is a change
-        fp = fingerprint(self.name, self.objects, shape)
-        dirs = sorted({"/".join(n.split("/")[:k]) for n in names + self.dirs
-                       for k in range(1, n.count("/") + 1)} | set(self.dirs))  # fmt: skip
-        entries = _listing(dirs, names, self.objects)
+        fp = fingerprint(self.name, objs, shape)
+        names: set[bytes] = {os.fsencode(d) for d in self.dirs}
+        if not self.single:
+            for key in chain(list(names), objs.key_bytes()):  # a key at a time
+                at = key.find(b"/")
+                while at >= 0:
+                    names.add(key[:at])
+                    at = key.find(b"/", at + 1)
+        dirs = sorted(map(os.fsdecode, names))
         del names
-        old_ids: dict[str, str] = (dest.old or {}).get("objects", {})
+        folders, files = _listing(dirs, objs, dest.path.name if self.single else None)
+        return plan_against(dest, folders, fp, self._same(dest), files=files)
+
+    def _same(self, dest: Destination) -> Callable[[int, Record], bool]:
+        """Whether object ``i`` is the one an earlier stage recorded under its name (its
+        identity, the tag of its row in the earlier table; any where none is recorded:
+        a record of the interrupted run's journal)."""
+        objs, old = self.objects, dest.old or {}
+        legacy: dict[str, str] | None = old.get("objects")  # a manifest of an older version
+        if legacy is not None:
+            return lambda i, rec: legacy.get(self._name(dest, i)) in (
+                None, os.fsdecode(objs.identity(i)))  # fmt: skip
+        table: FileTable | None = old.get("files")
+        if table is None or table.tags is None:
+            return lambda i, rec: True
+        if self.single:
+            rows = array("q", [table.find(dest.path.name)])
+        else:
+            rows = table.matches(objs.key_bytes())
 
         def same(i: int, rec: Record) -> bool:
-            o = self.objects[i]
-            return old_ids.get(o.key if not self.single else dest.path.name) in (None, o.identity)
+            r = rows[i]
+            return r < 0 or table.tag(r) in (None, b"", objs.tag(i))
 
-        return plan_against(dest, entries, fp, same)
+        return same
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
         return run_plan(self, req, dest, self.plan(req, dest, listing))
@@ -327,24 +370,36 @@ class ObjectPrefix:
         flusher: JournalFlusher,
         on_progress: ProgressCallback | None,
     ) -> tuple[str, int, int]:
-        names = self._names(dest)
+        objs = self.objects
         total_bytes, nfiles = plan.total_bytes, len(plan.files)
-        fetcher = _Fetcher(self.store, dest.root, req.stripe,
-                           max(1, req.workers or DEFAULT_OBJECTS_IN_FLIGHT))  # fmt: skip
-        done_before = sum(r.size for r in done.values())
+        workers = max(1, req.workers or DEFAULT_OBJECTS_IN_FLIGHT)
+        fetcher = _Fetcher(self.store, dest.root, req.stripe, workers)
+        done_before = plan.done.total_bytes
         copied_files = copied_bytes = 0
         pending: dict[Future[Record], int] = {}
         finished_q: queue.SimpleQueue[Future[Record]] = queue.SimpleQueue()
         last = 0.0
-        try:
-            # Big objects first: their parts keep the part pool busy while small ones stream.
-            for i in sorted(plan.todo, key=lambda i: -self.objects[i].size
-                            if self.objects[i].size > req.stripe else 0):  # fmt: skip
-                o = self.objects[i]
+        # Big objects first: their parts keep the part pool busy while small ones stream.
+        # Objects are submitted a window at a time: a future and an ObjectInfo exist only
+        # for the objects in flight, not for every object to fetch.
+        big = sorted((i for i in plan.todo if objs.size[i] > req.stripe),
+                     key=lambda i: -objs.size[i])  # fmt: skip
+        order = chain(big, (i for i in plan.todo if objs.size[i] <= req.stripe))
+        window = 4 * workers
+
+        def submit_more() -> None:
+            while len(pending) < window:
+                i = next(order, None)
+                if i is None:
+                    return
+                o = objs[i]
                 fn = fetcher.fetch_big if o.size > req.stripe else fetcher.fetch_small
-                fut = fetcher.small.submit(fn, o, dest.root / names[i])
+                fut = fetcher.small.submit(fn, o, dest.root / self._name(dest, i))
                 pending[fut] = i
                 fut.add_done_callback(finished_q.put)
+
+        try:
+            submit_more()
             while pending:
                 # Finished futures come through a queue: wait() on every pending future at
                 # each wake-up would lock all of them each time (quadratic in the objects;
@@ -358,15 +413,17 @@ class ObjectPrefix:
                 for f in finished:
                     i = pending.pop(f)
                     rec = f.result()
-                    done[names[i]] = rec
-                    batch.append((names[i], *rec))
+                    plan.done.set(i, rec)
+                    batch.append((self._name(dest, i), *rec))
                     copied_files += 1
-                    copied_bytes += self.objects[i].size
+                    copied_bytes += objs.size[i]
                 flusher.add(batch)
+                submit_more()
                 now = time.monotonic()
                 if on_progress is not None and now - last >= PROGRESS_EVERY:
                     last = now
-                    on_progress(done_before + fetcher.bytes_done, total_bytes, len(done), nfiles)
+                    on_progress(done_before + fetcher.bytes_done, total_bytes, len(plan.done),
+                                nfiles)  # fmt: skip
         except BaseException:
             fetcher.cancelled = True
             for f in pending:
@@ -375,7 +432,7 @@ class ObjectPrefix:
                 # Keep what finished before the error: a resume need not fetch it again.
                 for f, i in pending.items():
                     if f.done() and not f.cancelled() and f.exception() is None:
-                        flusher.add([(names[i], *f.result())])
+                        flusher.add([(self._name(dest, i), *f.result())])
             fetcher.close()
             raise
         fetcher.close()
@@ -389,8 +446,10 @@ class ObjectPrefix:
         pass
 
     def extra(self, plan: TreePlan) -> dict[str, Any]:
-        return {"objects": {e.path: o.identity
-                            for e, o in zip(plan.files, self.objects, strict=True)}}  # fmt: skip
+        """Each object's identity, the tag of its row in the manifest's table (an MD5's
+        ETag: its 16 bytes)."""
+        objs = self.objects
+        return {"tags": (plan.files, map(objs.tag, range(len(objs))))}
 
 
 def open_remote(
@@ -403,20 +462,24 @@ def open_remote(
     from .readers import RemoteArchive
 
     store: ObjectStore = store_for(url, req.storage_options)
-    include, exclude = list(req.include), list(req.exclude)
     info: ObjectInfo | None = None
-    objects: list[ObjectInfo] = []
+    objects = ObjectList()
     dirs: list[str] = []
     listed = time.monotonic()
+    if req.fanout and (url.endswith("/") or not store.prefix):
+        # A prefix fanned out: node 0 lists it, once, and sends the others its listing.
+        if req.checksum is not None:
+            raise ValueError("checksum= applies to an object or an archive, not to a prefix")
+        return _destination(dst, req, ObjectPrefix(store, None, req, single=False))
     try:
         if url.endswith("/") or not store.prefix:
-            objects, dirs = store.list_tree(include, exclude)
+            objects, dirs = _listed(store, url, req)
         else:
             try:
                 info = store.head()
             except FileNotFoundError:
                 store = store_for(url + "/", req.storage_options)
-                objects, dirs = store.list_tree(include, exclude)
+                objects, dirs = _listed(store, url, req)
     except OSError as e:
         if e.errno != errno.EHOSTUNREACH or req.check_source == "strict":
             raise
@@ -424,16 +487,6 @@ def open_remote(
         if held is None:
             raise
         return held
-    if info is None and not objects and not dirs and not req.allow_empty:
-        if (req.include or req.exclude) and store.list():
-            raise req.nothing_selected(store.url)
-        what = "no objects under it" if store.url == url else "no such object, and none under it"
-        raise stage_error(
-            errno.ENOENT,
-            f"'{url}': {what} at {store.endpoint} (check the bucket and the prefix: keys "
-            "are case-sensitive); pass allow_empty=True (--allow-empty) to stage nothing",
-            url,
-        )
     if info is None:
         if req.checksum is not None:
             raise ValueError("checksum= applies to an object or an archive, not to a prefix")
@@ -458,11 +511,28 @@ def open_remote(
         raise stage_error(errno.EINVAL, f"'{url}' is not a tar archive", url)
     if (req.include or req.exclude) and compression is None:
         raise ValueError("include/exclude select inside a prefix or an archive")
-    objects = [dataclasses.replace(info, key="")]
+    objects = ObjectList.of([dataclasses.replace(info, key="")])
     if compression is None:
         return _destination(dst, req, ObjectPrefix(store, objects, req, single=True))
     options = {**req.selection(), "file": False, "unpack": req.unpack_option}
     return _destination(dst, req, Archive(RemoteArchive(store, info), compression, options))
+
+
+def _listed(store: ObjectStore, url: str, req: StageRequest) -> tuple[ObjectList, list[str]]:
+    """The objects and marked folders under ``store``'s prefix (``url`` as given); none
+    at all is an error naming the URL, unless ``allow_empty``."""
+    objects, dirs = store.list_tree(list(req.include), list(req.exclude))
+    if not objects and not dirs and not req.allow_empty:
+        if (req.include or req.exclude) and len(store.list_columns()):
+            raise req.nothing_selected(store.url)
+        what = "no objects under it" if store.url == url else "no such object, and none under it"
+        raise stage_error(
+            errno.ENOENT,
+            f"'{url}': {what} at {store.endpoint} (check the bucket and the prefix: keys "
+            "are case-sensitive); pass allow_empty=True (--allow-empty) to stage nothing",
+            url,
+        )
+    return objects, dirs
 
 
 def _destination(

@@ -102,14 +102,19 @@ def plan_against(
     entries: Listing | list[Entry],
     fingerprint: str,
     same: Callable[[int, Record], bool] | None = None,
+    files: Listing | None = None,
 ) -> TreePlan:
     """``entries`` against what ``dest`` holds (under its lock): complete, or what is
     done (a known record of the same size and time that ``same`` accepts, given the
     file's row among the files of ``entries``; by default one of the same mode, still in
-    place) and what is to do."""
-    listing = entries if isinstance(entries, Listing) else Listing.of(entries)
-    files = listing.of_kind(FILE)
-    listing = listing.of_kind(DIR, LINK)  # the caller's listing is freed when it drops it
+    place) and what is to do. With ``files``, those are the files and ``entries`` the
+    folders and links alone (no listing of both is made)."""
+    if files is None:
+        listing = entries if isinstance(entries, Listing) else Listing.of(entries)
+        files = listing.of_kind(FILE)
+        listing = listing.of_kind(DIR, LINK)  # the caller's listing is freed when it drops it
+    else:
+        listing = entries if isinstance(entries, Listing) else Listing.of(entries)
     if dest.is_complete(fingerprint):
         assert dest.old is not None
         old: FileTable = dest.old["files"]

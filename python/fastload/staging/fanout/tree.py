@@ -12,6 +12,8 @@ import os
 import stat
 import threading
 import time
+from array import array
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,17 +21,18 @@ from typing import Any
 from ... import _core
 from ..._util import parse_size, pwrite_all
 from ...errors import SourceChangedError, StageError, stage_error
-from ..destination import Destination, run_locked
+from ..destination import Destination
 from ..job import progress_callback
 from ..remote import ObjectPrefix
 from ..result import StageResult
 from ..state import JournalFlusher, Record
-from ..tree import TreePlan, make_dirs, space_needed
+from ..tree import TreePlan, make_dirs, run_plan, space_needed
 from .common import (
     ROUND,
     SUBREAD,
     U64,
     WRITERS,
+    Bits,
     Sender,
     digest,
     read_range,
@@ -91,34 +94,35 @@ def _read_source(
 
 @dataclasses.dataclass
 class _Units:
-    """What the nodes lack, cut into units: ``file[u]`` (index into the plan's files),
-    ``off[u]``, ``size[u]``; ``sender[u]``: the node that reads it, ``local[u]``: from its
-    own destination (else from the store); ``rounds[k]``: node k's units, round by round."""
+    """What the nodes lack, cut into units, in columns: ``file[u]`` (index into the
+    plan's files), ``off[u]``, ``size[u]``; ``sender[u]``: the node that reads it,
+    ``local[u]``: from its own destination (else from the store); ``rounds[k]``: node
+    k's units, round by round."""
 
-    file: list[int]
-    off: list[int]
-    size: list[int]
-    sender: list[int]
-    local: list[bool]
-    rounds: list[list[list[int]]]
+    file: array[int]
+    off: array[int]
+    size: array[int]
+    sender: array[int]
+    local: bytearray
+    rounds: list[list[array[int]]]
 
 
 def _deal(
-    files: list[tuple[Any, ...]],
-    need: list[set[int]],
-    have: list[set[int]],
+    sizes: Sequence[int],
+    need: list[Bits],
+    have: list[Bits],
     stripe: int,
     round_bytes: int,
 ) -> _Units:
     """The units and who sends each: the same on every node (a pure function of the
     plan every node shares)."""
     nodes = len(need)
-    wanted = sorted(set().union(*need))
-    u = _Units([], [], [], [], [], [[] for _ in range(nodes)])
+    u = _Units(array("q"), array("q"), array("q"), array("q"), bytearray(),
+               [[] for _ in range(nodes)])  # fmt: skip
     load = [0] * nodes
-    store_units: list[int] = []
-    for i in wanted:
-        size = files[i][2]
+    store_units = array("q")
+    for i in Bits.union(need, len(sizes)):
+        size = sizes[i]
         holders = [k for k in range(nodes) if i in have[k]]
         for off in range(0, size, stripe):
             idx = len(u.file)
@@ -129,10 +133,10 @@ def _deal(
                 k = min(holders, key=lambda h: (load[h], h))
                 load[k] += u.size[idx]
                 u.sender.append(k)
-                u.local.append(True)
+                u.local.append(1)
             else:
                 u.sender.append(-1)
-                u.local.append(False)
+                u.local.append(0)
                 store_units.append(idx)
     # The store's units in contiguous runs, one per node, balanced by bytes (including
     # what each node already sends from its disk).
@@ -144,14 +148,14 @@ def _deal(
             k += 1
         u.sender[j] = k
         load[k] += u.size[j]
+    del store_units
     for k in range(nodes):
-        mine = [j for j in range(len(u.file)) if u.sender[j] == k]
-        batch: list[int] = []
+        batch = array("q")
         nbytes = 0
-        for j in mine:
+        for j in (j for j in range(len(u.file)) if u.sender[j] == k):
             if batch and nbytes + u.size[j] > round_bytes:
                 u.rounds[k].append(batch)
-                batch, nbytes = [], 0
+                batch, nbytes = array("q"), 0
             batch.append(j)
             nbytes += u.size[j]
         if batch:
@@ -185,7 +189,7 @@ class _TreeSender(Sender):
             _read_source(self._source, plan, f, u.off[j], view, self._sub)
         return digest(view)
 
-    def _build(self, batch: list[int]) -> bytearray:
+    def _build(self, batch: Sequence[int]) -> bytearray:
         u = self._u
         head = 8 * len(batch)
         buf = bytearray(head + sum(u.size[j] for j in batch))
@@ -219,17 +223,16 @@ class _TreeWriter:
     given its source time, renamed into place and journalled."""
 
     def __init__(
-        self, plan: TreePlan, units: _Units, mine: set[int], flusher: JournalFlusher, root: Path
+        self, plan: TreePlan, units: _Units, mine: Bits, flusher: JournalFlusher, root: Path
     ) -> None:
         self._plan, self._u, self._flusher, self._root = plan, units, flusher, root
-        self._left: dict[int, int] = {}
-        self._digests: dict[int, dict[int, int]] = {}
+        self._left = array("q", [0]) * len(plan.files)  # units still to come, per file
+        self._digests: dict[int, dict[int, int]] = {}  # of the files being written
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        for j in range(len(units.file)):
-            f = units.file[j]
+        for f in units.file:
             if f in mine:
-                self._left[f] = self._left.get(f, 0) + 1
+                self._left[f] += 1
         self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="fastload-fanout-write")
         self._pending: list[Future[None]] = []
         self.files = 0
@@ -291,7 +294,7 @@ class _TreeWriter:
     def empty(self, f: int) -> None:
         self._finish(f, None)
 
-    def take(self, node: int, batch: list[int], payload: memoryview, mine: set[int]) -> None:
+    def take(self, node: int, batch: Sequence[int], payload: memoryview, mine: Bits) -> None:
         u = self._u
         pos = 8 * len(batch)
         for i, j in enumerate(batch):
@@ -315,20 +318,12 @@ class _TreeWriter:
                 os.close(fd)
 
 
-def _bits(indices: set[int] | list[int], n: int) -> bytes:
-    out = bytearray((n + 7) // 8)
-    for i in indices:
-        out[i >> 3] |= 1 << (i & 7)
-    return bytes(out)
-
-
-def _unbits(data: bytes, n: int) -> set[int]:
-    return {i for i in range(n) if data[i >> 3] >> (i & 7) & 1}
-
-
 def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     """``source`` (a local tree or an object prefix) staged on every node, each unit
-    read once in total (under ``dest``'s lock)."""
+    read once in total (under ``dest``'s lock). Node 0 lists the source once and sends
+    the listing in columns (a Listing, an ObjectList); every node plans against it,
+    sends what it needs and holds as two bitmaps, and lets the listing go (the plan, and
+    an object prefix's objects, hold what is left to do)."""
     req = dest.req
     listing: list[Any] = [None]
     if x.node == 0:
@@ -337,35 +332,40 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
             listing = [
                 ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
             ]
+            del entries
         except (OSError, StageError) as e:
             listing = [("error", str(e), 0)]
     x.sync("listed")
     x.broadcast_object(listing)
     status, entries, round_bytes = listing[0]
+    del listing
     if status != "ok":
         raise fanout_error(
             f"node 0 ({x.hosts[0]}) could not list the source: {entries}", source.name
         )
     plan = source.plan(req, dest, entries)
+    del entries  # the plan holds the files (and an object prefix, its objects)
     nfiles = len(plan.files)
-    need_me = [] if plan.complete else plan.todo
-    have_me = plan.done.rows()
+    need_me = Bits.of([] if plan.complete else plan.todo, nfiles)
+    have_me = Bits(plan.done.mask_bits(), nfiles)
     if need_me:
         dest.check_space(space_needed(plan, dest.path.parent))
     x.sync("planned")
-    gathered = x.all_gather_object((_bits(need_me, nfiles), _bits(have_me, nfiles)))
-    need = [_unbits(a, nfiles) for a, _ in gathered]
-    have = [_unbits(b, nfiles) for _, b in gathered]
+    gathered = x.all_gather_object((need_me.data, have_me.data))
+    need = [Bits(a, nfiles) for a, _ in gathered]
+    have = [Bits(b, nfiles) for _, b in gathered]
+    del gathered
     if not any(need):
-        return _finish(dest, source, entries)
-    units = _deal(plan.files, need, have, req.stripe, round_bytes)
+        return _finish(dest, source, plan)
+    units = _deal(plan.files.size, need, have, req.stripe, round_bytes)
     mine = need[x.node]
+    del need, have
     flusher = None
     if mine:
         make_dirs(plan, dest)
         flusher = dest.begin(plan.done)
 
-    total = sum(plan.files[f].size for f in mine)
+    total = sum(plan.files.size[f] for f in mine)
     on_progress, bar = progress_callback(req.progress, f"fan-out {source.label}", total, 0)
     sender = _TreeSender(plan, units, x.node, source, dest.root)
     writer = _TreeWriter(plan, units, mine, flusher, dest.root) if flusher is not None else None
@@ -373,7 +373,7 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     try:
         if writer is not None:
             for f in mine:
-                if plan.files[f].size == 0:
+                if plan.files.size[f] == 0:
                     writer.empty(f)
         for r in range(rounds):
             payload = sender.next()
@@ -397,7 +397,8 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
         dest.journal.close()
         if bar is not None:
             bar.close()
-    result = _finish(dest, source, entries)
+    del units
+    result = _finish(dest, source, plan)
     return dataclasses.replace(
         result,
         seconds=time.monotonic() - req.t0,
@@ -410,7 +411,13 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     )
 
 
-def _finish(dest: Destination, source: Any, entries: Any) -> StageResult:
-    """The ordinary stage, which finds every file journalled and writes the manifest."""
-    dest.reload()
-    return run_locked(dest, source, entries)
+def _finish(dest: Destination, source: Any, plan: TreePlan) -> StageResult:
+    """The ordinary pipeline on the plan made before the exchange, whose files the
+    writers set done as they landed: nothing left to copy, the manifest written (no
+    second listing or plan)."""
+    req = dest.req
+    if not req.check_source and dest.holds(source.name, source.options):
+        assert dest.old is not None
+        return dest.skipped(int(dest.old["files_count"]), int(dest.old["bytes"]))
+    plan.todo = array("q", (i for i in plan.todo if not plan.done.is_done(i)))
+    return run_plan(source, req, dest, plan)

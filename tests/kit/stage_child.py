@@ -1,11 +1,12 @@
 """Runs one fastload call for a test in its own process and reports on stdout.
 
 argv[1] is JSON: {"op": "stage"|"verify"|"pack", "src": ..., "dst": ..., "kwargs": {...},
-"progress": bool, "wait_stdin": bool}. Lines printed, each flushed at once:
+"progress": bool, "hold": bool, "wait_stdin": bool}. Lines printed, each flushed at once:
 
     READY                     fastload is imported (then, with wait_stdin, a line is read)
     START                     stage() is being called
     PROGRESS bd bt fd ft      one progress callback (when "progress" is true)
+    HELD                      with "hold": the first callback before the end sleeps
     RESULT {json}             the StageResult / VerifyResult / PackResult, exit status 0
     ERROR {json}              the exception raised (class, errno, filename, ...), status 3
 
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 
@@ -71,8 +73,16 @@ def main() -> int:
     kwargs = dict(spec.get("kwargs", {}))
     if spec.get("progress"):
 
+        held = []
+
         def cb(bd: int, bt: int, fd: int, ft: int) -> None:
             _emit(f"PROGRESS {bd} {bt} {fd} {ft}")
+            if spec.get("hold") and not held and bd < bt:
+                # The stage held mid-way, in its progress callback, for a signal to land
+                # while it runs (however fast it is); Ctrl-C raises out of the sleep.
+                held.append(bd)
+                _emit("HELD")
+                time.sleep(120)
 
         kwargs["progress"] = cb
 

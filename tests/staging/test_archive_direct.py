@@ -52,6 +52,26 @@ def direct_reads(enabled: bool) -> Iterator[None]:
         yield
 
 
+def extract_by_prefetcher(made: Made, out: Path, engine: str = "auto") -> Any:
+    """``made``'s archive extracted into ``out`` (made here) by a job fed by the Python
+    read-ahead itself, 1 MiB blocks, 4 in flight, direct reads on; returns the reader."""
+    from fastload.staging.readers import Prefetcher
+
+    out.mkdir()
+    options = _core.ExtractOptions(engine=engine, threads=4, files_in_flight=8,
+                                   chunk_size=1 << 20, read_block_size=MiB, read_blocks=8)
+    job = _core.ExtractJob(str(out), str(made.archive), options)
+    with direct_reads(True):
+        reader = Prefetcher(made.archive, made.size, job, depth=4)
+    try:
+        for _off, _n, b, data in reader:
+            job.feed_block(b, len(data))
+    finally:
+        reader.close()
+    job.finish()
+    return reader
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
     """A GNU tar of ~48 MiB whose read blocks start and end inside members and
@@ -98,26 +118,13 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
                                                  engine: str) -> None:
     """The reader itself, 1 MiB blocks: the cached ones are copied out of the cache, the
     others read direct, and the extraction fed from both is GNU tar's."""
-    from fastload.staging.readers import Prefetcher as _Prefetcher
-
     if engine not in fastload.available_engines():
         pytest.skip(f"{engine} is not available here")
     out = tmp_path / "out"
-    out.mkdir()
-    options = _core.ExtractOptions(engine=engine, threads=4, files_in_flight=8,
-                                   chunk_size=1 << 20, read_block_size=MiB, read_blocks=8)
-    job = _core.ExtractJob(str(out), str(made.archive), options)
     blocks = -(-made.size // MiB)
     drop(made.archive)
     warm(made.archive, 8 * MiB, 8 * MiB)
-    with direct_reads(True):
-        reader = _Prefetcher(made.archive, made.size, job, depth=4)
-    try:
-        for _off, _n, b, data in reader:
-            job.feed_block(b, len(data))
-    finally:
-        reader.close()
-    job.finish()
+    reader = extract_by_prefetcher(made, out, engine)
     # Every uncached block direct, and (unless this VM dropped all 8 on its own) not
     # the cached ones.
     assert blocks - 8 <= reader.direct_reads < blocks
@@ -193,10 +200,6 @@ def test_direct_read_cut_short_mid_file(made: Made, tmp_path: Path,
     from fastload.staging import readers
 
     out = tmp_path / "out"
-    out.mkdir()
-    options = _core.ExtractOptions(threads=4, files_in_flight=8, chunk_size=1 << 20,
-                                   read_block_size=MiB, read_blocks=8)  # fmt: skip
-    job = _core.ExtractJob(str(out), str(made.archive), options)
     real, cut = os.preadv, []
 
     def preadv(fd: int, buffers: list[Any], offset: int) -> int:
@@ -209,13 +212,6 @@ def test_direct_read_cut_short_mid_file(made: Made, tmp_path: Path,
 
     drop(made.archive)
     monkeypatch.setattr(readers.os, "preadv", preadv)
-    with direct_reads(True):
-        reader = readers.Prefetcher(made.archive, made.size, job, depth=4)
-    try:
-        for _off, _n, b, data in reader:
-            job.feed_block(b, len(data))
-    finally:
-        reader.close()
-    job.finish()
+    extract_by_prefetcher(made, out)
     assert cut == [16 * MiB]  # the one read was cut short, and direct
     tars.assert_same_extraction(made.ref, out)

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from _harness import Scale
+from _harness import Scale, import_fastload
 from test_bench_s3 import BUCKET, _load_s3server
 
 HERE = Path(__file__).resolve().parent
@@ -103,7 +103,8 @@ def test_bytes_per_key(
     benchmark: Any, prefixes: tuple[int, int], tmp_path: Path, step: str
 ) -> None:
     small, big = prefixes
-    mine = str(HERE.parent / "python")
+    # The fastload this run imports (installed, or python/ on PYTHONPATH), for the children.
+    mine = str(Path(import_fastload().__file__).resolve().parent.parent)
     other = os.environ.get("FASTLOAD_BENCH_OTHER")
     info: dict[str, Any] = {"keys": big}
 

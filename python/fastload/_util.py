@@ -15,7 +15,7 @@ import json
 import numbers
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -200,3 +200,48 @@ def write_json_atomic(path: Path, data: Any) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+# --- columns: strings held as one blob and offsets (the listings of staging and sources)
+
+
+def pieces(blob: Any, offsets: Sequence[int]) -> Iterator[bytes]:
+    """Each piece of ``blob`` between consecutive ``offsets``, as bytes, in order."""
+    mv = memoryview(blob)
+    start = 0
+    for k, end in enumerate(offsets):
+        if k:
+            yield mv[start:end].tobytes()
+        start = end
+
+
+def strictly_sorted(keys: Iterable[bytes]) -> bool:
+    """Whether ``keys`` are in byte order, each once."""
+    prev = None
+    for key in keys:
+        if prev is not None and not prev < key:
+            return False
+        prev = key
+    return True
+
+
+def folders_of(key: bytes) -> Iterator[bytes]:
+    """The folders ``a/b/c`` lies in: ``a``, ``a/b``."""
+    at = key.find(b"/")
+    while at >= 0:
+        yield key[:at]
+        at = key.find(b"/", at + 1)
+
+
+def position(i: Any, n: int) -> int | range:
+    """``i`` as a sequence of ``n`` items takes it in ``__getitem__``: the range of a
+    slice, else a position in ``0 .. n-1`` (negative ones from the end); IndexError
+    outside."""
+    if isinstance(i, slice):
+        return range(*i.indices(n))
+    k = int(i)
+    if k < 0:
+        k += n
+    if not 0 <= k < n:
+        raise IndexError(i)
+    return k

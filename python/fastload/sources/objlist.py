@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, compress, islice
 from typing import Any
 
+from .._util import pieces, position, strictly_sorted
+
 __all__ = ["ObjectInfo", "ObjectList", "compact_identity"]
 
 _MD5 = re.compile(rb'"[0-9a-f]{32}"')
@@ -121,12 +123,7 @@ class ObjectList(Sequence[ObjectInfo]):
     def sorted(self) -> ObjectList:
         """In key byte order (itself when it already is); a key listed twice is kept once
         (the first)."""
-        prev = None
-        for k in self.key_bytes():
-            if prev is not None and not prev < k:
-                break
-            prev = k
-        else:
+        if strictly_sorted(self.key_bytes()):
             return self
         order = sorted(range(len(self)), key=self.key)
         rows = array("q")
@@ -214,9 +211,7 @@ class ObjectList(Sequence[ObjectInfo]):
 
     def key_bytes(self) -> Iterator[bytes]:
         """Every key, encoded, in order."""
-        mv, ends = memoryview(self.keys), self.key_ends
-        for i in range(len(self)):
-            yield mv[ends[i] : ends[i + 1]].tobytes()
+        return pieces(self.keys, self.key_ends)
 
     def _put_etag(self, etag: bytes) -> None:
         """Appends an ETag (encoded; empty for none)."""
@@ -265,13 +260,9 @@ class ObjectList(Sequence[ObjectInfo]):
         return compact_identity(self.identity(i))
 
     def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+        i = position(i, len(self))
+        if isinstance(i, range):
+            return [self[k] for k in i]
         return ObjectInfo(self.key_str(i), self.size[i], self.etag(i), self.mtime_ns[i],
                           self.version(i))  # fmt: skip
 

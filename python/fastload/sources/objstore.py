@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .._util import folders_of
 from ..errors import SourceChangedError, stage_error
 from .objlist import ObjectInfo, ObjectList
 from .retry import RetryCounts, Tries
@@ -313,10 +314,8 @@ class ObjectStore:
         everything = self.list_columns()
         parents: dict[bytes, int] = {}  # a folder -> the row of a key under it
         for i, key in enumerate(everything.key_bytes()):
-            at = key.find(b"/")
-            while at >= 0:
-                parents.setdefault(key[:at], i)
-                at = key.find(b"/", at + 1)
+            for folder in folders_of(key):
+                parents.setdefault(folder, i)
         keep = bytearray(b"\1") * len(everything)
         dirs: builtins.list[str] = []
         inc: builtins.list[str] = [*(include or ())]

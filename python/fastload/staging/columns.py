@@ -30,6 +30,8 @@ from itertools import accumulate, compress, islice
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .._util import pieces, position, strictly_sorted
+
 TABLE_MAGIC = b"FLTABLE1"
 _HEAD = struct.Struct("<8sQQQ")  # magic, files, path bytes, digest bytes
 # A table with tags (an object's identity per file: its ETag or version): the same, then
@@ -69,16 +71,6 @@ class Entry(NamedTuple):
     target: str  # a symbolic link's
 
 
-def _pieces(blob: Any, off: Column) -> Iterator[bytes]:
-    """Each piece of ``blob`` between consecutive offsets, as bytes, in order."""
-    mv = memoryview(blob)
-    start = 0
-    for k, end in enumerate(off):
-        if k:
-            yield mv[start:end].tobytes()
-        start = end
-
-
 def _gather(blob: Any, off: Column, rows: Iterable[int]) -> tuple[bytes, array[int]]:
     """The pieces of ``rows`` (in that order): their blob and offsets."""
     mv = memoryview(blob)
@@ -97,15 +89,6 @@ def _runs(sel: bytes) -> Iterator[tuple[int, int]]:
         b = sel.find(0, a)
         i = b if b >= 0 else len(sel)
         yield a, i
-
-
-def _is_sorted(keys: Iterable[bytes]) -> bool:
-    prev = None
-    for key in keys:
-        if prev is not None and not prev < key:
-            return False
-        prev = key
-    return True
 
 
 class Listing(Sequence[Entry]):
@@ -180,21 +163,19 @@ class Listing(Sequence[Entry]):
 
     def path_bytes(self) -> Iterator[bytes]:
         """Every path, encoded, in order (one at a time)."""
-        return _pieces(self.paths, self.offsets)
+        return pieces(self.paths, self.offsets)
 
     def path(self, i: int) -> str:
         return os.fsdecode(self.paths[self.offsets[i] : self.offsets[i + 1]])
 
     def is_sorted(self) -> bool:
         """Whether the paths are in byte order (a walk's are), each once."""
-        return _is_sorted(self.path_bytes())
+        return strictly_sorted(self.path_bytes())
 
     def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        i = int(i)
-        if i < 0:
-            i += len(self)
+        i = position(i, len(self))
+        if isinstance(i, range):
+            return [self[k] for k in i]
         return Entry(self.path(i), self.kind[i], self.size[i], self.blocks[i], self.mode[i],
                      self.mtime_ns[i], self.targets.get(i, ""))  # fmt: skip
 
@@ -316,12 +297,12 @@ class FileTable(Mapping[str, Record]):
         return bytes(self.paths[self.offsets[i] : self.offsets[i + 1]])
 
     def path_bytes(self) -> Iterator[bytes]:
-        return _pieces(self.paths, self.offsets)
+        return pieces(self.paths, self.offsets)
 
     def sorted(self) -> FileTable:
         """This table in path order, without duplicate paths (the last row of a path
         wins); itself when it already is."""
-        if _is_sorted(self.path_bytes()):
+        if strictly_sorted(self.path_bytes()):
             return self
         keys = list(self.path_bytes())
         last = {k: i for i, k in enumerate(keys)}

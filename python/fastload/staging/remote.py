@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
-from .._util import pwrite_all
+from .._util import folders_of, pwrite_all
 from ..errors import stage_error
 from ..sources import store_for
 from ..sources.objlist import ObjectList
@@ -326,10 +326,7 @@ class ObjectPrefix:
         names: set[bytes] = {os.fsencode(d) for d in self.dirs}
         if not self.single:
             for key in chain(list(names), objs.key_bytes()):  # a key at a time
-                at = key.find(b"/")
-                while at >= 0:
-                    names.add(key[:at])
-                    at = key.find(b"/", at + 1)
+                names.update(folders_of(key))
         dirs = sorted(map(os.fsdecode, names))
         del names
         folders, files = _listing(dirs, objs, dest.path.name if self.single else None)

@@ -245,3 +245,12 @@ def position(i: Any, n: int) -> int | range:
     if not 0 <= k < n:
         raise IndexError(i)
     return k
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: ``taskset``, a cgroup's cpuset),
+    not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable
 
+from .._util import usable_cores
 from . import drac, local, mila, slurm
 from .base import Context, Detector, Environment, expand
 from .config import check_config, load_config
@@ -121,13 +122,6 @@ def _hostname() -> str:
     return name
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def detect(
     environ: Mapping[str, str] | None = None,
     hostname: str | None = None,
@@ -170,7 +164,7 @@ def detect(
         hostname=_hostname() if hostname is None else hostname,
         exists=os.path.exists if exists is None else exists,
         config=config,
-        cpu_count=_cpu_count() if cpu_count is None else cpu_count,
+        cpu_count=usable_cores() if cpu_count is None else cpu_count,
         forced=bool(forced),
     )
     if forced:

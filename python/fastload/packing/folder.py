@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _core
-from .._util import check_space
+from .._util import check_space, usable_cores
 from ..index import ShardIndex
 from ..staging import archive_compression
 from ..staging.engine import network_fs
@@ -171,10 +171,7 @@ class _Progress:
 def default_workers(src: Path) -> int:
     """Threads for a pack: one per CPU this process may use; on a network file system,
     where reads wait on round trips, four per CPU (at most 32), to keep more in flight."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
+    cpus = usable_cores()
     return min(32, 4 * cpus) if network_fs(src) else cpus
 
 

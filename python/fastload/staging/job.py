@@ -8,7 +8,6 @@ Used by the tree pipeline (tree.py), the archive pipeline (archive.py) and verif
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from .. import _core
+from .._util import usable_cores
 from .engine import network_fs, resolve_engine
 from .state import Record, Records, quick_same
 
@@ -129,14 +129,6 @@ class InFlight:
     """The cores this process may run on (its affinity: taskset, a cgroup's cpuset)."""
     network: bool
     """Whether the storage the job waits on is a network or FUSE file system."""
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (``taskset`` respected), not the machine's."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def in_flight(

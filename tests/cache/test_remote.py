@@ -12,6 +12,7 @@ the reader killed mid-download.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import multiprocessing
 import os
@@ -373,7 +374,7 @@ def test_kill_9_mid_download_then_clean_epoch(tmp_path: Path, s3: Any, bucket: s
     child = subprocess.Popen(
         [sys.executable, str(HERE), "reader", json.dumps({"url": url, "cache": str(cache_dir)})],
         env=with_tests_on_path(dict(os.environ)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -381,10 +382,14 @@ def test_kill_9_mid_download_then_clean_epoch(tmp_path: Path, s3: Any, bucket: s
             assert child.poll() is None, child.communicate()[0].decode()[-3000:]
             assert time.monotonic() < deadline, "no download started"
             time.sleep(0.01)
-        os.kill(child.pid, signal.SIGKILL)  # the DataLoader worker downloading dies too
     finally:
-        child.kill()
-        child.communicate()
+        # The reader, its DataLoader workers (the one downloading among them) and its
+        # download helpers, all at once. Not the reader alone: a worker forked just
+        # before it died never sees its parent go (torch's watchdog takes the parent
+        # it finds, by then init), and would keep the output pipe open for ever.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.communicate(timeout=60)
     proxy.latency = 0.0
     # The worker, killed with its parent's process group or orphaned, lets go of its
     # locks when it dies; wait for every process that may hold the .part.

@@ -26,7 +26,6 @@ import os
 import pickle
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +62,10 @@ def prefixes(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Any:
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
         for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
             mp.delenv(k, raising=False)
-        client = server.client()
-        client.create_bucket(Bucket=BUCKET)
+        server.client().create_bucket(Bucket=BUCKET)
         keys = [f"small/key {i:07d}.bin" for i in range(small)]
         keys += [f"big/key {i:07d}.bin" for i in range(big)]
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda k: client.put_object(Bucket=BUCKET, Key=k, Body=b"x"), keys))
+        s3server.upload(server, BUCKET, dict.fromkeys(keys, b"x"))
         yield small, big
 
 

@@ -152,9 +152,20 @@ def test_too_small_for_the_workers_when_the_loader_starts(
                                        cache_limit=limit)
     before = downloads(cache_dir)  # the index was built from the shards' headers
     start = time.monotonic()
-    with pytest.raises(ValueError, match=rf"num_workers={workers} the minimum cache_limit is "
-                                         rf".* \({need} bytes\)"):
-        loader_epoch(ds, workers)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=keep,
+                         timeout=2 * GUARD))  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=rf"num_workers={workers} the minimum cache_limit "
+                                             rf"is .* \({need} bytes\)"):
+            list(it)
+    finally:
+        # torch's shutdown sends no end marker to a worker whose iteration ended in an
+        # error, and waits up to 5 s for it to notice: send every worker one, now rather
+        # than when the iterator is collected in some later test.
+        it._workers_done_event.set()  # type: ignore[attr-defined]
+        for q in it._index_queues:  # type: ignore[attr-defined]
+            q.put(None)
+        it._shutdown_workers()  # type: ignore[attr-defined]
     assert time.monotonic() - start < GUARD  # an error up front, not a wait for room
     assert downloads(cache_dir) == before  # before any shard was fetched
 

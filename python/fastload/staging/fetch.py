@@ -39,6 +39,8 @@ WHOLE_UP_TO = 1 << 20
 MODE = 0o644
 # Bodies handed over at most in one batch (one native call writes them).
 BATCH = 32
+# Threads writing the batches (at most one per usable core).
+WRITERS = 8
 # How long a finished body may wait for others before its batch goes (seconds).
 BATCH_WAIT = 0.005
 

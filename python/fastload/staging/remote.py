@@ -31,19 +31,19 @@ import os
 import queue
 import time
 from array import array
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
-from .._util import folders_of
+from .._util import folders_of, usable_cores
 from ..errors import stage_error
 from ..sources import store_for
 from ..sources.objlist import ObjectList
 from ..sources.objstore import ObjectInfo, ObjectStore
 from .columns import FileTable, Listing
 from .destination import Destination, recorded_kind
-from .fetch import MODE, WHOLE_UP_TO, Fetcher, SmallGets, write_bodies
+from .fetch import MODE, WHOLE_UP_TO, WRITERS, Fetcher, SmallGets, write_bodies
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
 from .request import Source, StageRequest
 from .result import StageResult
@@ -200,7 +200,11 @@ class ObjectPrefix:
         window = 4 * workers
         small = SmallGets(self.store, objs, (i for i in plan.todo if objs.size[i] <= WHOLE_UP_TO),
                           workers, events)  # fmt: skip
-        running = [True]  # the small objects' GETs (until their "end")
+        # Their bodies are written by a few threads (a batch per native call, the GIL
+        # released): the kernel's work of creating and writing files, not one thread's.
+        writers = ThreadPoolExecutor(min(WRITERS, usable_cores()),
+                                     thread_name_prefix="fastload-write")  # fmt: skip
+        running = [True, 0]  # the small objects' GETs (until their "end"), batches writing
         last = 0.0
 
         def submit_more() -> None:
@@ -220,14 +224,24 @@ class ObjectPrefix:
             copied[0] += 1
             copied[1] += objs.size[i]
 
-        def written(bodies: list[tuple[int, Any]], into: list[tuple[Any, ...]]) -> None:
-            """The bodies of a batch to their files, natively, one call; their records
-            into ``into``. The first failure is raised after the others' records."""
+        def write(bodies: list[tuple[int, Any]]) -> list[bytes | OSError]:
+            """The bodies of a batch to their files, natively, one call (on a writer)."""
             t0 = time.monotonic()
             got = write_bodies(dest.root, [(self._name(dest, i), body, objs.mtime_ns[i])
                                            for i, body in bodies], req.stripe)  # fmt: skip
             fetcher.add_times(0.0, time.monotonic() - t0)
             small.taken(len(bodies))
+            return got
+
+        def to_write(bodies: list[tuple[int, Any]]) -> None:
+            running[1] += 1
+            fut = writers.submit(write, bodies)
+            fut.add_done_callback(lambda f: events.put(("written", bodies, f)))
+
+        def written(bodies: list[tuple[int, Any]], got: list[bytes | OSError],
+                    into: list[tuple[Any, ...]]) -> None:  # fmt: skip
+            """The records of a batch written into ``into``; the first failure is raised
+            after the others' records."""
             failed: OSError | None = None
             for (i, _), res in zip(bodies, got, strict=True):
                 if isinstance(res, OSError):
@@ -241,7 +255,7 @@ class ObjectPrefix:
         try:
             submit_more()
             small.start()
-            while pending or running[0]:
+            while pending or running[0] or running[1]:
                 got = []
                 with contextlib.suppress(queue.Empty):
                     got.append(events.get(timeout=PROGRESS_EVERY))
@@ -253,7 +267,10 @@ class ObjectPrefix:
                         if isinstance(ev, Future):
                             record(pending.pop(ev), ev.result(), batch)
                         elif ev[0] == "bodies":
-                            written(ev[1], batch)
+                            to_write(ev[1])
+                        elif ev[0] == "written":
+                            running[1] -= 1
+                            written(ev[1], ev[2].result(), batch)
                         elif ev[0] == "error":
                             raise ev[1]
                         else:
@@ -269,6 +286,17 @@ class ObjectPrefix:
         except BaseException:
             fetcher.cancelled = True
             small.cancel()
+            writers.shutdown(wait=True, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                # What the writers finished is journalled: a resume need not fetch it.
+                while True:
+                    ev = events.get_nowait()
+                    if not isinstance(ev, Future) and ev[0] == "written" and ev[2].done() \
+                            and not ev[2].cancelled():
+                        done_now: list[tuple[Any, ...]] = []
+                        with contextlib.suppress(OSError):
+                            written(ev[1], ev[2].result(), done_now)
+                        flusher.add(done_now)
             for f in pending:
                 f.cancel()
             with contextlib.suppress(Exception):
@@ -279,6 +307,7 @@ class ObjectPrefix:
             fetcher.close()
             raise
         small.cancel()
+        writers.shutdown(wait=True)
         fetcher.close()
         dest.add_time("reading", fetcher.read_seconds + small.read_seconds)
         dest.add_time("writing", fetcher.write_seconds)

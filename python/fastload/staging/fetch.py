@@ -1,9 +1,10 @@
 """Fetching an object prefix's objects into the destination (staging/remote.py's
 transfer): small objects by :class:`SmallGets`, GETs awaited on one event-loop thread
-with many in flight, their bodies handed over in batches and written natively, a batch
-per call (``_core.write_objects``: create, write, digests, times and the rename with the
-GIL released); objects over :data:`WHOLE_UP_TO` and big ones by :class:`Fetcher`, a
-pool of threads whose ranged GETs are written piece by piece as they stream in.
+with many in flight, their bodies handed over in batches and written natively by writer
+threads, a batch per call (:func:`write_bodies`, ``_core.write_objects``: create,
+write, digests, times and the rename with the GIL released); objects over
+:data:`WHOLE_UP_TO` and big ones by :class:`Fetcher`, a pool of threads whose ranged
+GETs are written piece by piece as they stream in.
 
 Every GET carries ``If-Match`` with the listed ETag and goes through the store's retry
 policy; a body of another size than listed is an error naming its URL.

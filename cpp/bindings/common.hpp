@@ -46,5 +46,6 @@ void register_pack(py::module_& m);
 void register_collate(py::module_& m);
 void register_shm(py::module_& m);
 void register_order(py::module_& m);
+void register_objects(py::module_& m);
 
 }  // namespace fastload::bindings

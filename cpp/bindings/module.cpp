@@ -12,4 +12,5 @@ PYBIND11_MODULE(_core, m) {
   fastload::bindings::register_collate(m);
   fastload::bindings::register_shm(m);
   fastload::bindings::register_order(m);
+  fastload::bindings::register_objects(m);
 }

@@ -134,6 +134,11 @@ class Tries:
         self._start = time.monotonic()
 
     def failed(self, e: BaseException) -> None:
+        time.sleep(self.wait_after(e))
+
+    def wait_after(self, e: BaseException) -> float:
+        """:meth:`failed` less the sleep: the seconds to wait before the next attempt
+        (for a caller that waits its own way: an event loop), else raises."""
         reason = transient(e)
         if reason is None or self.retries >= self.policy.retries:
             raise self.raise_as(e, self.retries) from None
@@ -144,4 +149,4 @@ class Tries:
         self.retries += 1
         self.counts.add(reason)
         _PROCESS.add(reason)
-        time.sleep(wait)
+        return wait

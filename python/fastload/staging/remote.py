@@ -14,9 +14,9 @@ so :func:`verify` works as for local data); a part file records its finished par
 after a kill a big object resumes from its last whole part. Files are renamed into place
 once whole; the manifest is written last.
 
-Over 500 lines on purpose: it is one pipeline (plan, fetch, parts, commit) whose steps
-share the job's state; the client side (listing, ranged reads, errors) is already
-apart in sources/objstore.py.
+The fetching itself (small objects' GETs on an event loop, written natively in
+batches; the parts of big ones) is in :mod:`.fetch`; the client side (listing, ranged
+reads, errors) in sources/objstore.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import queue
-import threading
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,14 +36,14 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import _core
-from .._util import folders_of, pwrite_all
+from .._util import folders_of, usable_cores
 from ..errors import stage_error
 from ..sources import store_for
 from ..sources.objlist import ObjectList
 from ..sources.objstore import ObjectInfo, ObjectStore
 from .columns import FileTable, Listing
 from .destination import Destination, recorded_kind
+from .fetch import MODE, WHOLE_UP_TO, WRITERS, Fetcher, SmallGets, write_bodies
 from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
 from .request import Source, StageRequest
 from .result import StageResult
@@ -55,12 +54,6 @@ log = logging.getLogger(__name__)
 
 # Whole-object GETs in flight (small objects: latency, not bandwidth, is the limit).
 DEFAULT_OBJECTS_IN_FLIGHT = 64
-# Ranged GETs of big objects in flight (each holds a piece of its part at a time).
-_PARTS_IN_FLIGHT = 8
-# Objects up to this size are fetched whole into one buffer; larger ones (and every part
-# of a big one) are written piece by piece as they stream in.
-_WHOLE_UP_TO = 1 << 20
-_MODE = 0o644
 
 
 def fingerprint(url: str, objects: ObjectList, options: dict[str, Any]) -> str:
@@ -88,188 +81,8 @@ def _listing(dirs: list[str], objects: ObjectList, name: str | None) -> tuple[Li
         paths, offsets = os.fsencode(name), array("q", [0, len(os.fsencode(name))])
     blocks = array("q", ((s + 511) // 512 for s in objects.size))
     files = Listing(paths, offsets, array("B", [FILE]) * nf, objects.size, blocks,
-                    array("I", [_MODE]) * nf, objects.mtime_ns, {})  # fmt: skip
+                    array("I", [MODE]) * nf, objects.mtime_ns, {})  # fmt: skip
     return folders, files
-
-
-def _digests(chunks: list[int]) -> str:
-    return b"".join(d.to_bytes(8, "little") for d in chunks).hex()
-
-
-class _Fetcher:
-    """Fetches objects into ``root`` with bounded memory; thread-safe counters: bytes
-    done, and the seconds its threads waited for the store's bytes (``read_seconds``:
-    GETs, their retries and backoff) and wrote them (``write_seconds``: the pwrites),
-    each summed over the threads."""
-
-    def __init__(self, store: ObjectStore, root: Path, stripe: int, workers: int) -> None:
-        self.store, self.root, self.stripe = store, root, stripe
-        self.small = ThreadPoolExecutor(workers, thread_name_prefix="fastload-get")
-        self.parts = ThreadPoolExecutor(_PARTS_IN_FLIGHT, thread_name_prefix="fastload-part")
-        self.bytes_done = 0
-        self.read_seconds = 0.0
-        self.write_seconds = 0.0
-        self.lock = threading.Lock()
-        self.cancelled = False
-
-    def _count(self, n: int) -> None:
-        with self.lock:
-            self.bytes_done += n
-
-    def _times(self, read: float, write: float) -> None:
-        with self.lock:
-            self.read_seconds += read
-            self.write_seconds += write
-
-    def _place(self, tmp: Path, final: Path, obj: ObjectInfo) -> None:
-        os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
-        os.replace(tmp, final)
-
-    def _eio(self, obj: ObjectInfo, what: str) -> OSError:
-        return stage_error(errno.EIO, f"'{self.store.url.rstrip('/')}/{obj.key}': {what}", obj.key)
-
-    def fetch_small(self, obj: ObjectInfo, final: Path) -> Record:
-        """One GET, one write, one rename (an object over :data:`_WHOLE_UP_TO`: written
-        as it streams in, as the parts of a big one are; an empty one: no GET)."""
-        if self.cancelled:
-            raise InterruptedError
-        if obj.size > _WHOLE_UP_TO:
-            return self._fetch_parts(obj, final, resumable=False)
-        t0 = time.monotonic()
-        data = self.store.get(obj.key, obj.etag) if obj.size else memoryview(b"")
-        t1 = time.monotonic()
-        if len(data) != obj.size:
-            raise self._eio(obj, f"got {len(data)} bytes, the listing said {obj.size}")
-        tmp = final.with_name(f".{final.name}.fastload-tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE)
-        try:
-            pwrite_all(fd, data, 0, tmp)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # a full disk, say: no temporary is left behind
-            raise
-        finally:
-            os.close(fd)
-        self._times(t1 - t0, time.monotonic() - t1)
-        chunks = [_core.fl64(data[i : i + self.stripe]) for i in range(0, max(1, obj.size),
-                                                                       self.stripe)]
-        self._place(tmp, final, obj)
-        self._count(obj.size)
-        return Record(obj.size, obj.mtime_ns, _MODE, _digests(chunks))
-
-    def fetch_big(self, obj: ObjectInfo, final: Path) -> Record:
-        return self._fetch_parts(obj, final, resumable=True)
-
-    def _fetch_parts(self, obj: ObjectInfo, final: Path, resumable: bool) -> Record:
-        """Ranged GETs of one part each (the store's ``fetch_parts``), the pieces written
-        at their offsets and digested as they arrive (while still in the CPU's cache; no
-        buffer of a part's size). A big object's part file has a side record of its
-        finished parts, kept across a kill: a resume fetches only the others."""
-        stripe = self.stripe
-        n_parts = max(1, -(-obj.size // stripe))
-        record: Path | None = None
-        have: dict[int, int] = {}
-        if resumable:
-            tmp = final.with_name(f".{final.name}.fastload-part")
-            record = final.with_name(f".{final.name}.fastload-part.json")
-            have = self._resume(tmp, record, obj)
-            flags = os.O_RDWR | os.O_CREAT
-        else:
-            tmp = final.with_name(f".{final.name}.fastload-tmp")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        streams: dict[int, Any] = {}
-        got: dict[int, int] = {}
-        # Per thread, of the part it fetches (its GET, then on_get, on that thread): the
-        # seconds in the part's write callbacks (pwrite, digesting), and in its pwrites.
-        inside: dict[int, list[float]] = {}
-        lock = threading.Lock()
-        fd = os.open(tmp, flags | os.O_CLOEXEC, _MODE)
-
-        def write(off: int, piece: Any) -> None:
-            if self.cancelled:
-                raise InterruptedError
-            t0 = time.monotonic()
-            k = off // stripe  # a part's pieces come in order, on one thread
-            pwrite_all(fd, piece, off, tmp)
-            t1 = time.monotonic()
-            if k not in streams:
-                streams[k] = _core.Fl64Stream()
-            streams[k].update(piece)
-            got[k] = got.get(k, 0) + len(piece)
-            spent = inside.setdefault(threading.get_ident(), [0.0, 0.0])
-            spent[0] += time.monotonic() - t0
-            spent[1] += t1 - t0
-
-        def on_get(t0: float) -> None:
-            # The part's GET less its callbacks: the wait for the store's bytes.
-            callbacks, written = inside.pop(threading.get_ident(), (0.0, 0.0))
-            self._times(time.monotonic() - t0 - callbacks, written)
-
-        def on_part(k: int) -> None:
-            want = min(stripe, obj.size - k * stripe)
-            if got.get(k, 0) != want:
-                raise self._eio(obj, f"short read at {k * stripe}: got {got.get(k, 0)} "
-                                f"bytes of {want}")  # fmt: skip
-            digest = streams.pop(k).digest() if k in streams else _core.fl64(b"")
-            with lock:
-                have[k] = digest
-                if record is not None:
-                    snapshot = {"identity": obj.identity, "size": obj.size,
-                                "stripe": stripe, "parts": dict(have)}  # fmt: skip
-                    side = record.with_name(record.name + ".tmp")
-                    side.write_text(json.dumps(snapshot))
-                    os.replace(side, record)
-            self._count(want)
-
-        try:
-            if resumable:
-                os.ftruncate(fd, obj.size)
-            self.store.fetch_parts(
-                obj.key, obj.etag, obj.size, write, part_size=stripe, skip=have,
-                on_part=on_part, on_get=on_get, pool=self.parts if resumable else None,
-            )  # fmt: skip
-        except BaseException:
-            if not resumable:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-            raise
-        finally:
-            os.close(fd)
-        self._place(tmp, final, obj)
-        if record is not None:
-            with contextlib.suppress(FileNotFoundError):
-                record.unlink()
-        return Record(obj.size, obj.mtime_ns, _MODE, _digests([have[k] for k in range(n_parts)]))
-
-    def _resume(self, part: Path, record: Path, obj: ObjectInfo) -> dict[int, int]:
-        """The parts of an interrupted fetch of the same object whose bytes, read back,
-        still have their digests."""
-        try:
-            saved = json.loads(record.read_text())
-            if (saved["identity"], saved["size"], saved["stripe"]) != (
-                obj.identity, obj.size, self.stripe
-            ):
-                return {}
-            parts = {int(k): int(v) for k, v in saved["parts"].items()}
-            fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
-        except (OSError, ValueError, KeyError, TypeError):
-            return {}
-        good: dict[int, int] = {}
-        try:
-            for k, digest in parts.items():
-                off = k * self.stripe
-                n = min(self.stripe, obj.size - off)
-                data = os.pread(fd, n, off)
-                if len(data) == n and _core.fl64(data) == digest:
-                    good[k] = digest
-                    self._count(n)
-        finally:
-            os.close(fd)
-        return good
-
-    def close(self) -> None:
-        self.small.shutdown(wait=True, cancel_futures=True)
-        self.parts.shutdown(wait=True, cancel_futures=True)
 
 
 class ObjectPrefix:
@@ -370,19 +183,29 @@ class ObjectPrefix:
         objs = self.objects
         total_bytes, nfiles = plan.total_bytes, len(plan.files)
         workers = max(1, req.workers or DEFAULT_OBJECTS_IN_FLIGHT)
-        fetcher = _Fetcher(self.store, dest.root, req.stripe, workers)
+        fetcher = Fetcher(self.store, dest.root, req.stripe, workers)
         done_before = plan.done.total_bytes
-        copied_files = copied_bytes = 0
+        copied = [0, 0]  # files, bytes
         pending: dict[Future[Record], int] = {}
-        finished_q: queue.SimpleQueue[Future[Record]] = queue.SimpleQueue()
-        last = 0.0
-        # Big objects first: their parts keep the part pool busy while small ones stream.
-        # Objects are submitted a window at a time: a future and an ObjectInfo exist only
-        # for the objects in flight, not for every object to fetch.
-        big = sorted((i for i in plan.todo if objs.size[i] > req.stripe),
+        # Finished futures (objects over WHOLE_UP_TO) and batches of small objects' bodies
+        # come through one queue: wait() on every pending future at each wake-up would
+        # lock all of them each time (quadratic in the objects).
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Big objects first, on the pool: their parts keep the part pool busy while small
+        # ones stream. They are submitted a window at a time: a future and an ObjectInfo
+        # exist only for the objects in flight, not for every object to fetch.
+        big = sorted((i for i in plan.todo if objs.size[i] > WHOLE_UP_TO),
                      key=lambda i: -objs.size[i])  # fmt: skip
-        order = chain(big, (i for i in plan.todo if objs.size[i] <= req.stripe))
+        order = iter(big)
         window = 4 * workers
+        small = SmallGets(self.store, objs, (i for i in plan.todo if objs.size[i] <= WHOLE_UP_TO),
+                          workers, events)  # fmt: skip
+        # Their bodies are written by a few threads (a batch per native call, the GIL
+        # released): the kernel's work of creating and writing files, not one thread's.
+        writers = ThreadPoolExecutor(min(WRITERS, usable_cores()),
+                                     thread_name_prefix="fastload-write")  # fmt: skip
+        running = [True, 0]  # the small objects' GETs (until their "end"), batches writing
+        last = 0.0
 
         def submit_more() -> None:
             while len(pending) < window:
@@ -390,31 +213,70 @@ class ObjectPrefix:
                 if i is None:
                     return
                 o = objs[i]
-                fn = fetcher.fetch_big if o.size > req.stripe else fetcher.fetch_small
+                fn = fetcher.fetch_big if o.size > req.stripe else fetcher.fetch_mid
                 fut = fetcher.small.submit(fn, o, dest.root / self._name(dest, i))
                 pending[fut] = i
-                fut.add_done_callback(finished_q.put)
+                fut.add_done_callback(events.put)
+
+        def record(i: int, rec: Record, into: list[tuple[Any, ...]]) -> None:
+            plan.done.set(i, rec)
+            into.append((self._name(dest, i), *rec))
+            copied[0] += 1
+            copied[1] += objs.size[i]
+
+        def write(bodies: list[tuple[int, Any]]) -> list[bytes | OSError]:
+            """The bodies of a batch to their files, natively, one call (on a writer)."""
+            t0 = time.monotonic()
+            got = write_bodies(dest.root, [(self._name(dest, i), body, objs.mtime_ns[i])
+                                           for i, body in bodies], req.stripe)  # fmt: skip
+            fetcher.add_times(0.0, time.monotonic() - t0)
+            small.taken(len(bodies))
+            return got
+
+        def to_write(bodies: list[tuple[int, Any]]) -> None:
+            running[1] += 1
+            fut = writers.submit(write, bodies)
+            fut.add_done_callback(lambda f: events.put(("written", bodies, f)))
+
+        def written(bodies: list[tuple[int, Any]], got: list[bytes | OSError],
+                    into: list[tuple[Any, ...]]) -> None:  # fmt: skip
+            """The records of a batch written into ``into``; the first failure is raised
+            after the others' records."""
+            failed: OSError | None = None
+            for (i, _), res in zip(bodies, got, strict=True):
+                if isinstance(res, OSError):
+                    failed = failed or res
+                    continue
+                record(i, Record(objs.size[i], objs.mtime_ns[i], MODE, res.hex()), into)
+                fetcher.count(objs.size[i])
+            if failed is not None:
+                raise failed
 
         try:
             submit_more()
-            while pending:
-                # Finished futures come through a queue: wait() on every pending future at
-                # each wake-up would lock all of them each time (quadratic in the objects;
-                # it was most of the CPU of a 2,000-object stage).
-                finished = []
+            small.start()
+            while pending or running[0] or running[1]:
+                got = []
                 with contextlib.suppress(queue.Empty):
-                    finished.append(finished_q.get(timeout=PROGRESS_EVERY))
+                    got.append(events.get(timeout=PROGRESS_EVERY))
                     while True:
-                        finished.append(finished_q.get_nowait())
-                batch = []
-                for f in finished:
-                    i = pending.pop(f)
-                    rec = f.result()
-                    plan.done.set(i, rec)
-                    batch.append((self._name(dest, i), *rec))
-                    copied_files += 1
-                    copied_bytes += objs.size[i]
-                flusher.add(batch)
+                        got.append(events.get_nowait())
+                batch: list[tuple[Any, ...]] = []
+                try:
+                    for ev in got:
+                        if isinstance(ev, Future):
+                            record(pending.pop(ev), ev.result(), batch)
+                        elif ev[0] == "bodies":
+                            to_write(ev[1])
+                        elif ev[0] == "written":
+                            running[1] -= 1
+                            written(ev[1], ev[2].result(), batch)
+                        elif ev[0] == "error":
+                            raise ev[1]
+                        else:
+                            running[0] = False
+                finally:
+                    flusher.add(batch)  # an error's batch too: a resume need not fetch it
                 submit_more()
                 now = time.monotonic()
                 if on_progress is not None and now - last >= PROGRESS_EVERY:
@@ -423,6 +285,18 @@ class ObjectPrefix:
                                 nfiles)  # fmt: skip
         except BaseException:
             fetcher.cancelled = True
+            small.cancel()
+            writers.shutdown(wait=True, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                # What the writers finished is journalled: a resume need not fetch it.
+                while True:
+                    ev = events.get_nowait()
+                    if not isinstance(ev, Future) and ev[0] == "written" and ev[2].done() \
+                            and not ev[2].cancelled():
+                        done_now: list[tuple[Any, ...]] = []
+                        with contextlib.suppress(OSError):
+                            written(ev[1], ev[2].result(), done_now)
+                        flusher.add(done_now)
             for f in pending:
                 f.cancel()
             with contextlib.suppress(Exception):
@@ -432,12 +306,14 @@ class ObjectPrefix:
                         flusher.add([(self._name(dest, i), *f.result())])
             fetcher.close()
             raise
+        small.cancel()
+        writers.shutdown(wait=True)
         fetcher.close()
-        dest.add_time("reading", fetcher.read_seconds)
+        dest.add_time("reading", fetcher.read_seconds + small.read_seconds)
         dest.add_time("writing", fetcher.write_seconds)
         if on_progress is not None:
             on_progress(total_bytes, total_bytes, nfiles, nfiles)
-        return "objstore", copied_files, copied_bytes
+        return "objstore", copied[0], copied[1]
 
     def finish(self, plan: TreePlan, dest: Destination) -> None:
         pass

@@ -41,6 +41,7 @@ from .request import StageRequest
 from .result import StageResult
 from .state import (
     JournalFlusher,
+    JournalRecord,
     ensure_writable,
     named_os_errors,
     quick_same,
@@ -307,18 +308,24 @@ class LocalTree:
         files, todo = plan.files, plan.todo
         copied = [0, 0]
         # The files to do, as columns: per file only its path is made into an object
-        # (once for the job's lists, once for its journal record), no Entry.
+        # (once for the job's lists, once for its journal record), no Entry; the record
+        # keeps the path's bytes and the raw digests (no decoding, no hex).
         sub = files.take(todo) if len(todo) != len(files) else files
         size, mtime, mode = sub.size, sub.mtime_ns, sub.mode
+        blob, ends = sub.paths, sub.offsets
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
-            records = []
+            if not batch:
+                return
+            records: list[JournalRecord] = []
+            add, nbytes = records.append, 0
             for idx, digests in batch:
-                n, t, m = size[idx], mtime[idx], mode[idx]
-                done.set(todo[idx], (n, t, m, digests))
-                records.append((sub.path(idx), n, t, m, digests.hex()))
-                copied[1] += n
+                n = size[idx]
+                add((blob[ends[idx] : ends[idx + 1]], n, mtime[idx], mode[idx], digests))
+                nbytes += n
+            done.set_listed([todo[idx] for idx, _d in batch], [d for _i, d in batch])
             copied[0] += len(batch)
+            copied[1] += nbytes
             flusher.add(records)
 
         if not todo:

@@ -26,6 +26,7 @@ from ..errors import ChecksumMismatchError, stage_error
 from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
+from .engine import network_fs, request_latency
 from .job import (
     DIR,
     FILE,
@@ -230,10 +231,20 @@ class LocalTree:
         self.options: dict[str, Any] = {
             **req.selection(), "on_special": req.on_special, "file": single,
         }  # fmt: skip
+        self._latency: tuple[float | None] | None = None  # (seconds,) once measured
+
+    def latency(self, req: StageRequest) -> float | None:
+        """The source's request latency (engine.request_latency), measured once, and only
+        where it sets the files in flight: a network or FUSE file system, no ``workers``."""
+        if self._latency is None:
+            wanted = not req.workers and network_fs(self.src)
+            self._latency = (request_latency(self.src) if wanted else None,)
+        return self._latency[0]
 
     def listing(self, req: StageRequest) -> Listing:
         """The source's entries, the subset filter applied; for a file, its one entry."""
-        threads = min(64, max(8, in_flight(req.workers, self.src).files))
+        flight = in_flight(req.workers, self.src, latency_s=self.latency(req))
+        threads = min(64, max(8, flight.files))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
         entries = Listing.from_walk(
@@ -345,7 +356,7 @@ class LocalTree:
                 mode,
                 mtime,
             ),
-            copy_options(req.engine, req.workers, req.stripe, root),
+            copy_options(req.engine, req.workers, req.stripe, root, self.latency(req)),
         )
         job.start()
         run_job(

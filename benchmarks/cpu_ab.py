@@ -6,10 +6,12 @@ Each round stages the tree into a fresh folder under ``--out`` once per build an
 (each in a new process whose ``PYTHONPATH`` is the build's folder: one holding
 ``fastload/`` with its ``_core``), then copies it with ``cp -r``; the CPU is
 :class:`_cpu.CpuMeter`'s (getrusage of the process and its children, the final sync
-included, as scripts/scale_check.py counts it). ``--cold`` drops the page cache before
-each (root only), else the tree is read first. Nothing is deleted unless ``--clean``
-(a round's copies removed after it, the cases' order rotated each round): on ext4
-without a journal, files created soon after a large deletion cost more (see _harness.py).
+included, as scripts/scale_check.py counts it, unless ``--no-sync``). ``--cold`` drops
+the page cache before each (root only), else the tree is read first; each copy's pages
+are dropped from the page cache after it (no round reclaims another's). Nothing is deleted
+unless ``--clean`` (a round's copies removed after it, the cases' order rotated each
+round): on ext4 without a journal, files created soon after a large deletion cost more
+(see _harness.py).
 
 Given two trees or more (``--tree`` repeated: the same sizes of file, different counts),
 it also splits each case's CPU into a fixed cost per stage (process work that does not
@@ -17,7 +19,8 @@ grow with the files: thread and ring setup, lazy imports, the manifest) and a ma
 cost per 1,000 files: the line through the medians of the smallest and largest tree.
 
     python benchmarks/cpu_ab.py --tree T [--tree T2] --out O --build before=DIR1 \\
-        --build after=DIR2 [--engines uring,pread] [--rounds 5] [--cold] [--clean]
+        --build after=DIR2 [--engines uring,pread] [--rounds 5] [--cold] [--clean] \\
+        [--no-sync]
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ with CpuMeter() as m:
     t0 = time.thread_time()
     fastload.stage(sys.argv[1], sys.argv[2], engine=sys.argv[3])
     main = time.thread_time() - t0
-    os.sync()
+    if sys.argv[5] == "sync":
+        os.sync()
+os.sync()
 r = m.result
 print(json.dumps({"cpu": r.cpu_s, "busiest": r.busiest_s, "wall": r.wall_s, "main": main}))
 """
@@ -59,10 +64,25 @@ def _prepare(tree: Path, cold: bool) -> None:
                        shell=True, check=True)  # fmt: skip
 
 
-def _fastload(site: Path, engine: str, tree: Path, dst: Path) -> dict[str, float]:
+def _evict(dst: Path) -> None:
+    """Drops the copy's pages from the page cache (written back first): copies kept
+    would fill memory, and a process allocating pages with little memory free reclaims
+    them itself, on its own CPU time (the next round's)."""
+    os.sync()
+    for d, _s, names in os.walk(dst):
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _fastload(site: Path, engine: str, tree: Path, dst: Path, sync: bool) -> dict[str, float]:
     here = str(Path(__file__).resolve().parent)
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tree), str(dst), engine, here],
+        [sys.executable, "-c", _CHILD, str(tree), str(dst), engine, here,
+         "sync" if sync else "-"],
         env={**os.environ, "PYTHONPATH": str(site)}, check=True, capture_output=True,
         text=True,
     ).stdout  # fmt: skip
@@ -70,10 +90,12 @@ def _fastload(site: Path, engine: str, tree: Path, dst: Path) -> dict[str, float
     return got
 
 
-def _cp(tree: Path, dst: Path) -> dict[str, float]:
+def _cp(tree: Path, dst: Path, sync: bool) -> dict[str, float]:
     with CpuMeter() as m:
         subprocess.run(["cp", "-r", str(tree), str(dst)], check=True)
-        os.sync()
+        if sync:
+            os.sync()
+    os.sync()
     assert m.result is not None
     return {"cpu": m.result.cpu_s, "busiest": m.result.children_s, "wall": m.result.wall_s}
 
@@ -129,6 +151,10 @@ def main() -> None:
     ap.add_argument("--engines", default="uring,pread")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--no-sync", dest="sync", action="store_false",
+                    help="stop the CPU count when the copy returns: the final sync, done "
+                    "after it, writes back (in this process) what others sharing the disk "
+                    "left dirty too, which a loaded machine charges to the round")
     ap.add_argument("--clean", action="store_true",
                     help="remove each round's copies after it (big trees, little disk)")
     a = ap.parse_args()
@@ -154,10 +180,11 @@ def main() -> None:
             for name, engine in cases[k:] + cases[:k]:
                 dst = a.out / f"r{time.time_ns()}"
                 _prepare(tree, a.cold)
-                r = (_cp(tree, dst) if name == "cp -r"
-                     else _fastload(builds[name], engine, tree, dst))  # fmt: skip
+                r = (_cp(tree, dst, a.sync) if name == "cp -r"
+                     else _fastload(builds[name], engine, tree, dst, a.sync))  # fmt: skip
                 got[(name, engine, tree)].append(r)
                 made.append(dst)
+                _evict(dst)
         if a.clean:
             for d in made:
                 shutil.rmtree(d, ignore_errors=True)

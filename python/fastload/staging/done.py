@@ -184,7 +184,8 @@ class Done(Mapping[str, Record]):
             # table's (shared, not copied); only the digests are put in listing order.
             dig, doff = _gather(self._dig, self._dend, self._at)
             whole = FileTable(files.paths, files.offsets, files.size, files.mtime_ns,
-                              files.mode, dig, doff).sorted()  # fmt: skip
+                              files.mode, dig, doff)  # fmt: skip
+            whole = whole if files.is_sorted() else whole.sorted()
             return kept.sorted().union(whole) if len(kept) else whole
         mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         paths, off = _gather(files.paths, files.offsets, mine)

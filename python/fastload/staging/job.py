@@ -32,14 +32,18 @@ DEFAULT_BIG_BUFFERS = 8
 # law wants rate x latency in flight (RESULTS.md, issue 33: CPU per file): a core copies
 # about 20,000 small files a second, each some 3 round trips (open, read, close), so
 # about 64 files per core per millisecond of one request's latency, where it was
-# measured (engine.request_latency), else NETWORK_PER_CORE (1 ms); at most
-# MAX_NETWORK_FILES in all (each holds a buffer of the copier's small-file size).
+# measured (engine.request_latency), else NETWORK_PER_CORE (1 ms). At most
+# MAX_NETWORK_PER_CORE: a server answers only so many requests at once (netsim 64, an
+# NFS server its threads), and past that more in flight only queue: on netsim at 2 and
+# 10 ms, 4 and 8 times NETWORK_PER_CORE staged 25-30% slower than NETWORK_PER_CORE
+# (RESULTS.md, issue 33: warm CPU per file). So a fast network file system (under 1 ms)
+# gets fewer files and threads, a slow one the former figure.
 LOCAL_PER_CORE = 16
 NETWORK_PER_CORE = 64
 NETWORK_PER_CORE_MS = 64
-MAX_NETWORK_PER_CORE = 1024
-MAX_NETWORK_FILES = 1024
+MAX_NETWORK_PER_CORE = NETWORK_PER_CORE
 MAX_SUBMITTERS = 8
+MAX_NETWORK_FILES = MAX_NETWORK_PER_CORE * MAX_SUBMITTERS
 POLL_MS = 100
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)

@@ -34,8 +34,8 @@ DEFAULT_BIG_BUFFERS = 8
 # about 64 files per core per millisecond of one request's latency, where it was
 # measured (engine.request_latency), else NETWORK_PER_CORE (1 ms). At most
 # MAX_NETWORK_PER_CORE: a server answers only so many requests at once (netsim 64, an
-# NFS server its threads), and past that more in flight only queue: on netsim, 2 and 8
-# times NETWORK_PER_CORE were no faster at 2 ms and 10-20% slower at 10 ms (RESULTS.md,
+# NFS server its threads), and past that more in flight only queue: on netsim, 2 or more
+# and 8 times NETWORK_PER_CORE were no faster at 2 ms and 10-20% slower at 10 ms (RESULTS.md,
 # issue 33: warm CPU per file). So a fast network file system (under 1 ms) gets fewer
 # files and threads, a slower one the former figure.
 LOCAL_PER_CORE = 16

@@ -12,8 +12,10 @@ Groups:
                           as the floor of what reading the source costs
   digest                  fl64 (fastload._core) against zlib.crc32 and a plain memory copy
   read-digest             fastload.verify (read + fl64) against dd (read only) and cksum
-  netsim-tree             the tree through a FUSE mount adding 1 ms per request; fastload's
-                          default files in flight (auto) beside the former 64 (auto-w64)
+  netsim-tree             the tree through a FUSE mount adding 1 ms per request
+                          (FASTLOAD_BENCH_NETSIM_MS); fastload's default files in flight
+                          (auto: from the latency it measures) beside the rule before it
+                          (auto-flat: 64 per core) and the former 64 (auto-w64)
   netsim-second-reader    issue 33: 1,500 files through a mount adding 2 ms per request,
                           fastload (engine "auto", what a user gets) reading it right
                           after `cp -r` read the same mount, against that `cp -r`
@@ -79,10 +81,18 @@ def _need(cmd: str) -> None:
 
 
 def _fastload_tool(name: str) -> Tool:
-    """``ENGINE`` or ``ENGINE-wN`` (N files in flight instead of the default rule's)."""
+    """``ENGINE``, ``ENGINE-wN`` (N files in flight instead of the default rule's) or
+    ``ENGINE-flat`` (the files a network file system got before the rule looked at its
+    latency: NETWORK_PER_CORE per core)."""
     fl = _fastload()
     engine, _, w = name.partition("-w")
     workers = int(w) if w else None
+    if engine.endswith("-flat"):
+        from fastload._util import usable_cores
+        from fastload.staging.job import MAX_SUBMITTERS, NETWORK_PER_CORE
+
+        engine = engine.removesuffix("-flat")
+        workers = NETWORK_PER_CORE * min(usable_cores(), MAX_SUBMITTERS)
     if engine != "auto" and engine not in fl.available_engines():
         pytest.skip(f"fastload engine {engine!r} is not available here")
 
@@ -166,12 +176,14 @@ def test_large(
 
 
 # fastload-auto-w64: the 64 files in flight every job kept before the in-flight rule
-# (staging/job.py in_flight, issue 33), beside what the rule gives on this mount.
+# (staging/job.py in_flight, issue 33), beside what the rule gives on this mount;
+# fastload-auto-flat: the rule before it looked at the latency (64 per core).
 @pytest.mark.netsim
 @pytest.mark.parametrize(
     "tool",
-    ["fastload-uring", "fastload-pread", "fastload-auto", "fastload-auto-w64", "cp", "rsync"],
-)
+    ["fastload-uring", "fastload-pread", "fastload-auto", "fastload-auto-flat",
+     "fastload-auto-w64", "cp", "rsync"],
+)  # fmt: skip
 def test_netsim_tree(
     benchmark: Any,
     fresh: Rounds,

@@ -511,7 +511,9 @@ def probe(
         kind = "network" if network_fs(src) else "local"
         fs = fs_name(src)
         where = src if src.is_dir() else src.parent
-        opts = copy_options("auto", None, DEFAULT_STRIPE, where)
+        # stage() measures the open latency the same way (engine.request_latency).
+        open_s = None if m["open_ms"] is None else m["open_ms"] / 1e3
+        opts = copy_options("auto", None, DEFAULT_STRIPE, where, open_s)
         # The rule stage() runs (FASTLOAD_ENGINE included), asked before any job runs.
         engine = resolve_engine(opts.engine, where)
         plan = Plan(engine, opts.files_in_flight, opts.threads, opts.stripe_size)

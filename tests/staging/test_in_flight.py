@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 
 import fastload
+from fastload.staging.engine import request_latency
 from fastload.staging.job import (
     LOCAL_PER_CORE,
+    MAX_NETWORK_FILES,
+    MAX_NETWORK_PER_CORE,
     MAX_SUBMITTERS,
     NETWORK_PER_CORE,
+    NETWORK_PER_CORE_MS,
     copy_options,
     in_flight,
+    network_per_core,
 )
+from fastload.staging.request import StageRequest
+from fastload.staging.tree import LocalTree
 from kit import procs, trees
 from kit.netsim import mounts
 
@@ -88,6 +95,59 @@ def test_a_network_mount_gets_more_in_flight(tmp_path: Path) -> None:
         assert in_flight(None, mnt, cores=2).files > in_flight(None, tmp_path, cores=2).files
         opts = copy_options("auto", None, 1 << 20, mnt)
         assert opts.files_in_flight == in_flight(None, mnt).files
+        res = fastload.stage(mnt, tmp_path / "dst")
+        assert res.engine == "pread" and res.copied_files == 40
+    trees.assert_same_tree(src, tmp_path / "dst")
+
+
+def test_network_files_follow_the_measured_latency() -> None:
+    """Per core: NETWORK_PER_CORE_MS per millisecond, never fewer than local storage
+    gets, never more than MAX_NETWORK_PER_CORE; NETWORK_PER_CORE where not measured."""
+    assert network_per_core(None) == NETWORK_PER_CORE
+    assert network_per_core(0.0) == LOCAL_PER_CORE
+    assert network_per_core(0.0005) == NETWORK_PER_CORE_MS // 2
+    assert network_per_core(0.010) == min(10 * NETWORK_PER_CORE_MS, MAX_NETWORK_PER_CORE)
+    assert network_per_core(5.0) == MAX_NETWORK_PER_CORE
+    got = [network_per_core(us / 1e6) for us in range(0, 3000, 50)]
+    assert got == sorted(got) and got[0] < got[-1] == MAX_NETWORK_PER_CORE
+
+
+def test_a_local_path_ignores_a_latency(tmp_path: Path) -> None:
+    """The latency only sets a network file system's figure: local storage keeps
+    LOCAL_PER_CORE whatever is passed, and ``workers`` still wins."""
+    assert in_flight(None, tmp_path, cores=2, latency_s=0.05).files == 2 * LOCAL_PER_CORE
+    assert in_flight(9, tmp_path, cores=2, latency_s=0.05).files == 9
+    assert request_latency(tmp_path / "missing") is None
+    (tmp_path / "one").write_bytes(b"x")
+    assert request_latency(tmp_path / "one") is None  # a file, not a folder: nothing to keep
+
+
+def test_the_latency_of_a_mount_sets_its_files_in_flight(tmp_path: Path) -> None:
+    """netsim mounts of 0 and 10 ms per request (each delay a floor): the files in flight
+    derived from the latency measured on each (a few lstat and open calls): the slow
+    mount's are at least what the rule gives its floor and no fewer than the fast one's,
+    within MAX_NETWORK_FILES; a stage's plan through the mount (LocalTree: its walk and
+    its CopyJob) takes its measure, and the stage copies the tree whole."""
+    src = tmp_path / "src"
+    trees.build_small_files(src, 40)
+    req = StageRequest.make()
+    with mounts(tmp_path) as mount:
+        got = {}
+        for ms in (0, 10):
+            mnt = mount(src, ms * 1000, 1000).path
+            lat = request_latency(mnt)
+            assert lat is not None
+            got[ms] = in_flight(None, mnt, cores=1, latency_s=lat).files
+            for cores in (1, 2, 16):
+                f = in_flight(None, mnt, cores=cores, latency_s=lat)
+                assert f.network and f.threads == min(f.files // 2, 256)
+                assert f.files <= MAX_NETWORK_FILES
+            tree = LocalTree(mnt, req, single=False)
+            lat_tree = tree.latency(req)
+            assert lat_tree is not None
+            opts = copy_options("auto", None, 1 << 20, mnt, lat_tree)
+            assert opts.files_in_flight == in_flight(None, mnt, latency_s=lat_tree).files
+        assert got[10] == network_per_core(0.010) >= got[0] >= LOCAL_PER_CORE
         res = fastload.stage(mnt, tmp_path / "dst")
         assert res.engine == "pread" and res.copied_files == 40
     trees.assert_same_tree(src, tmp_path / "dst")

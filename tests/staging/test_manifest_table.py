@@ -222,3 +222,51 @@ def test_columns_cost_few_bytes_per_file() -> None:
     assert len(table) == n and table.record(n - 1).digests == (n - 1).to_bytes(8, "little").hex()
     assert table.find("d0199/f0199999.bin") == n - 1 and table.find("d0199/f0200000.bin") == -1
     assert peak / n < 200, f"{peak / n:.0f} bytes per file"
+
+
+def test_a_batch_set_as_listed_equals_records_set_one_by_one() -> None:
+    """Done.set_listed (the tree copy's batches) leaves the same done set and table as
+    set() of each file's listed size, time and mode: over rows of an earlier table, rows
+    set twice (the last wins) and rows set with other metadata before."""
+    entries = [(f"d/f{i:03d}", 0, 100 + i, 1, 0o644, 10**18 + i, "") for i in range(40)]
+    listing = Listing.of(entries)
+    base = Done(listing)
+    for i in range(0, 40, 3):
+        base.set(i, (100 + i, 10**18 + i, 0o644, b"\0" * 8))
+    old = base.table()
+    rows = old.matches(listing.path_bytes())
+    one, batch = Done(listing, old, rows), Done(listing, old, rows)
+    for d in (one, batch):
+        d.set(5, (1, 2, 0o600, b"\7" * 8))  # other metadata first: the listed one replaces it
+    order = [5, 7, 0, 9, 7, 39, 3]
+    digs = [bytes([k]) * 8 for k in range(len(order))]
+    for i, dg in zip(order, digs, strict=True):
+        one.set(i, (100 + i, 10**18 + i, 0o644, dg))
+    batch.set_listed(order, digs)
+    assert len(batch) == len(one) and batch.total_bytes == one.total_bytes
+    assert dict(batch.items()) == dict(one.items())
+    assert batch[listing.path(7)].digests == digs[4].hex()  # the last of two wins
+    assert batch[listing.path(5)] == Record(105, 10**18 + 5, 0o644, digs[0].hex())
+    a, b = batch.table(), one.table()
+    assert list(a.path_bytes()) == list(b.path_bytes())
+    assert [a.record(i) for i in range(len(a))] == [b.record(i) for i in range(len(b))]
+
+
+def test_sorted_is_known_for_a_walk_and_checked_otherwise(tmp_path: Path) -> None:
+    """A walk's listing (and its files or folders alone) is sorted without a pass over the
+    paths; a listing made from entries out of order is found unsorted, and its files'
+    table is sorted by Done.table."""
+    from fastload import _core
+
+    trees.build_small_files(tmp_path / "t", 30)
+    walked = Listing.from_walk(_core.walk_columns(str(tmp_path / "t"), [], [], False, 4))
+    assert walked._sorted is True and walked.is_sorted()
+    files = walked.of_kind(0)
+    assert files._sorted is True and len(files) == 30
+    listed = Listing.of([("b", 0, 1, 1, 0o644, 1, ""), ("a", 0, 2, 1, 0o644, 2, "")])
+    assert listed._sorted is None and not listed.is_sorted() and listed._sorted is False
+    done = Done(listed)
+    done.set_listed([0, 1], [b"\1" * 8, b"\2" * 8])
+    table = done.table()
+    assert [bytes(p) for p in table.path_bytes()] == [b"a", b"b"]
+    assert table.record(0) == Record(2, 2, 0o644, (b"\2" * 8).hex())

@@ -109,6 +109,7 @@ class Listing(Sequence[Entry]):
         self.kind, self.size, self.blocks = kind, size, blocks
         self.mode, self.mtime_ns = mode, mtime_ns
         self.targets = targets  # row -> a link's target
+        self._sorted: bool | None = None  # is_sorted(), once known
 
     @classmethod
     def of(cls, entries: Iterable[tuple[Any, ...]], *, consume: bool = False) -> Listing:
@@ -155,8 +156,10 @@ class Listing(Sequence[Entry]):
         offsets, kind = col("offsets", "q"), col("kind", "B")
         size, blocks, mode = col("size", "q"), col("blocks", "q"), col("mode", "I")
         mtime = col("mtime_ns", "q")
-        return cls(cols.pop("paths"), offsets, kind, size, blocks, mode, mtime,
-                   cols.pop("targets"))  # fmt: skip
+        out = cls(cols.pop("paths"), offsets, kind, size, blocks, mode, mtime,
+                  cols.pop("targets"))  # fmt: skip
+        out._sorted = True  # the walk sorts its paths' bytes, each listed once
+        return out
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -169,8 +172,11 @@ class Listing(Sequence[Entry]):
         return os.fsdecode(self.paths[self.offsets[i] : self.offsets[i + 1]])
 
     def is_sorted(self) -> bool:
-        """Whether the paths are in byte order (a walk's are), each once."""
-        return strictly_sorted(self.path_bytes())
+        """Whether the paths are in byte order (a walk's are), each once (checked once:
+        a listing's columns are not changed in place)."""
+        if self._sorted is None:
+            self._sorted = strictly_sorted(self.path_bytes())
+        return self._sorted
 
     def __getitem__(self, i: Any) -> Any:
         i = position(i, len(self))
@@ -215,9 +221,12 @@ class Listing(Sequence[Entry]):
         def col(c: Column, code: str) -> array[int]:
             return array(code, compress(c, sel))
 
-        return Listing(blob, ends, col(self.kind, "B"), col(self.size, "q"),
-                       col(self.blocks, "q"), col(self.mode, "I"), col(self.mtime_ns, "q"),
-                       targets)  # fmt: skip
+        out = Listing(blob, ends, col(self.kind, "B"), col(self.size, "q"),
+                      col(self.blocks, "q"), col(self.mode, "I"), col(self.mtime_ns, "q"),
+                      targets)  # fmt: skip
+        if self._sorted:
+            out._sorted = True  # a subsequence of sorted paths is sorted
+        return out
 
     def with_paths(self, paths: Iterable[str]) -> Listing:
         """The same entries under other paths (a single file's, named as its destination)."""

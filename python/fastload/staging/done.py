@@ -75,6 +75,29 @@ class Done(Mapping[str, Record]):
         self._dig += bytes.fromhex(d) if isinstance(d, str) else d
         self._dend.append(len(self._dig))
 
+    def set_listed(self, rows: Iterable[int], digests: Iterable[bytes]) -> None:
+        """Rows complete as listed (the listing's size, time and mode), each with its raw
+        digests: :meth:`set` for a copier's batch, without a record per file."""
+        if self._at is None:
+            self._at = array("q", [-1]) * len(self.files)
+        at, base_rows, other = self._at, self.base_rows, self._other
+        fsize, dig, dend = self.files.size, self._dig, self._dend
+        count, nbytes = self._count, self._bytes
+        for i, d in zip(rows, digests, strict=True):
+            if at[i] >= 0:
+                nbytes -= self._meta(i)[0]
+            elif base_rows[i] >= 0:
+                nbytes -= self.base.size[base_rows[i]]
+            else:
+                count += 1
+            nbytes += fsize[i]
+            at[i] = len(dend) - 1
+            if other:
+                other.pop(i, None)
+            dig += d
+            dend.append(len(dig))
+        self._count, self._bytes = count, nbytes
+
     def row(self, path: str) -> int:
         if self._rows is None:
             self._rows = {self.files.path(i): i for i in range(len(self.files))}
@@ -161,7 +184,8 @@ class Done(Mapping[str, Record]):
             # table's (shared, not copied); only the digests are put in listing order.
             dig, doff = _gather(self._dig, self._dend, self._at)
             whole = FileTable(files.paths, files.offsets, files.size, files.mtime_ns,
-                              files.mode, dig, doff).sorted()  # fmt: skip
+                              files.mode, dig, doff)  # fmt: skip
+            whole = whole if files.is_sorted() else whole.sorted()
             return kept.sorted().union(whole) if len(kept) else whole
         mine = array("q", (i for i, k in enumerate(self._at) if k >= 0))  # in listing order
         paths, off = _gather(files.paths, files.offsets, mine)

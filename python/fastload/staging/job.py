@@ -8,6 +8,7 @@ Used by the tree pipeline (tree.py), the archive pipeline (archive.py) and verif
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -28,10 +29,21 @@ DEFAULT_BIG_BUFFERS = 8
 # Files in flight per submitter (a core, up to 8; the copier's default_submitters) by the
 # storage's latency: local disks answer in tens of microseconds, so a few files per core
 # keep them busy; a network or FUSE file system answers in milliseconds, and Little's
-# law wants rate x latency in flight (RESULTS.md, issue 33: CPU per file).
+# law wants rate x latency in flight (RESULTS.md, issue 33: CPU per file): a core copies
+# about 20,000 small files a second, each some 3 round trips (open, read, close), so
+# about 64 files per core per millisecond of one request's latency, where it was
+# measured (engine.request_latency), else NETWORK_PER_CORE (1 ms). At most
+# MAX_NETWORK_PER_CORE: a server answers only so many requests at once (netsim 64, an
+# NFS server its threads), and past that more in flight only queue: on netsim, 2 or more
+# and 8 times NETWORK_PER_CORE were no faster at 2 ms and 10-20% slower at 10 ms (RESULTS.md,
+# issue 33: warm CPU per file). So a fast network file system (under 1 ms) gets fewer
+# files and threads, a slower one the former figure.
 LOCAL_PER_CORE = 16
 NETWORK_PER_CORE = 64
+NETWORK_PER_CORE_MS = 64
+MAX_NETWORK_PER_CORE = NETWORK_PER_CORE
 MAX_SUBMITTERS = 8
+MAX_NETWORK_FILES = MAX_NETWORK_PER_CORE * MAX_SUBMITTERS
 POLL_MS = 100
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
@@ -131,32 +143,54 @@ class InFlight:
     """Whether the storage the job waits on is a network or FUSE file system."""
 
 
+def network_per_core(latency_s: float | None) -> int:
+    """Files in flight per core on a network or FUSE file system whose requests take
+    ``latency_s`` (None: not measured, NETWORK_PER_CORE): NETWORK_PER_CORE_MS per
+    millisecond, at least LOCAL_PER_CORE, at most MAX_NETWORK_PER_CORE."""
+    if latency_s is None:
+        return NETWORK_PER_CORE
+    per = math.ceil(max(0.0, latency_s) * 1e3 * NETWORK_PER_CORE_MS)
+    return min(max(per, LOCAL_PER_CORE), MAX_NETWORK_PER_CORE)
+
+
 def in_flight(
-    workers: int | None, where: Path | str | None = None, cores: int | None = None
+    workers: int | None,
+    where: Path | str | None = None,
+    cores: int | None = None,
+    latency_s: float | None = None,
 ) -> InFlight:
     """The one rule for files in flight of every native job (a tree copy, verify, an
     archive's extraction, the walk's threads): ``workers`` when given; else
     ``per_core x min(cores, 8)`` (a submitter per core, up to 8), ``per_core``
-    being NETWORK_PER_CORE where ``where`` (what the job waits on: a tree's source, an
-    extraction's destination) is on a network or FUSE file system, else LOCAL_PER_CORE.
-    Threads of the pread pool: half the files, at least 4, at most 64 on local storage
-    (blocked threads there are few) and 256 on a network (each waits out a round trip)."""
+    being :func:`network_per_core` of ``latency_s`` (the storage's request latency,
+    where measured: engine.request_latency) where ``where`` (what the job waits on: a
+    tree's source, an extraction's destination) is on a network or FUSE file system,
+    at most MAX_NETWORK_FILES, else LOCAL_PER_CORE. Threads of the pread pool: half the
+    files, at least 4, at most 64 on local storage (blocked threads there are few) and
+    256 on a network (each waits out a round trip)."""
     cores = usable_cores() if cores is None else max(1, cores)
     network = bool(where is not None and network_fs(where))
     if workers:
         files = max(1, workers)
+    elif network:
+        files = min(network_per_core(latency_s) * min(cores, MAX_SUBMITTERS), MAX_NETWORK_FILES)
     else:
-        files = (NETWORK_PER_CORE if network else LOCAL_PER_CORE) * min(cores, MAX_SUBMITTERS)
+        files = LOCAL_PER_CORE * min(cores, MAX_SUBMITTERS)
     return InFlight(files, min(max(4, files // 2), 256 if network else 64), cores, network)
 
 
 def copy_options(
-    engine: str, workers: int | None, stripe_size: int, src: Path | None = None
+    engine: str,
+    workers: int | None,
+    stripe_size: int,
+    src: Path | None = None,
+    latency_s: float | None = None,
 ) -> _core.CopyOptions:
     """A CopyJob's options: ``workers`` files in flight (default: :func:`in_flight`'s
-    rule for ``src``), the engine's rule looking at ``src`` (the source of a tree copy)."""
+    rule for ``src`` and its measured ``latency_s``), the engine's rule looking at
+    ``src`` (the source of a tree copy)."""
     resolve_engine(engine)  # a malformed FASTLOAD_ENGINE: a ValueError naming it, up front
-    flight = in_flight(workers, src)
+    flight = in_flight(workers, src, latency_s=latency_s)
     big = DEFAULT_BIG_BUFFERS
     return _core.CopyOptions(
         engine=engine,

@@ -17,9 +17,9 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from .. import _core
 from .._util import check_space as _check_space
@@ -168,9 +168,12 @@ _LEN = struct.Struct("<I")
 _FRAME = struct.Struct("<II")  # the body's bytes, its CRC-32
 _REC = struct.Struct("<qqIII")  # size, mtime_ns, mode, path bytes, digest bytes
 _FRAME_RECORDS = 4096  # records per frame when a journal is opened with many
+# A journal record: path, size, mtime_ns, mode, digests (the path as str or its bytes,
+# the digests as hex or raw: the tree copy hands both over raw, as the copier made them).
+JournalRecord = tuple[Union[str, bytes], int, int, int, Union[str, bytes]]
 
 
-def _frame(records: Iterable[tuple[str | bytes, int, int, int, str | bytes]]) -> bytes:
+def _frame(records: Iterable[JournalRecord]) -> bytes:
     """Records as one frame: its length and CRC, then each record's fixed part, path and
     raw digests."""
     body = bytearray()
@@ -308,7 +311,7 @@ class Journal:
             self.path.with_name(OLD_JOURNAL).unlink()
         self._f = open(self.path, "ab")  # noqa: SIM115 (closed by close())
 
-    def append(self, records: list[tuple[str, int, int, int, str]]) -> None:
+    def append(self, records: Sequence[JournalRecord]) -> None:
         """One frame of ``records``, written with one write."""
         assert self._f is not None
         if records:
@@ -381,7 +384,7 @@ class JournalFlusher:
         self._sync_path = sync_path
         self._syncfs = _core.syncfs
         self._every = every
-        self._pending: list[tuple[str, int, int, int, str]] = []
+        self._pending: list[JournalRecord] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -389,7 +392,7 @@ class JournalFlusher:
         self._thread = threading.Thread(target=self._run, name="fastload-journal", daemon=True)
         self._thread.start()
 
-    def add(self, records: list[tuple[str, int, int, int, str]]) -> None:
+    def add(self, records: Sequence[JournalRecord]) -> None:
         if records:
             with self._lock:
                 self._pending.extend(records)

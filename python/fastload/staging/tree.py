@@ -26,6 +26,7 @@ from ..errors import ChecksumMismatchError, stage_error
 from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
+from .engine import network_fs, request_latency
 from .job import (
     DIR,
     FILE,
@@ -41,6 +42,7 @@ from .request import StageRequest
 from .result import StageResult
 from .state import (
     JournalFlusher,
+    JournalRecord,
     ensure_writable,
     named_os_errors,
     quick_same,
@@ -229,10 +231,20 @@ class LocalTree:
         self.options: dict[str, Any] = {
             **req.selection(), "on_special": req.on_special, "file": single,
         }  # fmt: skip
+        self._latency: tuple[float | None] | None = None  # (seconds,) once measured
+
+    def latency(self, req: StageRequest) -> float | None:
+        """The source's request latency (engine.request_latency), measured once, and only
+        where it sets the files in flight: a network or FUSE file system, no ``workers``."""
+        if self._latency is None:
+            wanted = not req.workers and network_fs(self.src)
+            self._latency = (request_latency(self.src) if wanted else None,)
+        return self._latency[0]
 
     def listing(self, req: StageRequest) -> Listing:
         """The source's entries, the subset filter applied; for a file, its one entry."""
-        threads = min(64, max(8, in_flight(req.workers, self.src).files))
+        flight = in_flight(req.workers, self.src, latency_s=self.latency(req))
+        threads = min(64, max(8, flight.files))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())
         entries = Listing.from_walk(
@@ -307,18 +319,24 @@ class LocalTree:
         files, todo = plan.files, plan.todo
         copied = [0, 0]
         # The files to do, as columns: per file only its path is made into an object
-        # (once for the job's lists, once for its journal record), no Entry.
+        # (once for the job's lists, once for its journal record), no Entry; the record
+        # keeps the path's bytes and the raw digests (no decoding, no hex).
         sub = files.take(todo) if len(todo) != len(files) else files
         size, mtime, mode = sub.size, sub.mtime_ns, sub.mode
+        blob, ends = sub.paths, sub.offsets
 
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
-            records = []
+            if not batch:
+                return
+            records: list[JournalRecord] = []
+            add, nbytes = records.append, 0
             for idx, digests in batch:
-                n, t, m = size[idx], mtime[idx], mode[idx]
-                done.set(todo[idx], (n, t, m, digests))
-                records.append((sub.path(idx), n, t, m, digests.hex()))
-                copied[1] += n
+                n = size[idx]
+                add((blob[ends[idx] : ends[idx + 1]], n, mtime[idx], mode[idx], digests))
+                nbytes += n
+            done.set_listed([todo[idx] for idx, _d in batch], [d for _i, d in batch])
             copied[0] += len(batch)
+            copied[1] += nbytes
             flusher.add(records)
 
         if not todo:
@@ -338,7 +356,7 @@ class LocalTree:
                 mode,
                 mtime,
             ),
-            copy_options(req.engine, req.workers, req.stripe, root),
+            copy_options(req.engine, req.workers, req.stripe, root, self.latency(req)),
         )
         job.start()
         run_job(

@@ -272,7 +272,7 @@ class _Extraction:
             direct_write_min=data.direct_write_min(dest.path),
         )
         job = _core.ExtractJob(str(dest.path), data.name, options)
-        reader = data.reader(job, hasher, can_seek)
+        reader = data.reader(job, hasher, can_seek, raw=pydecomp is None)
         feeds = _TimedFeeds(job)
         try:
             self._feed(feeds, reader, pydecomp, can_seek, flusher)

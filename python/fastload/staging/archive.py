@@ -1,13 +1,14 @@
 """Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
 
-The archive is read once, in large positional reads kept in flight (on a local disk by
-the native extractor itself, through the I/O engine, what is not cached with O_DIRECT
-straight into its blocks: readers.NativeReader; else by a few Python threads: on a
-striped network file system each is served in parallel), hashed on the way (on a
-thread of its own) when a published checksum is given, and fed to the native
-extractor, which decompresses on a thread of its own, decodes members as they arrive
-and writes them with many writes in flight. Skipped members of an uncompressed archive
-are seeked over, not read.
+The archive is read once, in large positional reads kept in flight (a file by the
+native extractor itself, through the I/O engine the engine rule gives its file system:
+on a local disk what is not cached with O_DIRECT straight into its blocks, on a network
+or FUSE one in stripes, many at once, so a striped file system serves them in parallel:
+readers.NativeReader; else by a few Python threads), hashed on the way (on a thread of
+its own) when a published checksum is given, and fed to the native extractor, which
+decompresses on a thread of its own, decodes members as they arrive and writes them
+with many writes in flight. Skipped members of an uncompressed archive are seeked over,
+not read (unless a checksum needs them).
 """
 
 from __future__ import annotations

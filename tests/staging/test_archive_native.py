@@ -495,3 +495,21 @@ def test_an_archive_cut_short_on_a_latency_mount_names_it(made: Made, tmp_path: 
     trees.assert_no_tmp(dst)
     for rel in trees.regular_files(dst):
         assert (dst / rel).read_bytes() == (made.ref / rel).read_bytes(), rel
+
+
+def test_a_malformed_stripe_is_refused_naming_it(made: Made, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """FASTLOAD_READ_STRIPE that is not a number: a ValueError naming the variable;
+    nothing is marked complete, and the stage runs once it is fixed (64 KiB stripes,
+    buffered, on this local file system)."""
+    monkeypatch.setenv("FASTLOAD_READ_STRIPE", "lots")
+    monkeypatch.delenv("FASTLOAD_MAPPED_READS", raising=False)
+    dst = tmp_path / "dst"
+    fs.drop(made.archive)
+    with pytest.raises(ValueError, match="FASTLOAD_READ_STRIPE='lots'"):
+        fastload.stage(made.archive, dst)
+    assert not _complete(dst)
+    monkeypatch.setenv("FASTLOAD_READ_STRIPE", "65536")  # buffered: striped here too
+    monkeypatch.setenv("FASTLOAD_DIRECT_READS", "0")
+    assert not fastload.stage(made.archive, dst).skipped
+    tars.assert_same_extraction(made.ref, dst)

@@ -273,9 +273,10 @@ class _Extraction:
             direct_write_min=data.direct_write_min(dest.path),
         )
         job = _core.ExtractJob(str(dest.path), data.name, options)
-        reader = data.reader(job, hasher, can_seek, raw=pydecomp is None)
         feeds = _TimedFeeds(job)
+        reader: Any = None
         try:
+            reader = data.reader(job, hasher, can_seek, raw=pydecomp is None)
             self._feed(feeds, reader, pydecomp, can_seek, flusher)
         except BaseException as e:
             job.abort()
@@ -292,7 +293,8 @@ class _Extraction:
                 journal.close()
             raise
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
             dest.add_time("reading", getattr(reader, "read_seconds", 0.0))
             dest.add_time("writing", feeds.seconds + getattr(reader, "feed_seconds", 0.0))
         self._check_source(hasher)

@@ -34,10 +34,8 @@ BLOCK = 8 << 20
 # benchmark archive in 3.7-3.8 s on this VM's disk, 8 x 8 MiB in 2.1-2.2 s (as fast as
 # O_DIRECT; more is no faster). Cached, the count makes no difference.
 _PREFETCH = 8
-# On a network or FUSE file system, the job's reads of an archive are striped: each
-# block asked for in reads of this size, all in flight at once (8 blocks: 64 reads, a
-# pread thread waiting for each), so the file system's latency is paid 64 requests at a
-# time (see read_stripe()).
+# On a network or FUSE file system the job reads an archive's blocks in stripes of this
+# size, all in flight (8 blocks: 64 reads, a pread thread waiting for each).
 _NET_STRIPE = 1 << 20
 # Ranged GETs in flight for an archive in an object store (8 MiB each).
 _REMOTE_PREFETCH = 8
@@ -353,11 +351,10 @@ class NativeReader:
     :func:`_open_direct`), seeking over skipped members. Owns its descriptors:
     ``close()`` closes them.
 
-    With ``hasher`` (a published checksum), every block is handed to
-    ``hasher.update``, in order, on a thread of the job's own while the block is fed
-    (the GIL taken for the call; hashlib releases it while it hashes): no second read
-    of the file, and nothing seeked over. For an archive the job is fed as it is: a tar,
-    or one it decodes natively (a Python decoder keeps :class:`Prefetcher`)."""
+    With ``hasher`` (a published checksum), every block goes to ``hasher.update``, in
+    order, on a thread of the job's while it is fed (hashlib releases the GIL): no
+    second read, nothing seeked over. For an archive the job is fed as it is (a Python
+    decoder keeps :class:`Prefetcher`)."""
 
     def __init__(
         self, path: Path, size: int, job: _core.ExtractJob, depth: int = 0, hasher: Any = None
@@ -402,9 +399,7 @@ def read_stripe(path: Path) -> int:
         try:
             return max(0, int(value))
         except ValueError:
-            raise ValueError(
-                f"FASTLOAD_READ_STRIPE={value!r}: expected a number of bytes"
-            ) from None
+            raise ValueError(f"FASTLOAD_READ_STRIPE={value!r}: not a number of bytes") from None
     return _NET_STRIPE if network_fs(path) is True else 0
 
 
@@ -531,7 +526,6 @@ class PyDecoder:
         if hasattr(self._d, "eof") and not self._d.eof:
             raise self._corrupt(f"truncated {self._kind} stream")
         return tail
-
 
 
 class LocalArchive:

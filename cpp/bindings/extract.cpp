@@ -173,16 +173,19 @@ void register_extract(py::module_& m) {
       .def(
           "read_source",
           [](copy::ExtractJob& j, int fd, int direct_fd, uint64_t size, unsigned depth,
-             const py::object& tick) {
+             const py::object& tick, const py::object& where, const py::object& hash,
+             size_t stripe) {
             copy::SourceFile src;
             src.fd = fd;
             src.direct_fd = direct_fd;
             src.size = size;
             src.depth = depth;
+            src.stripe = stripe;
+            if (!where.is_none()) src.where = fs_bytes(where);
             // tick runs on this thread with the GIL taken back; Ctrl-C (a pending
             // signal) or its exception stops the reading: kept here, the core sees a
             // cancel, and it is raised once the core has unwound.
-            std::exception_ptr raised;
+            std::exception_ptr raised, hash_raised;
             std::function<void(uint64_t)> cb = [&](uint64_t offset) {
               py::gil_scoped_acquire gil;
               try {
@@ -193,23 +196,44 @@ void register_extract(py::module_& m) {
                 throw Error(ErrorKind::kCancelled, 0, "extraction interrupted", "");
               }
             };
+            // hash(block) on the core's hasher thread, the GIL taken for the call only
+            // (hashlib releases it while hashing a buffer). The buffer keeps the blocks'
+            // memory alive; the core keeps the block from reuse until the call returns.
+            // Captured by reference: nothing Python is copied without the GIL.
+            std::shared_ptr<char[]> storage = j.block_storage();
+            if (!hash.is_none())
+              src.hash = [&hash, &hash_raised, storage](const char* p, size_t n) {
+                py::gil_scoped_acquire gil;
+                try {
+                  hash(ReadBlock{storage, const_cast<char*>(p), n});
+                } catch (...) {
+                  hash_raised = std::current_exception();
+                  throw Error(ErrorKind::kCancelled, 0, "hashing the archive failed", "");
+                }
+              };
             copy::SourceReads r;
             try {
               py::gil_scoped_release nogil;
               r = j.read_source(src, cb);
             } catch (const Error&) {
               if (raised) std::rethrow_exception(raised);
+              if (hash_raised) std::rethrow_exception(hash_raised);
               throw;
             }
             return py::make_tuple(r.bytes, r.blocks, r.direct_blocks, r.wait_ns * 1e-9,
-                                  r.feed_ns * 1e-9);
+                                  r.feed_ns * 1e-9, r.hash_wait_ns * 1e-9, r.engine);
           },
           py::arg("fd"), py::arg("direct_fd"), py::arg("size"), py::arg("depth"),
-          py::arg("tick") = py::none(),
+          py::arg("tick") = py::none(), py::kw_only(), py::arg("where") = py::none(),
+          py::arg("hash") = py::none(), py::arg("stripe") = 0,
           "Reads the archive from fd (direct_fd: the same file opened O_DIRECT, or -1) "
-          "and feeds it, the GIL released; tick(offset) between blocks. Returns (bytes "
-          "read, blocks, blocks read O_DIRECT, seconds waiting for reads, seconds "
-          "feeding the blocks to the extractor).")
+          "and feeds it, the GIL released; tick(offset) between blocks; where: the "
+          "archive's path, whose file system the engine rule picks the reads' backend "
+          "for (None: the job's); hash(buffer): each block in order, on a thread of the "
+          "job's (nothing is seeked over); stripe: buffered blocks read in stripes of this "
+          "size, each a read in flight (0: whole). Returns (bytes read, blocks, blocks read "
+          "O_DIRECT, seconds waiting for reads, seconds feeding the blocks to the "
+          "extractor, seconds waiting for the hasher, the reads' backend).")
       .def_property_readonly("block_size", &copy::ExtractJob::block_size)
       .def("finish", &copy::ExtractJob::finish, py::call_guard<py::gil_scoped_release>())
       .def("skippable", &copy::ExtractJob::skippable)

@@ -2,9 +2,10 @@
 // tars extracted too) into a destination directory.
 //
 // The caller feeds the archive's bytes in order (the Python layer reads them in large
-// sequential, prefetched reads and hashes them for the published checksum), or the job
-// reads a local archive file itself (read_source(): io::ReadAhead on an engine of the
-// same backend as its writes). Members are
+// sequential, prefetched reads), or the job reads an archive file itself (read_source():
+// io::ReadAhead on an engine of the backend the engine rule gives the archive's file
+// system, a published checksum's hasher handed each block on a thread of its own).
+// Members are
 // decoded as they arrive and their data is written with many writes in flight through
 // the I/O engine; nothing is staged to disk twice, and an inner tar ("nested") is parsed
 // from the outer one's data without ever being written.
@@ -84,7 +85,18 @@ struct SourceFile {
   int direct_fd = -1;  // the same file opened O_DIRECT, for uncached blocks; -1: none
   uint64_t size = 0;   // the file's size when staging began: shorter is kSourceChanged
   unsigned depth = 8;  // read blocks in flight
+  size_t stripe = 0;   // buffered blocks read in stripes of this size, each in flight; 0: whole
   unsigned tick_ms = 100;  // tick() at most this often (and once after the first block)
+  // The archive's path: the engine rule (io::resolve_kind) picks the reads' backend for
+  // the file system under it, from the backend the job was asked for (a network or FUSE
+  // file system: the pread pool). Empty: the reads run on the job's own backend.
+  std::string where;
+  // A published checksum's hasher: called with every block's bytes, in file order, on a
+  // thread of the job's own while the block is fed (and the next ones read); a block
+  // is not given back to the job (reused) before it is hashed. With a hasher nothing is
+  // seeked over. What it throws stops the reading and is rethrown.
+  std::function<void(const char* data, size_t n)> hash;
+  unsigned hash_lag = 4;  // blocks the hasher may be behind the feeding before it waits
 };
 
 // What read_source() read: bytes and blocks (skipped members' data is not read), and
@@ -96,6 +108,8 @@ struct SourceReads {
   uint64_t direct_blocks = 0;
   uint64_t wait_ns = 0;
   uint64_t feed_ns = 0;
+  uint64_t hash_wait_ns = 0;  // the feeding waiting for the hasher to catch up
+  std::string engine;         // the reads' backend ("uring" or "pread")
 };
 
 struct ExtractedLink {
@@ -141,9 +155,10 @@ class ExtractJob {
   void populate(uint64_t offset, uint64_t n) const;
   void feed_mapped(uint64_t offset, size_t n);
   // The archive read by the job itself (issue 33): the whole file, in the job's read
-  // blocks, `depth` of them in flight on an engine of the same backend as the job's
-  // writes (io::ReadAhead: O_DIRECT for blocks not in the page cache), each fed as it
-  // arrives, skipped members' data seeked over. tick(offset of the bytes fed so far)
+  // blocks, `depth` of them in flight on an engine of the backend the rule gives
+  // `source.where` (io::ReadAhead: O_DIRECT for blocks not in the page cache), each fed
+  // as it arrives (and hashed, with `source.hash`), skipped members' data seeked over
+  // (none with a hasher). tick(offset of the bytes fed so far)
   // runs on this thread between blocks and between waits, while the job is between
   // feeds (it may take_done(), take_warnings(), ...); what it throws stops the reading
   // and is rethrown. Call finish() afterwards. Throws like feed(), and Error(kOs) or

@@ -14,7 +14,15 @@ ReadAhead::ReadAhead(Engine& engine, BlockLender lender, ReadAheadOptions option
     : eng_(engine), lender_(std::move(lender)), opt_(std::move(options)), poll_(std::move(poll)),
       direct_ok_(opt_.direct_fd >= 0) {
   if (opt_.block_size < kAlign || opt_.block_size % kAlign != 0) direct_ok_ = false;
-  opt_.depth = std::max(1u, std::min(opt_.depth, eng_.capacity()));
+  // Stripes: whole pages, at most kMaxStripes a block; none (0) is one stripe.
+  if (opt_.stripe) {
+    opt_.stripe = std::max(opt_.stripe - opt_.stripe % kAlign, kAlign);
+    opt_.stripe = std::max(opt_.stripe, (opt_.block_size + kMaxStripes - 1) / kMaxStripes);
+  }
+  if (opt_.stripe >= opt_.block_size) opt_.stripe = 0;
+  const size_t per_block = opt_.stripe ? (opt_.block_size + opt_.stripe - 1) / opt_.stripe : 1;
+  // Every part of every block in flight fits in the engine.
+  opt_.depth = std::max(1u, std::min<unsigned>(opt_.depth, unsigned(eng_.capacity() / per_block)));
 }
 
 ReadAhead::~ReadAhead() {
@@ -49,51 +57,72 @@ void ReadAhead::fill() {
       // Cannot tell (the file cannot be mapped): read through the cache.
       s.direct = cached_bytes(opt_.fd, s.offset, s.n, &err) != s.n && err == 0;
     }
-    queue_.push_back(s);
-    submit(queue_.back(), front_seq_ + queue_.size() - 1);
+    // A direct read is one part (its alignment rules); a buffered one is striped.
+    size_t stripe = s.direct || opt_.stripe == 0 ? s.n : opt_.stripe;
+    for (size_t at = 0; at < s.n || s.parts.empty(); at += stripe)
+      s.parts.push_back(Part{at, std::min(stripe, s.n - at), 0, false});
+    s.open = s.parts.size();
+    queue_.push_back(std::move(s));
+    const uint64_t seq = front_seq_ + queue_.size() - 1;
+    for (size_t k = 0; k < queue_.back().parts.size(); ++k) submit(queue_.back(), seq, k);
   }
 }
 
-// Asks for the rest of the slot's range. A direct read asks for whole pages (the last
-// block's rounded up, which the block has room for; the file's end makes it short).
-void ReadAhead::submit(Slot& s, uint64_t seq) {
+// Asks for the rest of one part. A direct read asks for whole pages (the last block's
+// rounded up, which the block has room for; the file's end makes it short).
+void ReadAhead::submit(Slot& s, uint64_t seq, size_t part) {
+  Part& p = s.parts[part];
   Op op;
   op.code = OpCode::kRead;
   op.fd = s.direct ? opt_.direct_fd : opt_.fd;
-  op.buf = s.data + s.got;
-  size_t want = s.direct ? (s.n + kAlign - 1) / kAlign * kAlign : s.n;
-  op.len = uint32_t(want - s.got);
-  op.offset = s.offset + s.got;
-  op.user_data = seq;
+  op.buf = s.data + p.at + p.got;
+  size_t want = s.direct ? (p.n + kAlign - 1) / kAlign * kAlign : p.n;
+  op.len = uint32_t(want - p.got);
+  op.offset = s.offset + p.at + p.got;
+  op.user_data = seq * kMaxStripes + part;
   int r = eng_.push(op);
   if (r != 0) throw Error::os(-r, "queue read of", opt_.name);
 }
 
+// Once the last part is done, the slot is: its bytes are those read from the start up
+// to the first part that came back short (the file's end).
+void ReadAhead::part_done(Slot& s, Part& p) {
+  p.done = true;
+  if (--s.open > 0) return;
+  s.got = 0;
+  for (const Part& q : s.parts) {
+    s.got += std::min(q.got, q.n);
+    if (q.got < q.n) break;
+  }
+  s.done = true;
+}
+
 void ReadAhead::complete(const Completion& c) {
-  Slot& s = queue_[size_t(c.user_data - front_seq_)];
-  if (c.res == -EINTR || c.res == -EAGAIN) return submit(s, c.user_data);
+  const uint64_t seq = c.user_data / kMaxStripes;
+  const size_t part = size_t(c.user_data % kMaxStripes);
+  Slot& s = queue_[size_t(seq - front_seq_)];
+  Part& p = s.parts[part];
+  if (c.res == -EINTR || c.res == -EAGAIN) return submit(s, seq, part);
   if (c.res == -EINVAL && s.direct) {
     // The file system refuses this alignment after all (or a read came back short off
     // a page, leaving the rest unaligned): buffered from here on.
     direct_ok_ = false;
     s.direct = false;
-    return submit(s, c.user_data);
+    return submit(s, seq, part);
   }
   if (c.res < 0) {
-    s.err = int(c.res);
-    s.done = true;
-    return;
+    if (s.err == 0) s.err = int(c.res);
+    return part_done(s, p);
   }
-  s.got += size_t(c.res);
-  if (s.got >= s.n || c.res == 0) {  // whole, or the end of the file
-    s.got = std::min(s.got, s.n);
-    s.done = true;
-    return;
+  p.got += size_t(c.res);
+  if (p.got >= p.n || c.res == 0) {  // whole, or the end of the file
+    p.got = std::min(p.got, p.n);
+    return part_done(s, p);
   }
   // A direct read short off a page (the file's end, or a device of 512-byte sectors
   // cutting it there): the rest of the block is read buffered, which tells which.
-  if (s.direct && s.got % kAlign != 0) s.direct = false;
-  submit(s, c.user_data);
+  if (s.direct && p.got % kAlign != 0) s.direct = false;
+  submit(s, seq, part);
 }
 
 void ReadAhead::wait() {
@@ -109,7 +138,7 @@ bool ReadAhead::next(Block* out) {
   fill();
   if (queue_.empty()) return false;
   while (!queue_.front().done) wait();
-  Slot s = queue_.front();
+  Slot s = std::move(queue_.front());
   if (s.err < 0) throw Error::os(-s.err, "read", opt_.name);
   if (s.got != s.n)
     throw Error(ErrorKind::kSourceChanged, EIO, "source file changed", opt_.name,
@@ -141,7 +170,10 @@ void ReadAhead::drain() noexcept {
     int n = eng_.reap(cq, 64, 1, 100);
     if (n < 0) break;  // the engine is broken: nothing more will complete
     // A completed read is done, whatever it read: nothing is asked again.
-    for (int k = 0; k < n; ++k) queue_[size_t(cq[k].user_data - front_seq_)].done = true;
+    for (int k = 0; k < n; ++k) {
+      Slot& s = queue_[size_t(cq[k].user_data / kMaxStripes - front_seq_)];
+      part_done(s, s.parts[size_t(cq[k].user_data % kMaxStripes)]);
+    }
   }
   for (const Slot& s : queue_) {
     try {

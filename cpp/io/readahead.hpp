@@ -8,6 +8,9 @@
 //     blocks are still copied out of the cache (residency.hpp says which);
 //   - after a seek to an unaligned offset, one short block (buffered) up to the next
 //     page realigns the blocks after it, so they can be read direct again;
+//   - with `stripe`, a buffered block is asked for in stripes of that size, each a read
+//     of its own in flight (on a network file system, many requests at once cover
+//     its latency: with the pread pool, a thread waits for each);
 //   - EINTR/EAGAIN and short reads are retried; a file system that refuses a direct
 //     read (EINVAL) is read buffered from then on, the block's rest included; a file found shorter than `size` is
 //     Error(kSourceChanged) naming it; any other error is Error(kOs) naming it.
@@ -18,6 +21,7 @@
 #include <deque>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "io/engine.hpp"
 
@@ -39,12 +43,14 @@ struct ReadAheadOptions {
   uint64_t size = 0;      // the bytes to read: the file's size when reading began
   size_t block_size = 8u << 20;  // a multiple of kAlign (O_DIRECT)
   unsigned depth = 8;     // blocks in flight
+  size_t stripe = 0;      // buffered blocks read in stripes of this size; 0: whole
   std::string name;       // how errors name the file
 };
 
 class ReadAhead {
  public:
   static constexpr size_t kAlign = 4096;  // O_DIRECT: offsets, lengths and buffers
+  static constexpr size_t kMaxStripes = 64;  // per block
 
   struct Block {
     uint64_t offset = 0;
@@ -77,18 +83,28 @@ class ReadAhead {
   uint64_t direct_blocks() const { return direct_blocks_; }
 
  private:
+  // One read of a block: [at, at + n) of it (the whole block unless striped).
+  struct Part {
+    size_t at = 0;
+    size_t n = 0;
+    size_t got = 0;
+    bool done = false;
+  };
   struct Slot {
     uint64_t offset = 0;
     size_t n = 0;
     int index = -1;
     char* data = nullptr;
-    bool direct = false;
-    bool done = false;
-    size_t got = 0;
-    int err = 0;  // -errno
+    bool direct = false;  // one part only
+    bool done = false;    // every part done: nothing in flight writes into the block
+    size_t got = 0;       // once done: the bytes read from the start, up to a short part
+    int err = 0;          // -errno
+    std::vector<Part> parts;
+    size_t open = 0;  // parts not done
   };
   void fill();
-  void submit(Slot& s, uint64_t seq);
+  void submit(Slot& s, uint64_t seq, size_t part);
+  void part_done(Slot& s, Part& p);
   void complete(const Completion& c);
   void wait();  // one slice: reaps what completes within 100 ms, then poll()
   void give_back_current();

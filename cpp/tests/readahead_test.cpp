@@ -2,7 +2,8 @@
 // whole and in order, buffered and O_DIRECT (where the temporary directory's file system
 // takes it), after seeks to unaligned offsets, through injected EINTR and short reads;
 // a file cut short is kSourceChanged naming it; an injected EIO is kOs naming it; the
-// destructor gives every block back with reads still in flight.
+// destructor gives every block back with reads still in flight. All of it again with
+// buffered blocks read in stripes (several reads in flight per block).
 //
 // Exits 77 (skipped) when io_uring is unavailable and everything else passed.
 #include <fcntl.h>
@@ -63,6 +64,7 @@ struct Case {
   Kind kind;
   bool direct;
   std::string faults;  // FASTLOAD_FAULTS for the engine, "" for none
+  size_t stripe = 0;   // ReadAheadOptions::stripe
 };
 
 std::unique_ptr<Engine> engine_for(const Case& c) {
@@ -96,6 +98,7 @@ uint64_t read_all(const Case& c, const std::string& path, uint64_t size, uint64_
     o.size = size;
     o.block_size = kBlock;
     o.depth = 6;
+    o.stripe = c.stripe;
     o.name = path;
     ReadAhead ra(*eng, lender.make(), o, nullptr);
     if (from) ra.seek(from);
@@ -151,6 +154,7 @@ void expect_error(const Case& c, const std::string& path, uint64_t claimed, Erro
     o.fd = fd;
     o.size = claimed;
     o.block_size = kBlock;
+    o.stripe = c.stripe;
     o.name = path;
     ReadAhead ra(*eng, lender.make(), o, nullptr);
     ReadAhead::Block b;
@@ -200,6 +204,17 @@ int main() {
     // A file shorter than claimed: source changed; a failing read: the errno, named.
     expect_error({kind, false, ""}, path, size + 3 * kBlock, ErrorKind::kSourceChanged);
     expect_error({kind, false, "eio=1,seed=1,ops=read,after=4"}, path, size, ErrorKind::kOs);
+    // Striped: 16 KiB reads (4 a block), and 5000 bytes (rounded to a page); a direct
+    // descriptor too (uncached blocks are one direct read, cached ones striped).
+    for (size_t stripe : {size_t(16) << 10, size_t(5000)}) {
+      run_case({kind, false, "", stripe}, path, size);
+      if (direct_ok) run_case({kind, true, "", stripe}, path, size);
+      run_case({kind, false, "eintr=0.3,short=0.4,seed=7,ops=read", stripe}, path, size);
+      expect_error({kind, false, "", stripe}, path, size + 3 * kBlock + 100,
+                   ErrorKind::kSourceChanged);
+      expect_error({kind, false, "eio=1,seed=3,ops=read,after=9", stripe}, path, size,
+                   ErrorKind::kOs);
+    }
   }
   ::unlink(path.c_str());
   ::rmdir(dir.c_str());

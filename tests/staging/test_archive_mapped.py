@@ -122,9 +122,10 @@ def test_the_environment_overrides(stage: Stage, made: Made, tmp_path: Path,
 
 def test_checksummed_and_compressed_archives_are_read(stage: Stage, made: Made, tmp_path: Path,
                                                       readers: list[str]) -> None:
-    """A published checksum is computed from the read blocks; a compressed archive is
-    decoded into write slots anyway: read, by the job itself where it decodes it
-    (test_archive_native.py), else by the Python read-ahead that feeds the decoder."""
+    """A published checksum is computed from the read blocks: the job reads them
+    itself and hands them to its hasher (test_archive_native.py); a compressed archive
+    is decoded into write slots anyway: read, by the job itself where it decodes it,
+    else by the Python read-ahead that feeds the decoder."""
     import hashlib
 
     from fastload.staging.archive import python_decompressor
@@ -134,7 +135,7 @@ def test_checksummed_and_compressed_archives_are_read(stage: Stage, made: Made, 
     gz = tars.gzip_file(made.archive, tmp_path / "a.tar.gz")
     gz.read_bytes()
     stage(gz, tmp_path / "gz")
-    assert readers == ["read", "read" if python_decompressor("gzip") else "native"]
+    assert readers == ["native", "read" if python_decompressor("gzip") else "native"]
     tars.assert_same_extraction(made.ref, tmp_path / "sum")
     tars.assert_same_extraction(made.ref, tmp_path / "gz")
 

@@ -1,13 +1,14 @@
 """Archive staging: stream a (compressed) tar, or a tar of tars, into a directory.
 
-The archive is read once, in large positional reads kept in flight (on a local disk by
-the native extractor itself, through the I/O engine, what is not cached with O_DIRECT
-straight into its blocks: readers.NativeReader; else by a few Python threads: on a
-striped network file system each is served in parallel), hashed on the way (on a
-thread of its own) when a published checksum is given, and fed to the native
-extractor, which decompresses on a thread of its own, decodes members as they arrive
-and writes them with many writes in flight. Skipped members of an uncompressed archive
-are seeked over, not read.
+The archive is read once, in large positional reads kept in flight (a file by the
+native extractor itself, through the I/O engine the engine rule gives its file system:
+on a local disk what is not cached with O_DIRECT straight into its blocks, on a network
+or FUSE one in stripes, many at once, so a striped file system serves them in parallel:
+readers.NativeReader; else by a few Python threads), hashed on the way (on a thread of
+its own) when a published checksum is given, and fed to the native extractor, which
+decompresses on a thread of its own, decodes members as they arrive and writes them
+with many writes in flight. Skipped members of an uncompressed archive are seeked over,
+not read (unless a checksum needs them).
 """
 
 from __future__ import annotations
@@ -272,9 +273,10 @@ class _Extraction:
             direct_write_min=data.direct_write_min(dest.path),
         )
         job = _core.ExtractJob(str(dest.path), data.name, options)
-        reader = data.reader(job, hasher, can_seek)
         feeds = _TimedFeeds(job)
+        reader: Any = None
         try:
+            reader = data.reader(job, hasher, can_seek, raw=pydecomp is None)
             self._feed(feeds, reader, pydecomp, can_seek, flusher)
         except BaseException as e:
             job.abort()
@@ -291,7 +293,8 @@ class _Extraction:
                 journal.close()
             raise
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
             dest.add_time("reading", getattr(reader, "read_seconds", 0.0))
             dest.add_time("writing", feeds.seconds + getattr(reader, "feed_seconds", 0.0))
         self._check_source(hasher)

@@ -34,6 +34,9 @@ BLOCK = 8 << 20
 # benchmark archive in 3.7-3.8 s on this VM's disk, 8 x 8 MiB in 2.1-2.2 s (as fast as
 # O_DIRECT; more is no faster). Cached, the count makes no difference.
 _PREFETCH = 8
+# On a network or FUSE file system the job reads an archive's blocks in stripes of this
+# size, all in flight (8 blocks: 64 reads, a pread thread waiting for each).
+_NET_STRIPE = 1 << 20
 # Ranged GETs in flight for an archive in an object store (8 MiB each).
 _REMOTE_PREFETCH = 8
 
@@ -341,38 +344,63 @@ class MappedReader(_Ahead):
 class NativeReader:
     """The archive read by the extraction job itself (``ExtractJob.read_source``, issue
     33): one native call for the whole file, the GIL released, instead of a Python loop
-    per block. The job reads it in its own blocks through the I/O engine of its writes'
-    backend (io_uring or the pread pool), ``depth`` blocks in flight, O_DIRECT for blocks
-    not in the page cache (as :class:`Prefetcher`: :func:`_open_direct`), seeking over
-    skipped members. Owns its descriptors: ``close()`` closes them.
+    per block. The job reads it in its own blocks through the I/O engine the engine rule
+    gives the archive's file system (io_uring, or the pread pool on a network or FUSE
+    one: a thread waiting for each read, ``depth`` at once), O_DIRECT for blocks not in
+    the page cache where the file system allows it (as :class:`Prefetcher`:
+    :func:`_open_direct`), seeking over skipped members. Owns its descriptors:
+    ``close()`` closes them.
 
-    For a local archive staged without a published checksum, uncompressed or decoded by
-    the job (those with a checksum or a Python decoder keep :class:`Prefetcher`: a
-    hasher thread or the decoder takes the blocks)."""
+    With ``hasher`` (a published checksum), every block goes to ``hasher.update``, in
+    order, on a thread of the job's while it is fed (hashlib releases the GIL): no
+    second read, nothing seeked over. For an archive the job is fed as it is (a Python
+    decoder keeps :class:`Prefetcher`)."""
 
-    def __init__(self, path: Path, size: int, job: _core.ExtractJob, depth: int = 0):
-        self._size, self._job = size, job
+    def __init__(
+        self, path: Path, size: int, job: _core.ExtractJob, depth: int = 0, hasher: Any = None
+    ):
+        self._size, self._job, self._name = size, job, str(path)
         self._depth = depth or _PREFETCH
+        self._hasher = hasher
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         with contextlib.suppress(OSError):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._direct_fd = _open_direct(path) if job.block_size % _ALIGN == 0 else -1
         self.bytes_read = self.blocks = self.direct_reads = 0
-        # Stage stats: the job's time waiting for its reads, and feeding the extractor.
-        self.read_seconds = self.feed_seconds = 0.0
+        # Stage stats: the job's time waiting for its reads, and feeding the extractor;
+        # the feeding's wait for the hasher; the reads' backend ("uring" or "pread").
+        self.read_seconds = self.feed_seconds = self.hash_wait_seconds = 0.0
+        self.engine = ""
+        self.stripe = read_stripe(path)
 
     def run(self, tick: Callable[[int], None] | None) -> None:
-        """Reads and feeds the whole archive; ``tick(offset)`` on this thread between
-        blocks, at most every 100 ms (the journal, progress; Ctrl-C raises from it)."""
+        """Reads, hashes and feeds the whole archive; ``tick(offset)`` on this thread
+        between blocks, at most every 100 ms (the journal, progress; Ctrl-C raises from
+        it)."""
+        update = None if self._hasher is None else self._hasher.update
         (self.bytes_read, self.blocks, self.direct_reads, self.read_seconds,
-         self.feed_seconds) = self._job.read_source(
-            self._fd, self._direct_fd, self._size, self._depth, tick
+         self.feed_seconds, self.hash_wait_seconds, self.engine) = self._job.read_source(
+            self._fd, self._direct_fd, self._size, self._depth, tick,
+            where=self._name, hash=update, stripe=self.stripe,
         )  # fmt: skip
 
     def close(self) -> None:
         os.close(self._fd)
         if self._direct_fd >= 0:
             os.close(self._direct_fd)
+
+
+def read_stripe(path: Path) -> int:
+    """The stripe the job reads an archive at ``path`` in (0: whole blocks): 1 MiB on
+    a network or FUSE file system, where many requests in flight cover the latency.
+    ``FASTLOAD_READ_STRIPE`` overrides (bytes; 0: whole blocks)."""
+    value = os.environ.get("FASTLOAD_READ_STRIPE", "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"FASTLOAD_READ_STRIPE={value!r}: not a number of bytes") from None
+    return _NET_STRIPE if network_fs(path) is True else 0
 
 
 def native_reads() -> bool:
@@ -500,7 +528,6 @@ class PyDecoder:
         return tail
 
 
-
 class LocalArchive:
     """An archive file on a local or network file system, as the extraction reads it."""
 
@@ -514,19 +541,18 @@ class LocalArchive:
         self.cached = cached_share(path, self.size)
 
     def reader(
-        self, job: _core.ExtractJob, hasher: Any, can_seek: bool
+        self, job: _core.ExtractJob, hasher: Any, can_seek: bool, raw: bool = True
     ) -> Prefetcher | MappedReader | NativeReader:
-        """Mapped when cached (:func:`mapped_reads`); else, without a hasher, on a
-        local file system, read by the job itself when it is fed the file's bytes (a
-        tar, or one the job decodes natively: ``can_seek`` or ``job.compression``);
-        else the Python read-ahead (a checksum's hasher, a Python decoder, or a network
-        file system)."""
+        """Mapped when cached (:func:`mapped_reads`: a local file system, no hasher);
+        else read by the job itself when it is fed the file's bytes as they are
+        (``raw``: a tar, or one the job decodes natively), on any file system, hashed
+        on the way with ``hasher``; else (a Python decoder takes the bytes, or
+        ``FASTLOAD_NATIVE_READS=0``) the Python read-ahead."""
         if can_seek and mapped_reads(self.path, self.cached):
             with contextlib.suppress(OSError):  # a file system that cannot map it: read it
                 return MappedReader(self.path, self.size, job)
-        raw = can_seek or (hasher is None and job.compression != "none")
-        if raw and native_reads() and network_fs(self.path) is False:
-            return NativeReader(self.path, self.size, job)
+        if raw and native_reads():
+            return NativeReader(self.path, self.size, job, hasher=hasher)
         return Prefetcher(self.path, self.size, job, hasher=hasher)
 
     def direct_write_min(self, dst: Path) -> int:
@@ -549,7 +575,9 @@ class RemoteArchive:
         self.identity: tuple[str, int, Any] = (self.name, info.size, info.identity)
         self.cached = 0.0
 
-    def reader(self, job: _core.ExtractJob, hasher: Any, can_seek: bool) -> RemotePrefetcher:
+    def reader(
+        self, job: _core.ExtractJob, hasher: Any, can_seek: bool, raw: bool = True
+    ) -> RemotePrefetcher:
         return RemotePrefetcher(self._store, self._info, job, hasher=hasher)
 
     def read_into(self, view: memoryview, offset: int) -> int:

@@ -224,7 +224,9 @@ class StreamArchive:
         self.size += got
         return got
 
-    def reader(self, job: _core.ExtractJob, hasher: Any, can_seek: bool) -> StreamReader:
+    def reader(
+        self, job: _core.ExtractJob, hasher: Any, can_seek: bool, raw: bool = True
+    ) -> StreamReader:
         return StreamReader(self, job, hasher=hasher)
 
     def direct_write_min(self, dst: Path) -> int:

@@ -176,7 +176,9 @@ class _ExchangeArchive:
         self.stream = False
         self.reader_made: _ExchangeReader | None = None
 
-    def reader(self, job: Any, hasher: Any, can_seek: bool) -> _ExchangeReader:
+    def reader(
+        self, job: Any, hasher: Any, can_seek: bool, raw: bool = True
+    ) -> _ExchangeReader:
         self.reader_made = _ExchangeReader(self._x, self._pieces, self.size, self.name, job, hasher)
         return self.reader_made
 

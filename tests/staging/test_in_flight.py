@@ -124,7 +124,7 @@ def test_a_local_path_ignores_a_latency(tmp_path: Path) -> None:
 
 def test_the_latency_of_a_mount_sets_its_files_in_flight(tmp_path: Path) -> None:
     """netsim mounts of 0 and 10 ms per request (each delay a floor): the files in flight
-    derived from the latency measured on each (a few lstat and open calls): the slow
+    derived from the latency measured on each (a few opens): the slow
     mount's are at least what the rule gives its floor and no fewer than the fast one's,
     within MAX_NETWORK_FILES; a stage's plan through the mount (LocalTree: its walk and
     its CopyJob) takes its measure, and the stage copies the tree whole."""

@@ -10,6 +10,7 @@ for a report (``fastload probe``) before any job runs.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -65,23 +66,38 @@ def _sample_files(root: Path) -> list[str]:
 
 def request_latency(root: Path | str) -> float | None:
     """Seconds the storage under ``root`` takes to answer one request: the least time of
-    the lstat and of the open of each of a few of its files, not touched before (on a
-    network or FUSE file system each is a round trip to the server: a lookup, an open),
-    what ``fastload probe`` reports as its stat and open latency. None where ``root`` is
-    not a folder holding a file that can be opened (one file needs nothing in flight).
-    Costs a folder listing or two and 2 x LATENCY_SAMPLES requests, one after another."""
+    the opens of a few of its files (on a network or FUSE file system each is a round
+    trip to the server, even where a walk has just looked the file up: FUSE's open, NFS's
+    close-to-open check), what ``fastload probe`` reports as its open latency. None where
+    ``root`` is not a folder holding a file that can be opened (one file needs nothing
+    in flight). Costs a folder listing or two and LATENCY_SAMPLES opens, one after
+    another: a stage runs it beside its walk (:class:`LatencyProbe`)."""
     root = Path(root)
     files = _sample_files(root) if root.is_dir() else []
     took: list[float] = []
     for f in files:
         try:
             t0 = time.perf_counter()
-            os.lstat(f)
-            t1 = time.perf_counter()
             fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            t2 = time.perf_counter()
+            t1 = time.perf_counter()
         except OSError:
             continue
         os.close(fd)
-        took += [t1 - t0, t2 - t1]
+        took.append(t1 - t0)
     return min(took) if took else None
+
+
+class LatencyProbe:
+    """:func:`request_latency` of ``root`` on a thread of its own, started at once (a
+    stage's walk runs meanwhile: the measurement adds no round trips to its wall time);
+    :meth:`result` waits for it."""
+
+    def __init__(self, root: Path | str) -> None:
+        self._got: list[float | None] = []
+        self._thread = threading.Thread(target=lambda: self._got.append(request_latency(root)),
+                                        name="fastload-latency", daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def result(self) -> float | None:
+        self._thread.join()
+        return self._got[0] if self._got else None

@@ -26,7 +26,7 @@ from ..errors import ChecksumMismatchError, stage_error
 from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
-from .engine import network_fs, request_latency
+from .engine import LatencyProbe, network_fs
 from .job import (
     DIR,
     FILE,
@@ -231,19 +231,33 @@ class LocalTree:
         self.options: dict[str, Any] = {
             **req.selection(), "on_special": req.on_special, "file": single,
         }  # fmt: skip
+        self._probe: LatencyProbe | None = None
         self._latency: tuple[float | None] | None = None  # (seconds,) once measured
 
+    def _measure(self, req: StageRequest) -> None:
+        """Starts measuring the source's request latency (engine.LatencyProbe), once,
+        and only where it sets the files in flight: a network or FUSE file system, no
+        ``workers``."""
+        if self._probe is None and self._latency is None:
+            if not req.workers and network_fs(self.src):
+                self._probe = LatencyProbe(self.src)
+            else:
+                self._latency = (None,)
+
     def latency(self, req: StageRequest) -> float | None:
-        """The source's request latency (engine.request_latency), measured once, and only
-        where it sets the files in flight: a network or FUSE file system, no ``workers``."""
+        """The source's request latency, measured once (see :meth:`_measure`)."""
         if self._latency is None:
-            wanted = not req.workers and network_fs(self.src)
-            self._latency = (request_latency(self.src) if wanted else None,)
-        return self._latency[0]
+            self._measure(req)
+            if self._probe is not None:
+                self._latency = (self._probe.result(),)
+        return self._latency[0] if self._latency is not None else None
 
     def listing(self, req: StageRequest) -> Listing:
-        """The source's entries, the subset filter applied; for a file, its one entry."""
-        flight = in_flight(req.workers, self.src, latency_s=self.latency(req))
+        """The source's entries, the subset filter applied; for a file, its one entry.
+        The latency is measured meanwhile, for the copy; the walk's threads follow the
+        unmeasured rule."""
+        self._measure(req)
+        flight = in_flight(req.workers, self.src)
         threads = min(64, max(8, flight.files))
         if self.single:
             return Listing.of(_core.stat_file(str(self.src.parent), self.src.name).entries())

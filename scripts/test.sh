@@ -99,7 +99,28 @@ LAST_ENGINE=${ENGINES##* }
 
 step "pytest (the engine's cases on $FIRST_ENGINE; $LAST_ENGINE's in the sanitized pass)"
 # Run from tests/ so the installed package is imported, not python/fastload.
-FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q tests
+# Two pytest processes at once: the suites that wait on servers, clusters and their
+# processes much of the time (an S3 server, SLURM, the node cache's downloads) beside the
+# rest, so the waits of one take the other's CPU time instead of adding to the wall time.
+# Each has its own servers and temporary folders; the second one's output follows.
+WAITING=(tests/sources tests/slurm tests/cache)
+IGNORE=()
+for d in "${WAITING[@]}"; do IGNORE+=(--ignore="$d"); done
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  "${WAITING[@]}" >build/pytest-waiting.log 2>&1 &
+WAITING_PID=$!
+trap 'kill "$PEERS_PID" "$ASAN_PID" "$WAITING_PID" 2>/dev/null || true' EXIT
+rest=0
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests \
+  "${IGNORE[@]}" || rest=$?
+waiting=0
+wait "$WAITING_PID" || waiting=$?
+printf '\n%s:\n' "pytest ${WAITING[*]}"
+cat build/pytest-waiting.log
+if [ "$rest" != 0 ] || [ "$waiting" != 0 ]; then
+  echo "pytest failed (the rest: exit $rest; ${WAITING[*]}: exit $waiting)" >&2
+  exit 1
+fi
 
 step "native tests and the Python suite under AddressSanitizer + UndefinedBehaviorSanitizer"
 if ! wait "$ASAN_PID"; then

@@ -172,6 +172,9 @@ class FaultProxy:
         # Stop listening once this many object GETs have been answered in full (0: never):
         # the server is gone after a known amount of progress.
         self.close_after_gets = 0
+        # Close the gate once this many object GETs have been answered in full (0: never):
+        # the later GETs wait there, so a client cannot finish before the test acts.
+        self.hold_after_gets = 0
         self.gets_answered = 0
         # While cleared, object GETs wait (counted in flight) before they are answered.
         self.gate = threading.Event()
@@ -352,6 +355,8 @@ class FaultProxy:
                         self.bytes_out += sent
                         if kind == "GET":
                             self.gets_answered += 1
+                            if 0 < self.hold_after_gets <= self.gets_answered:
+                                self.gate.clear()
                         stop = 0 < self.close_after_gets <= self.gets_answered
                     if stop:
                         self.close()

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import queue
+import threading
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -230,6 +231,8 @@ class ObjectPrefix:
             got = write_bodies(dest.root, [(self._name(dest, i), body, objs.mtime_ns[i])
                                            for i, body in bodies], req.stripe)  # fmt: skip
             fetcher.add_times(0.0, time.monotonic() - t0)
+            with unjournalled_lock:  # on this thread: no interrupt comes between
+                unjournalled[id(bodies)] = (bodies, got)
             small.taken(len(bodies))
             return got
 
@@ -252,6 +255,12 @@ class ObjectPrefix:
             if failed is not None:
                 raise failed
 
+        # Batches written and not yet journalled, put here by the writer itself: a Ctrl-C
+        # can come between any two steps of this thread (an event taken off the queue and
+        # not yet handled, say), never between a write and this record of it. Whatever is
+        # here when the stage stops is journalled: a resume need not fetch it again.
+        unjournalled: dict[int, tuple[list[tuple[int, Any]], list[bytes | OSError]]] = {}
+        unjournalled_lock = threading.Lock()
         try:
             submit_more()
             small.start()
@@ -262,21 +271,32 @@ class ObjectPrefix:
                     while True:
                         got.append(events.get_nowait())
                 batch: list[tuple[Any, ...]] = []
+                failed: BaseException | None = None
                 try:
                     for ev in got:
-                        if isinstance(ev, Future):
-                            record(pending.pop(ev), ev.result(), batch)
-                        elif ev[0] == "bodies":
-                            to_write(ev[1])
-                        elif ev[0] == "written":
-                            running[1] -= 1
-                            written(ev[1], ev[2].result(), batch)
-                        elif ev[0] == "error":
-                            raise ev[1]
-                        else:
-                            running[0] = False
+                        try:
+                            if isinstance(ev, Future):
+                                record(pending.pop(ev), ev.result(), batch)
+                            elif ev[0] == "bodies":
+                                if failed is None:
+                                    to_write(ev[1])
+                            elif ev[0] == "written":
+                                running[1] -= 1
+                                written(ev[1], ev[2].result(), batch)
+                                with unjournalled_lock:
+                                    del unjournalled[id(ev[1])]
+                            elif ev[0] == "error":
+                                raise ev[1]
+                            else:
+                                running[0] = False
+                        except Exception as e:
+                            # The other events taken with it are handled first: what was
+                            # written is journalled, not fetched again by a resume.
+                            failed = failed or e
                 finally:
                     flusher.add(batch)  # an error's batch too: a resume need not fetch it
+                if failed is not None:
+                    raise failed
                 submit_more()
                 now = time.monotonic()
                 if on_progress is not None and now - last >= PROGRESS_EVERY:
@@ -287,16 +307,11 @@ class ObjectPrefix:
             fetcher.cancelled = True
             small.cancel()
             writers.shutdown(wait=True, cancel_futures=True)
-            with contextlib.suppress(Exception):
-                # What the writers finished is journalled: a resume need not fetch it.
-                while True:
-                    ev = events.get_nowait()
-                    if not isinstance(ev, Future) and ev[0] == "written" and ev[2].done() \
-                            and not ev[2].cancelled():
-                        done_now: list[tuple[Any, ...]] = []
-                        with contextlib.suppress(OSError):
-                            written(ev[1], ev[2].result(), done_now)
-                        flusher.add(done_now)
+            for bodies, results in unjournalled.values():  # (twice is harmless)
+                done_now: list[tuple[Any, ...]] = []
+                with contextlib.suppress(OSError):
+                    written(bodies, results, done_now)
+                flusher.add(done_now)
             for f in pending:
                 f.cancel()
             with contextlib.suppress(Exception):

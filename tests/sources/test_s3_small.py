@@ -96,7 +96,8 @@ def test_object_replaced_before_its_get_is_source_changed_and_resumes(
 
 
 _CHILD = """
-import sys, fastload
+import sys, fastload, faulthandler, signal
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's hang report
 fastload.stage(sys.argv[1], sys.argv[2], workers=4)
 """
 
@@ -121,7 +122,13 @@ def test_ctrl_c_stops_small_gets_and_the_stage_resumes(
         else:
             pytest.fail("the child never wrote 40 objects")
         child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=60)
+        try:
+            _, err = child.communicate(timeout=120)  # a hang guard, not a timing
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)  # every thread's stack, to stderr
+            time.sleep(2)
+            child.kill()
+            pytest.fail("the stage did not stop on SIGINT:\n" + child.communicate()[1][-8000:])
     finally:
         if child.poll() is None:
             child.kill()

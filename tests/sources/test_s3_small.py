@@ -97,6 +97,9 @@ def test_object_replaced_before_its_get_is_source_changed_and_resumes(
 
 _CHILD = """
 import sys, fastload, faulthandler, signal
+# A pytest started in the background by a script (CI's second one) ignores SIGINT, and
+# a child inheriting that gets no KeyboardInterrupt: Python's own handler, explicitly.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's hang report
 fastload.stage(sys.argv[1], sys.argv[2], workers=4)
 """

@@ -13,6 +13,7 @@
 #include <deque>
 #include <memory>
 
+#include "common/timespec.hpp"
 #include "common/unique_fd.hpp"
 #include "hash/digest.hpp"
 #include "io/fs.hpp"
@@ -585,14 +586,7 @@ class Runner {
       }
     }
     if (opt_.write) {
-      timespec times[2];
-      times[0].tv_sec = time_t(t.mtime_ns / 1000000000);
-      times[0].tv_nsec = long(t.mtime_ns % 1000000000);
-      if (times[0].tv_nsec < 0) {
-        times[0].tv_nsec += 1000000000;
-        times[0].tv_sec -= 1;
-      }
-      times[1] = times[0];
+      const timespec times[2] = {to_timespec(t.mtime_ns), to_timespec(t.mtime_ns)};
       if (f.chmod && ::fchmod(f.dst_fd, mode_t(t.mode & 07777)) != 0)
         return file_error(slot, Error::os(errno, "set mode of", dst_name(f, true)));
       if (::futimens(f.dst_fd, times) != 0)

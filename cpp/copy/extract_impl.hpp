@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/error.hpp"
+#include "common/timespec.hpp"
 #include "common/unique_fd.hpp"
 #include "copy/decompress.hpp"
 #include "copy/extract.hpp"
@@ -61,17 +62,6 @@ struct ExtractJob::Impl {
     auto slash = path.rfind('/');
     if (slash == std::string::npos) return {"", path};
     return {path.substr(0, slash), path.substr(slash + 1)};
-  }
-
-  static timespec to_timespec(int64_t ns) {
-    timespec t;
-    t.tv_sec = time_t(ns / 1000000000);
-    t.tv_nsec = long(ns % 1000000000);
-    if (t.tv_nsec < 0) {
-      t.tv_nsec += 1000000000;
-      t.tv_sec -= 1;
-    }
-    return t;
   }
 
   struct File {

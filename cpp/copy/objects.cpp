@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "common/error.hpp"
+#include "common/timespec.hpp"
 #include "common/write.hpp"
 #include "copy/copier.hpp"
 #include "hash/digest.hpp"
@@ -72,14 +73,7 @@ std::vector<uint64_t> ObjectWriter::write(const ObjectBody& b) {
       const size_t n = b.size - at < stripe_ ? b.size - at : size_t(stripe_);
       digests.push_back(hash::fl64(b.data + at, n));
     }
-    timespec times[2];
-    times[0].tv_sec = time_t(b.mtime_ns / 1000000000);
-    times[0].tv_nsec = long(b.mtime_ns % 1000000000);
-    if (times[0].tv_nsec < 0) {
-      times[0].tv_nsec += 1000000000;
-      times[0].tv_sec -= 1;
-    }
-    times[1] = times[0];
+    const timespec times[2] = {to_timespec(b.mtime_ns), to_timespec(b.mtime_ns)};
     if (::futimens(fd.get(), times) != 0) throw Error::os(errno, "set times of", path);
     if (named.empty()) {
       int err = link_into_place(fd.get(), b.name);

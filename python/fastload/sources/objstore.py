@@ -206,10 +206,11 @@ class ObjectStore:
 
     # --- requests ------------------------------------------------------------------------
 
-    def _tries(self, full: str) -> Tries:
-        """The attempts at one request for ``full`` under the retry policy, counted in
-        :attr:`retries`; the last error raised as :meth:`error` words it."""
-        return Tries(self.retries, lambda e, n: self.error(e, full, n))
+    def _tries(self, full: str, started: float | None = None) -> Tries:
+        """The attempts at one request for ``full`` (first made at ``time.monotonic()``
+        ``started``, else now) under the retry policy, counted in :attr:`retries`; the
+        last error raised as :meth:`error` words it."""
+        return Tries(self.retries, lambda e, n: self.error(e, full, n), started=started)
 
     def _call(self, full: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` (one request for ``full``), retried under the policy."""
@@ -492,12 +493,15 @@ class ObjectStore:
         the same policy: the body as obstore's Bytes (a buffer; no copy)."""
         full = self._full(key)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
-        tries = self._tries(full)
+        tries: Tries | None = None  # made at the first failure: most GETs have none
+        started = time.monotonic()
         while True:
             try:
                 resp = await self._ob.get_async(self._store, full, options=opts)
                 return await resp.bytes_async()
             except Exception as e:
+                if tries is None:
+                    tries = self._tries(full, started)
                 await asyncio.sleep(tries.wait_after(e))
 
     def stream(self, key: str = "") -> Iterator[memoryview]:

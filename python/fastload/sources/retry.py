@@ -127,11 +127,12 @@ class Tries:
     counted in ``counts`` and in this process's total."""
 
     def __init__(self, counts: RetryCounts, raise_as: Callable[[BaseException, int], BaseException],
-                 policy: RetryPolicy = POLICY) -> None:  # fmt: skip
+                 policy: RetryPolicy = POLICY, started: float | None = None) -> None:  # fmt: skip
         self.counts, self.raise_as, self.policy = counts, raise_as, policy
         self.retries = 0
         self._wait = 0.0
-        self._start = time.monotonic()
+        # The deadline counts from the first attempt (``time.monotonic()``; now if not told).
+        self._start = time.monotonic() if started is None else started
 
     def failed(self, e: BaseException) -> None:
         time.sleep(self.wait_after(e))

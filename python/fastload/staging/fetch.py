@@ -154,7 +154,7 @@ class SmallGets:
                 self._flush()
 
 
-def write_bodies(root: Path, items: list[tuple[str, Any, int]], stripe: int
+def write_bodies(root: Path, items: list[tuple[str | bytes, Any, int]], stripe: int
                  ) -> list[bytes | OSError]:  # fmt: skip
     """``_core.write_objects`` of ``items`` (name under ``root``, body, mtime_ns): per
     item its raw chunk digests, or the OSError naming its file."""

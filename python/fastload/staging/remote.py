@@ -33,7 +33,7 @@ import threading
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -225,11 +225,20 @@ class ObjectPrefix:
             copied[0] += 1
             copied[1] += objs.size[i]
 
+        paths, ends = plan.files.paths, plan.files.offsets
+
+        def names(rows: list[int]) -> list[bytes]:
+            """The files' names of ``rows``, encoded (the plan's paths: the keys, or the
+            one object's name)."""
+            return [paths[ends[i] : ends[i + 1]] for i in rows]
+
         def write(bodies: list[tuple[int, Any]]) -> list[bytes | OSError]:
             """The bodies of a batch to their files, natively, one call (on a writer)."""
             t0 = time.monotonic()
-            got = write_bodies(dest.root, [(self._name(dest, i), body, objs.mtime_ns[i])
-                                           for i, body in bodies], req.stripe)  # fmt: skip
+            rows = [i for i, _ in bodies]
+            got = write_bodies(dest.root, list(zip(names(rows), [b for _, b in bodies],
+                                                   map(objs.mtime_ns.__getitem__, rows),
+                                                   strict=True)), req.stripe)  # fmt: skip
             fetcher.add_times(0.0, time.monotonic() - t0)
             with unjournalled_lock:  # on this thread: no interrupt comes between
                 unjournalled[id(bodies)] = (bodies, got)
@@ -243,15 +252,26 @@ class ObjectPrefix:
 
         def written(bodies: list[tuple[int, Any]], got: list[bytes | OSError],
                     into: list[tuple[Any, ...]]) -> None:  # fmt: skip
-            """The records of a batch written into ``into``; the first failure is raised
-            after the others' records."""
+            """The records of a batch written into ``into`` (each file as listed: the
+            object's size and time, MODE; its raw digests), in a few calls for the whole
+            batch; the first failure is raised after the others' records."""
             failed: OSError | None = None
+            rows: list[int] = []
+            digests: list[bytes] = []
             for (i, _), res in zip(bodies, got, strict=True):
                 if isinstance(res, OSError):
                     failed = failed or res
-                    continue
-                record(i, Record(objs.size[i], objs.mtime_ns[i], MODE, res.hex()), into)
-                fetcher.count(objs.size[i])
+                else:
+                    rows.append(i)
+                    digests.append(res)
+            plan.done.set_listed(rows, digests)
+            sizes = list(map(objs.size.__getitem__, rows))
+            into.extend(zip(names(rows), sizes, map(objs.mtime_ns.__getitem__, rows),
+                            repeat(MODE), digests))  # fmt: skip
+            n = sum(sizes)
+            copied[0] += len(rows)
+            copied[1] += n
+            fetcher.count(n)
             if failed is not None:
                 raise failed
 

@@ -18,16 +18,14 @@ releases the GIL while it waits; the little it runs without it is counted too).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from objs_ab import _s3server  # benchmarks/ is on the path: this script's folder
+from objs_ab import parse_args, served  # benchmarks/ is on the path: this script's folder
 
 _CHILD = """
 import json, resource, sys, time
@@ -75,26 +73,11 @@ def _stage(site: Path, url: str, dst: Path, workers: int, env: dict[str, str]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--build", action="append", default=[], help="NAME=DIR (repeatable)")
-    ap.add_argument("--objects", type=int, default=2000)
-    ap.add_argument("--kb", type=float, default=100)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--workers", type=int, default=64)
-    a = ap.parse_args()
-    builds = [tuple(b.split("=", 1)) for b in a.build]
-    mod = _s3server()
-    rng = random.Random(33)
-    files = {f"small/c{i % 20:02d}/o{i:05d}.bin":
-             rng.randbytes(max(1, int(a.kb * 1024 * rng.uniform(0.5, 1.5))))
-             for i in range(a.objects)}  # fmt: skip
-    a.out.mkdir(parents=True, exist_ok=True)
+    a = parse_args(__doc__)
+    builds = a.builds
     rows: dict[str, list[dict[str, float]]] = {}
     n = a.objects
-    with mod.s3_server(a.out / "server") as server:
-        server.client().create_bucket(Bucket="bench")
-        mod.upload(server, "bench", files)
+    with served(a) as (server, _mod):
         env = {**os.environ, **server.env(server.endpoint)}
         for r in range(a.rounds):
             # Alternated: each build goes first in every other round.

@@ -17,6 +17,7 @@ with its ``_core``), then copies it with s5cmd. Nothing is deleted between round
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +99,9 @@ def _s5cmd(exe: str, endpoint: str, url: str, dst: Path, env: dict[str, str]
     return {"cpu": m.result.cpu_s, "busiest": m.result.children_s, "wall": m.result.wall_s}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def parse_args(doc: str | None) -> argparse.Namespace:
+    """The options of this script and of gil_ab.py: where, which builds, what objects."""
+    ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--build", action="append", default=[], help="NAME=DIR (repeatable)")
     ap.add_argument("--objects", type=int, default=2000)
@@ -106,18 +109,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=64)
     a = ap.parse_args()
-    builds = [tuple(b.split("=", 1)) for b in a.build]
-    s5 = shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
+    a.builds = [tuple(b.split("=", 1)) for b in a.build]
+    a.out.mkdir(parents=True, exist_ok=True)
+    return a
+
+
+@contextlib.contextmanager
+def served(a: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
+    """``(server, the kit's module)``: a server on loopback holding ``a.objects`` objects
+    of about ``a.kb`` KB (0.5x-1.5x) under ``s3://bench/small/``."""
     mod = _s3server()
     rng = random.Random(33)
     files = {f"small/c{i % 20:02d}/o{i:05d}.bin":
              rng.randbytes(max(1, int(a.kb * 1024 * rng.uniform(0.5, 1.5))))
              for i in range(a.objects)}  # fmt: skip
-    a.out.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, list[dict[str, float]]] = {}
     with mod.s3_server(a.out / "server") as server:
-        server.client().create_bucket(Bucket="bench")
+        mod.make_bucket(server, "bench")
         mod.upload(server, "bench", files)
+        yield server, mod
+
+
+def main() -> None:
+    a = parse_args(__doc__)
+    builds = a.builds
+    s5 = shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
+    rows: dict[str, list[dict[str, float]]] = {}
+    with served(a) as (server, _mod):
         env = {**os.environ, **server.env(server.endpoint)}
         url = "s3://bench/small/"
         for r in range(a.rounds):

@@ -36,6 +36,7 @@ import pytest
 import fastload
 from fastload import _core
 from kit import fs, netsim, tars, trees
+from kit.jobs import run_copy_job
 from kit.trees import MiB
 
 pytestmark = pytest.mark.native
@@ -214,19 +215,6 @@ def _copy_job(src: Path, dst: Path, names: list[str], modes: list[int],
     return _core.CopyJob(src, dst, files, _core.CopyOptions(**opts))
 
 
-def _run(job: Any) -> list[int]:
-    job.start()
-    done: list[int] = []
-    for _ in range(600):  # a hang guard of a minute, in 100 ms waits
-        done += [i for i, _d in job.take_done()]
-        if job.wait(100):
-            break
-    else:
-        raise AssertionError("the copy did not finish in a minute")
-    done += [i for i, _d in job.take_done()]
-    return done
-
-
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_named_temporaries_modes_and_stale_ones(tmp_path: Path, no_tmpfile: Any,
                                                 engine: str, umask: int) -> None:
@@ -255,7 +243,7 @@ def test_named_temporaries_modes_and_stale_ones(tmp_path: Path, no_tmpfile: Any,
     old = os.umask(umask)
     try:
         job = _copy_job(src, mnt, names, modes, engine=engine)
-        done = _run(job)
+        done = run_copy_job(job)
     finally:
         os.umask(old)
     job.rethrow()
@@ -290,7 +278,7 @@ def test_a_changed_source_names_it_and_leaves_no_named_temporary(
         mtimes[1] += 1
     mnt, back = no_tmpfile()
     job = _copy_job(src, mnt, names, [0o644, 0o644], mtimes, sizes, files_in_flight=1)
-    _run(job)
+    run_copy_job(job)
     with pytest.raises(fastload.SourceChangedError) as info:
         job.rethrow()
     assert str(src / "changed") in str(info.value)
@@ -312,7 +300,7 @@ def test_a_full_disk_fails_the_copy_and_leaves_no_named_temporary(
         trees.write_patterned(src / n, 300_000 + i, seed=i)
     mnt, back = no_tmpfile("1m")
     job = _copy_job(src, mnt, names, [0o644] * len(names), files_in_flight=2)
-    _run(job)
+    run_copy_job(job)
     with pytest.raises(OSError) as info:
         job.rethrow()
     assert info.value.errno == errno.ENOSPC, info.value

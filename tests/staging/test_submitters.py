@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fastload import _core
+from kit.jobs import run_copy_job
 
 N = 300
 
@@ -39,23 +40,12 @@ def _job(src: Path, dst: Path, names: list[str], sizes: list[int], **opts: Any) 
     return _core.CopyJob(src, dst, files, _core.CopyOptions(**opts))
 
 
-def _run(job: Any) -> list[int]:
-    job.start()
-    done: list[int] = []
-    for _ in range(600):  # a hang guard of a minute, in 100 ms waits
-        done += [i for i, _d in job.take_done()]
-        if job.wait(100):
-            break
-    done += [i for i, _d in job.take_done()]
-    return done
-
-
 @pytest.mark.parametrize("submitters", [1, 3, 8])
 def test_every_file_once_and_whole(tmp_path: Path, engine: str, submitters: int) -> None:
     names, sizes = _tree(tmp_path / "src")
     job = _job(tmp_path / "src", tmp_path / "dst", names, sizes, engine=engine,
                submitters=submitters)
-    done = _run(job)
+    done = run_copy_job(job)
     job.rethrow()
     # 300 files make at most 300 // 32 = 9 shares, so each count asked for is kept.
     assert job.submitters == submitters and job.engine == engine
@@ -74,20 +64,20 @@ def test_default_count_follows_the_cores_allowed(tmp_path: Path) -> None:
     more than a share of 32 files each."""
     names, sizes = _tree(tmp_path / "src")
     job = _job(tmp_path / "src", tmp_path / "dst", names, sizes)
-    _run(job)
+    run_copy_job(job)
     job.rethrow()
     assert job.submitters == min(len(os.sched_getaffinity(0)), 8, N // 32)
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(mask)})  # this thread: the job's thread inherits it
     try:
         job = _job(tmp_path / "src", tmp_path / "one", names, sizes)
-        _run(job)
+        run_copy_job(job)
     finally:
         os.sched_setaffinity(0, mask)
     job.rethrow()
     assert job.submitters == 1
     few = _job(tmp_path / "src", tmp_path / "few", names[:40], sizes[:40])
-    _run(few)
+    run_copy_job(few)
     few.rethrow()
     assert few.submitters == 1  # 40 files: one share
 
@@ -101,7 +91,7 @@ def test_one_submitters_failure_is_the_jobs_error(tmp_path: Path, engine: str) -
     (tmp_path / "src" / gone).write_bytes(b"")  # listed below with its old size
     job = _job(tmp_path / "src", tmp_path / "dst", names, sizes, engine=engine, submitters=4)
     (tmp_path / "src" / gone).unlink()
-    done = _run(job)
+    done = run_copy_job(job)
     with pytest.raises(FileNotFoundError) as e:
         job.rethrow()
     assert gone in str(e.value)
@@ -148,7 +138,7 @@ def test_modes_whatever_the_umask_and_leftover_temporaries(
     old = os.umask(umask)
     try:
         job = _core.CopyJob(src, dst, files, _core.CopyOptions(engine=engine))
-        _run(job)
+        run_copy_job(job)
     finally:
         os.umask(old)
     job.rethrow()

@@ -9,7 +9,6 @@ This module is the public facade: it re-exports the API, and no module imports i
 from typing import TYPE_CHECKING
 
 from . import env
-from ._util import version as _version
 from .env import resolve
 from .errors import (
     ChecksumMismatchError,
@@ -23,7 +22,6 @@ from .errors import (
     UnsupportedFileError,
 )
 from .index import ShardIndex
-from .probing import ProbeResult, probe
 from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
@@ -32,6 +30,7 @@ if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data.device import decode_images, to_device
     from .data.monitor import Monitor, monitor
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
+    from .probing import ProbeResult, probe
 
 _LAYERS = """
 fastload.__main__
@@ -47,7 +46,7 @@ fastload._core
 
 _PACKING = ("PackResult", "ShardWriter", "pack", "pack_dataset", "register_encoder")
 
-__version__ = _version()
+__version__: str  # __getattr__ below: importlib.metadata costs an import ~25 ms
 
 __all__ = [
     "ChecksumMismatchError",
@@ -91,7 +90,18 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The datasets need torch, packing numpy: imported on first use, so `import
     # fastload` to stage a dataset imports neither (numpy's BLAS threads alone cost a
-    # staging job CPU time).
+    # staging job CPU time). The version (importlib.metadata) and probe (statistics,
+    # the object stores) likewise: every job step, training script and DataLoader
+    # worker imports fastload, few of them ask for these (tests/test_imports.py).
+    if name == "__version__":
+        from ._util import version
+
+        globals()["__version__"] = v = version()
+        return v
+    if name in ("probe", "ProbeResult"):
+        from . import probing
+
+        return getattr(probing, name)
     if name in _PACKING:
         from . import packing
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.metadata
 import json
 import numbers
 import os
@@ -26,6 +25,10 @@ Size = Union[int, float, str]
 
 def version() -> str:
     """The installed distribution's version (one source of truth: pyproject.toml)."""
+    # Imported here: importlib.metadata (email, zipfile, ...) costs an import of fastload
+    # about 25 ms, and only --version, a User-Agent and fastload.__version__ ask.
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("fastload")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree

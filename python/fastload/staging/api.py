@@ -31,7 +31,6 @@ from .columns import FileTable
 from .destination import Destination, stage_into
 from .job import Patterns, Progress, ProgressCallback, copy_options, progress_callback, run_job
 from .readers import LocalArchive
-from .remote import open_remote
 from .request import Source, StageRequest
 from .result import StageResult, VerifyResult
 from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
@@ -172,6 +171,10 @@ def open_source(
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and is_store_url(src):
+        # Imported here: the object stores' pipeline (obstore, asyncio) is no local
+        # stage's business (tests/test_imports.py).
+        from .remote import open_remote
+
         return open_remote(src, dst, req)
     if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
         raise stage_error(

@@ -152,3 +152,13 @@ def test_the_lazy_names_still_resolve(tmp_path: Path) -> None:
     for name in ("fastload.sources.objstore", "fastload.probing", "fastload.env",
                  "importlib.metadata"):  # fmt: skip
         assert name in imported
+
+
+def test_the_object_stores_import_asyncio_only_for_small_objects() -> None:
+    """A prefix of big objects, an archive in a store, the shard cache: no event loop,
+    so no asyncio (SmallGets imports it where it has a small object to fetch)."""
+    imported = _run("""
+        import fastload.cache, fastload.sources.objstore, fastload.staging.remote
+    """)
+    assert "fastload.staging.fetch" in imported
+    assert _reached(imported, ("asyncio", "importlib.metadata", "email")) == []

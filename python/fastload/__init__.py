@@ -4,13 +4,16 @@ The package has one folder per part, in a one-way order: a part imports only its
 the parts below it (siblings on one line never import each other). ``_LAYERS`` is that
 order; tests/test_layers.py checks every import against it, function-level ones too.
 This module is the public facade: it re-exports the API, and no module imports it.
+
+Only the exceptions are imported with the package; every other name is imported on first
+use (``__getattr__`` below), so `import fastload` in a job step, a training script or a
+DataLoader worker costs a few ms, and each path imports what it uses: a local stage no
+object store (asyncio, ssl, obstore), no version lookup (importlib.metadata), no torch or
+numpy (tests/test_imports.py).
 """
 
 from typing import TYPE_CHECKING
 
-from . import env
-from ._util import version as _version
-from .env import resolve
 from .errors import (
     ChecksumMismatchError,
     FastloadError,
@@ -22,16 +25,19 @@ from .errors import (
     UnsafeArchiveError,
     UnsupportedFileError,
 )
-from .index import ShardIndex
-from .probing import ProbeResult, probe
-from .staging import StageResult, VerifyResult, available_engines, stage, verify
+from .sources.base import set_site_loader as _set_site_loader
 
 if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
+    from . import env
     from .data import Mix, PackedBatch, ShardIndexDataset, ShardIterableDataset, Stream
     from .data.collate import collate
     from .data.device import decode_images, to_device
     from .data.monitor import Monitor, monitor
+    from .env import resolve
+    from .index import ShardIndex
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
+    from .probing import ProbeResult, probe
+    from .staging import StageResult, VerifyResult, available_engines, stage, verify
 
 _LAYERS = """
 fastload.__main__
@@ -45,9 +51,25 @@ fastload.errors
 fastload._core
 """
 
-_PACKING = ("PackResult", "ShardWriter", "pack", "pack_dataset", "register_encoder")
+# name -> the module it comes from, imported on first use. The datasets need torch,
+# packing numpy (numpy's BLAS threads alone cost a staging job CPU time); staging, env
+# and the index are cheaper but not free, and many imports of fastload use none of them.
+_LAZY = {
+    **dict.fromkeys(("PackResult", "ShardWriter", "pack", "pack_dataset",
+                     "register_encoder"), ".packing"),
+    **dict.fromkeys(("ShardIndexDataset", "ShardIterableDataset", "Mix", "Stream",
+                     "collate", "PackedBatch", "to_device", "decode_images"), ".data"),
+    **dict.fromkeys(("monitor", "Monitor"), ".data.monitor"),
+    **dict.fromkeys(("probe", "ProbeResult"), ".probing"),
+    **dict.fromkeys(("StageResult", "VerifyResult", "available_engines", "stage",
+                     "verify"), ".staging"),
+    "ShardIndex": ".index",
+    "resolve": ".env",
+}  # fmt: skip
+# The parts, as attributes once imported (an `import fastload` used to import these).
+_PARTS = ("cache", "data", "env", "index", "packing", "probing", "sources", "staging")
 
-__version__ = _version()
+__version__: str  # __getattr__ below: importlib.metadata costs an import ~25 ms
 
 __all__ = [
     "ChecksumMismatchError",
@@ -89,31 +111,28 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The datasets need torch, packing numpy: imported on first use, so `import
-    # fastload` to stage a dataset imports neither (numpy's BLAS threads alone cost a
-    # staging job CPU time).
-    if name in _PACKING:
-        from . import packing
+    import importlib
 
-        return getattr(packing, name)
-    if name == "ShardIndexDataset":
-        from .data import ShardIndexDataset
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _PARTS:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name == "__version__":
+        from ._util import version
 
-        return ShardIndexDataset
-    if name == "ShardIterableDataset":
-        from .data import ShardIterableDataset
+        value = version()
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # the next use finds it without asking again
+    return value
 
-        return ShardIterableDataset
-    if name in ("Mix", "Stream"):
-        from . import data as _data
 
-        return getattr(_data, name)
-    if name in ("monitor", "Monitor"):
-        from .data import monitor as _monitor
+def _site_storage() -> dict[str, object]:
+    # The configuration file's [storage] tables, read where an object store is made
+    # (env, which reads that file, is not imported with the package).
+    from .env.config import storage_defaults
 
-        return getattr(_monitor, name)
-    if name in ("collate", "PackedBatch", "to_device", "decode_images"):
-        from . import data
+    return storage_defaults()
 
-        return getattr(data, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+_set_site_loader(_site_storage)

@@ -1,5 +1,6 @@
 """Small helpers every part may use: the version, sizes (parsed and printed), seeds and
-shuffle blocks (checked), checksums, the node lock beside a path, and atomic JSON writes.
+shuffle blocks (checked), checksums, the include/exclude pattern rule, the node lock
+beside a path, and atomic JSON writes.
 
 Imports nothing of fastload but errors: it sits below every part but that one (see
 ``_LAYERS`` in ``fastload/__init__.py``).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.metadata
+import fnmatch
 import json
 import numbers
 import os
@@ -26,6 +27,10 @@ Size = Union[int, float, str]
 
 def version() -> str:
     """The installed distribution's version (one source of truth: pyproject.toml)."""
+    # Imported here: importlib.metadata (email, zipfile, ...) costs an import of fastload
+    # about 25 ms, and only --version, a User-Agent and fastload.__version__ ask.
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("fastload")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
@@ -115,6 +120,23 @@ def parse_checksum(checksum: str | None) -> tuple[str, str] | None:
     if not sep or algo not in ("md5", "sha1", "sha256", "sha512") or not hexdigest:
         raise ValueError(f"checksum must look like 'sha256:<hex>' or 'md5:<hex>', not {checksum!r}")
     return algo, hexdigest.lower()
+
+
+# --- include and exclude patterns ----------------------------------------------------
+
+
+def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """The staging pattern rule on a relative path or key: ``*`` also matches ``/``; a
+    pattern without ``/`` also matches the base name."""
+
+    def hit(pat: str) -> bool:
+        if fnmatch.fnmatchcase(path, pat):
+            return True
+        return "/" not in pat and fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pat)
+
+    if include and not any(hit(p) for p in include):
+        return False
+    return not any(hit(p) for p in exclude)
 
 
 # --- locks and atomic files ------------------------------------------------------------

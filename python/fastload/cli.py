@@ -30,13 +30,25 @@ def _want_progress(args: argparse.Namespace) -> bool:
     return sys.stderr.isatty() if args.progress is None else bool(args.progress)
 
 
+class _Version(argparse.Action):
+    """``--version``, the version looked up only when asked (importlib.metadata costs
+    every command ~25 ms)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:  # fmt: skip
+        print(f"fastload {version()}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastload",
         description=__doc__,
         epilog="Run 'fastload COMMAND --help' for the options of one command.",
     )
-    p.add_argument("--version", action="version", version=f"fastload {version()}")
+    p.add_argument(
+        "--version", action=_Version, nargs=0, help="show program's version number and exit"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(

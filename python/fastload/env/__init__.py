@@ -12,9 +12,6 @@ May import: ``staging``, ``sources``, ``index``, ``errors``, ``_util``, ``_core`
 ``data``, ``packing`` or the CLI).
 """
 
-import os
-
-from ..sources.settings import set_site_loader
 from .base import Context, Detector, Environment, expand
 from .config import config_path, load_config
 from .datasets import DatasetSpec, datasets
@@ -46,12 +43,3 @@ __all__ = [
     "resolve",
     "world",
 ]
-
-
-def _storage_defaults() -> dict[str, object]:
-    """The configuration file's ``[storage]`` tables, for object store URLs."""
-    data, _ = load_config(os.environ)
-    return dict(data.get("storage", {}))
-
-
-set_site_loader(_storage_defaults)

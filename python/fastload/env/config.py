@@ -30,6 +30,7 @@ variables and ``storage_options=``.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 
 from ..errors import stage_error
 
-__all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml"]
+__all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml", "storage_defaults"]
 
 PATH_KEYS = ("tmpdir", "cache", "scratch", "dataset_roots", "cpus")
 _TOP_KEYS = ("environment", "paths", "environments", "datasets", "storage")
@@ -96,6 +97,13 @@ def load_config(environ: Mapping[str, str]) -> tuple[dict[str, Any], Path | None
         return {}, None
     check_config(data, path)
     return data, path
+
+
+def storage_defaults() -> dict[str, Any]:
+    """The configuration file's ``[storage]`` tables, for object store URLs (the site
+    loader of sources.base, which the package sets)."""
+    data, _ = load_config(os.environ)
+    return dict(data.get("storage", {}))
 
 
 def _fail(path: Path, message: str) -> ValueError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import os
 import socket
 import warnings
@@ -83,6 +82,10 @@ def _load_entry_points(force: bool = False) -> None:
     if _entry_points_loaded and not force:
         return
     _entry_points_loaded = True
+    # Imported here, where plug-ins are looked for: importlib.metadata costs an import
+    # of fastload ~25 ms.
+    import importlib.metadata
+
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             obj: Any = ep.load()

@@ -29,10 +29,33 @@ class Reader(Protocol):
 
 Opener = Callable[[str], AbstractContextManager[tuple[Reader, "int | None"]]]
 
+# The object stores' schemes (sources.objstore reads them, through obstore).
+OBJECT_SCHEMES = ("s3", "gs", "az")
+
 _OPENERS: dict[str, Opener] = {}
 # Object stores (listing, ranged reads, writes), by scheme: store_for() makes one.
 _STORES: dict[str, Callable[[str, Mapping[str, Any] | None], Any]] = {}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+# The site's defaults for object stores (sources.settings reads them; here, not there, so
+# that the package sets the hook without importing the settings' parsers).
+_site_loader: Callable[[], Mapping[str, Any]] | None = None
+
+
+def set_site_loader(loader: Callable[[], Mapping[str, Any]] | None) -> None:
+    """Where the site's defaults come from: ``loader()`` returns ``{"s3": {...}, ...}``
+    (the package passes the configuration file's ``[storage]`` tables,
+    :func:`fastload.env.config.storage_defaults`)."""
+    global _site_loader
+    _site_loader = loader
+
+
+def site_options(scheme: str) -> dict[str, Any]:
+    """The site's defaults for ``scheme`` (read at each use: the file may change)."""
+    if _site_loader is None:
+        return {}
+    return dict(_site_loader().get(scheme, {}))
 
 
 def register_scheme(scheme: str, opener: Opener) -> None:

@@ -12,11 +12,9 @@ while it was read is :class:`SourceChangedError`; an unreachable endpoint is one
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import contextlib
 import errno
-import fnmatch
 import importlib
 import os
 import re
@@ -28,8 +26,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .._util import folders_of
+from .._util import folders_of, selected
 from ..errors import SourceChangedError, stage_error
+from .base import OBJECT_SCHEMES
 from .objlist import ObjectInfo, ObjectList
 from .retry import RetryCounts, Tries
 from .settings import (
@@ -40,7 +39,7 @@ from .settings import (
     site_options,
 )
 
-SCHEMES = ("s3", "gs", "az")
+SCHEMES = OBJECT_SCHEMES
 _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
 # Listings of "directories" under a prefix in flight at once.
@@ -491,6 +490,8 @@ class ObjectStore:
     async def get_async(self, key: str, etag: str | None = None) -> Any:
         """:meth:`get` awaited on an event loop (no thread per request), retried under
         the same policy: the body as obstore's Bytes (a buffer; no copy)."""
+        import asyncio  # here, not above: only small objects' GETs run on an event loop
+
         full = self._full(key)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
         tries: Tries | None = None  # made at the first failure: most GETs have none
@@ -554,20 +555,6 @@ def _info(rel: str, meta: Mapping[str, Any]) -> ObjectInfo:
     one.add(rel, meta)
     info: ObjectInfo = one[0]
     return info
-
-
-def selected(path: str, include: list[str], exclude: list[str]) -> bool:
-    """The staging pattern rule on a relative key: ``*`` also matches ``/``; a pattern
-    without ``/`` also matches the base name."""
-
-    def hit(pat: str) -> bool:
-        if fnmatch.fnmatchcase(path, pat):
-            return True
-        return "/" not in pat and fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pat)
-
-    if include and not any(hit(p) for p in include):
-        return False
-    return not any(hit(p) for p in exclude)
 
 
 class _StreamReader:

@@ -2,7 +2,8 @@
 
 Later sources override earlier ones:
 1. the site's defaults (``[storage.s3]`` in the fastload configuration file, passed down
-   by :mod:`fastload.env` through :func:`set_site_loader`);
+   by the package (``fastload/__init__.py``) through :func:`set_site_loader`,
+   kept in :mod:`.base`);
 2. the profile (``AWS_PROFILE``, else ``default``) in ``~/.aws/credentials`` and
    ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``);
 3. the environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
@@ -21,27 +22,12 @@ import configparser
 import difflib
 import os
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from .base import set_site_loader, site_options
+
 StorageOptions = Mapping[str, Any]
-
-_site_loader: Callable[[], Mapping[str, Any]] | None = None
-
-
-def set_site_loader(loader: Callable[[], Mapping[str, Any]] | None) -> None:
-    """Where the site's defaults come from: ``loader()`` returns ``{"s3": {...}, ...}``
-    (:mod:`fastload.env` passes the configuration file's ``[storage]`` tables)."""
-    global _site_loader
-    _site_loader = loader
-
-
-def site_options(scheme: str) -> dict[str, Any]:
-    """The site's defaults for ``scheme`` (read at each use: the file may change)."""
-    if _site_loader is None:
-        return {}
-    return dict(_site_loader().get(scheme, {}))
-
 
 def _metadata_disabled() -> bool:
     """``AWS_EC2_METADATA_DISABLED=true``, as the AWS SDKs read it."""

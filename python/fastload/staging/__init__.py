@@ -11,10 +11,14 @@ May import: ``sources``, ``index``, ``errors``, ``_util``, ``_core`` (never ``en
 ``data``, ``packing`` or the CLI).
 """
 
+from typing import TYPE_CHECKING
+
 from .api import available_engines, stage, verify
-from .archive import archive_compression
 from .job import Patterns, Progress
 from .result import StageResult, VerifyResult
+
+if TYPE_CHECKING:  # at run time, __getattr__ below imports it on first use
+    from .archive import archive_compression
 
 __all__ = [
     "Patterns",
@@ -26,3 +30,13 @@ __all__ = [
     "stage",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The archive pipeline (and its readers, logging, thread pools) is imported with the
+    # first archive: a local tree's stage does without it.
+    if name == "archive_compression":
+        from .archive import archive_compression
+
+        return archive_compression
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,21 +21,12 @@ from .. import _core
 from ..errors import stage_error
 from ..sources import is_store_url
 from ..sources.retry import process_retries
-from .archive import (
-    Archive,
-    archive_compression,
-    not_an_archive,
-    suffix_kind,
-)
 from .columns import FileTable
 from .destination import Destination, stage_into
 from .job import Patterns, Progress, ProgressCallback, copy_options, progress_callback, run_job
-from .readers import LocalArchive
-from .remote import open_remote
-from .request import Source, StageRequest
+from .request import Source, StageRequest, is_stream
 from .result import StageResult, VerifyResult
 from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
-from .stream import is_stream, open_stream
 from .tree import LocalTree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
@@ -168,10 +159,16 @@ def open_source(
 ) -> tuple[Source, Destination]:
     """stage()'s source (a local tree or file, a local archive, a stream, an object store
     URL) and its destination, both checked before anything is written."""
+    # The archive and stream pipelines, and the object stores', are imported where a
+    # source is one (a local tree needs none of them: tests/test_imports.py).
     if not isinstance(src, (str, os.PathLike)) or is_stream(src):
+        from .stream import open_stream
+
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and is_store_url(src):
+        from .remote import open_remote
+
         return open_remote(src, dst, req)
     if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
         raise stage_error(
@@ -210,10 +207,14 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
             errno.EINVAL, f"source '{src_path}' is not a regular file or a directory", str(src_path)
         )
     unpack = req.unpack
-    compression = archive_compression(src_abs) if is_file and unpack is not False else None
-    if compression is None and is_file and unpack is not False and suffix_kind(src_abs):
-        with open(src_abs, "rb") as f:
-            raise not_an_archive(str(src_path), src_abs.name, f.read(512))
+    compression = None
+    if is_file and unpack is not False:
+        from .archive import archive_compression, not_an_archive, suffix_kind
+
+        compression = archive_compression(src_abs)
+        if compression is None and suffix_kind(src_abs):
+            with open(src_abs, "rb") as f:
+                raise not_an_archive(str(src_path), src_abs.name, f.read(512))
     if unpack in (True, "nested") and compression is None:
         raise stage_error(
             errno.EINVAL,
@@ -240,6 +241,9 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
     dest = _directory(dst_path, req)
     if compression is None:
         return LocalTree(src_abs, req, single=False), dest
+    from .archive import Archive
+    from .readers import LocalArchive
+
     options = {
         **req.selection(), "on_special": req.on_special, "file": True,
         "unpack": req.unpack_option,

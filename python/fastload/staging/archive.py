@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _core
+from .._util import selected
 from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
-from ..sources.objstore import selected
 from .destination import Destination, Manifest
 from .engine import resolve_engine
 from .job import PROGRESS_EVERY, in_flight, progress_callback

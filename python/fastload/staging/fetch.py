@@ -12,9 +12,9 @@ policy; a body of another size than listed is an error naming its URL.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import os
 import queue
@@ -23,7 +23,10 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
 
 from .. import _core
 from .._util import pwrite_all
@@ -53,7 +56,8 @@ class SmallGets:
     round trip). Finished bodies go to ``out`` as ``("bodies", [(row, body), ...])``
     batches; then ``("end", None)``, or ``("error", exc)`` after the batches finished
     before it. At most ``2 * in_flight`` bodies are fetched and not yet :meth:`taken`
-    (memory bounded)."""
+    (memory bounded). Its event loop (and asyncio) is made where there is a small object
+    to fetch: a prefix of big objects, or an archive, imports no asyncio."""
 
     def __init__(self, store: ObjectStore, objs: ObjectList, rows: Iterator[int],
                  in_flight: int, out: queue.SimpleQueue[Any]) -> None:  # fmt: skip
@@ -61,24 +65,34 @@ class SmallGets:
         self.in_flight = max(1, in_flight)
         self.read_seconds = 0.0  # the GETs' waits, summed over those in flight
         self._ready: list[tuple[int, Any]] = []
-        self._loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Semaphore | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._main, name="fastload-gets", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        first = next(self.rows, None)
+        if first is None:  # nothing to fetch: no loop, no thread
+            self.out.put(("end", None))
+            return
+        self.rows = itertools.chain((first,), self.rows)
+        import asyncio
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="fastload-gets", daemon=True)
         self._thread.start()
 
     def taken(self, n: int) -> None:
         """``n`` bodies handed over were written: room for as many more (any thread)."""
+        if self._loop is None:
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
             self._loop.call_soon_threadsafe(self._free, n)
 
     def cancel(self) -> None:
         """Stops the GETs (any thread) and waits for the loop thread to end."""
-        if self._thread.ident is None:  # never started
-            self._loop.close()
+        if self._loop is None or self._thread is None:  # never started, or nothing to get
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: it has ended
             self._loop.call_soon_threadsafe(self._stop)
@@ -95,12 +109,15 @@ class SmallGets:
             self._task.cancel()
 
     def _main(self) -> None:
+        assert self._loop is not None
         try:
             self._loop.run_until_complete(self._run())
         finally:
             self._loop.close()
 
     async def _run(self) -> None:
+        import asyncio  # (start() imported it)
+
         self._room = asyncio.Semaphore(2 * self.in_flight)
         self._task = asyncio.current_task()
         if self._stopped:  # cancelled before it began
@@ -122,6 +139,8 @@ class SmallGets:
         self.out.put(("end", None) if failed is None else ("error", failed))
 
     async def _flush_every(self) -> None:
+        import asyncio
+
         while True:
             await asyncio.sleep(BATCH_WAIT)
             self._flush()
@@ -135,6 +154,7 @@ class SmallGets:
         objs, room = self.objs, self._room
         assert room is not None
         loop = self._loop
+        assert loop is not None
         for i in self.rows:  # shared by the workers: one thread, no lock
             await room.acquire()
             size = objs.size[i]

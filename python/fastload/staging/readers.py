@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+    from ..sources.objstore import ObjectInfo, ObjectStore
     from .stream import StreamArchive
 
 from .. import _core
 from ..errors import SourceChangedError, StageError, TarFormatError, stage_error
-from ..sources.objstore import ObjectInfo, ObjectStore
 from .engine import network_fs
 
 BLOCK = 8 << 20

@@ -128,3 +128,14 @@ class Source(Protocol):
         """Stages into ``dest`` under its lock (held by the caller); ``listing``: what a
         fan-out's node 0 listed, to use instead of listing again."""
         ...
+
+
+def is_stream(src: object) -> bool:
+    """Whether stage()'s ``src`` is a stream: ``"-"`` (stdin), a file descriptor, or a
+    binary file object."""
+    return (
+        (isinstance(src, str) and src == "-")
+        or (isinstance(src, int) and not isinstance(src, bool))
+        or callable(getattr(src, "readinto", None))
+        or callable(getattr(src, "read", None))
+    )

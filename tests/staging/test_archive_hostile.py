@@ -484,3 +484,36 @@ def test_gnu_tar_agrees_these_are_broken(layout: Layout) -> None:
         p = subprocess.run([tar, "-xf", str(built.archive), "-C", str(ref)],
                            capture_output=True, check=False)
         assert p.returncode != 0, f"GNU tar accepted {built.archive.name}"
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_failed_extraction_holds_no_descriptor_of_the_destination(
+    tmp_path: Path, compressed: bool
+) -> None:
+    """The exception of a failed extraction is kept by the caller (a traceback in a log,
+    a retry loop): the job it references must have let go of the destination's folders,
+    or a FUSE or NFS mount under it stays busy and an emptied folder stays in use."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(20):
+        (src / "d" / f"f{i}.bin").write_bytes(os.urandom(50_000))
+    good = tmp_path / "good.tar"
+    subprocess.run(["tar", "-cf", str(good), "-C", str(src), "."], check=True)
+    data = good.read_bytes()
+    bad = bytearray(data[: len(data) // 2])
+    bad[len(bad) - 700 : len(bad) - 200] = b"\xff" * 500  # a header in the middle, broken
+    archive = tmp_path / ("bad.tar.gz" if compressed else "bad.tar")
+    archive.write_bytes(gzip.compress(bytes(bad)) if compressed else bytes(bad))
+    dst = tmp_path / "dst"
+    with pytest.raises(fastload.TarFormatError) as failed:
+        fastload.stage(archive, dst)
+    assert failed.value is not None  # the exception, and what it references, still alive
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if target == str(dst) or target.startswith(f"{dst}/"):
+            held.append(target)
+    assert held == []

@@ -347,9 +347,8 @@ def test_an_extraction_that_fills_the_disk_leaves_no_named_temporary(
     e = info.value
     assert e.errno == errno.ENOSPC, repr(e)
     assert str(dst) in f"{e} {e.filename}", e
-    # The traceback holds the failed stage's frames, with its job and the destination
-    # folder it has open: kept, they would keep the mount busy at its unmount.
-    del info, e
+    # `info` is kept to the end: the job it references has let go of the destination
+    # (its folder held open would keep the mount busy at its unmount).
     trees.assert_no_partial_files(src, back / "dst")
     assert _leftovers(mnt, back) == []
 

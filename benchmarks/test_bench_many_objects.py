@@ -97,7 +97,7 @@ def _per_key(step: str, small: int, big: int, tmp: Path, pythonpath: str) -> dic
 
 @pytest.mark.parametrize("step", ["plan", "stage", "restage"])
 def test_bytes_per_key(
-    benchmark: Any, prefixes: tuple[int, int], tmp_path: Path, step: str
+    benchmark: Any, prefixes: tuple[int, int], tmp_path: Path, step: str, scale: Scale
 ) -> None:
     small, big = prefixes
     # The fastload this run imports (installed, or python/ on PYTHONPATH), for the children.
@@ -115,7 +115,12 @@ def test_bytes_per_key(
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     benchmark.extra_info.update(info)
     print(f"\n{step}: {json.dumps(info)}")
-    assert info["bytes_per_key"] < 400
+    # At full scale (28,000 keys between the prefixes) the slope is the per-key cost: 187
+    # bytes at issue 38, the bound 400. At the small scale (1,800 keys) the peaks' own
+    # jitter (bodies and batches in hand when the peak falls, by the scheduling) moves the
+    # figure by +-40 bytes per key, old code and new alike (350-418 in one afternoon): the
+    # bound there still fails the object per key of the old code (897-2,812), no more.
+    assert info["bytes_per_key"] < (400 if scale.name == "full" else 700)
 
 
 def test_fanout_listing_and_journal_bytes(benchmark: Any, prefixes: tuple[int, int]) -> None:

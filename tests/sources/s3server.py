@@ -419,10 +419,16 @@ def _list_buckets(s3: S3Server) -> None:
     if _has_boto3():
         s3.client().list_buckets()
         return
+    _s5cmd(s3, "ls")
+
+
+def _s5cmd(s3: S3Server, *args: str) -> None:
+    """``s5cmd ARGS`` against the server, signed with its credentials (where boto3 is not
+    installed)."""
     s5cmd = s5cmd_binary()
     if s5cmd is None:
-        raise FileNotFoundError("neither boto3 nor s5cmd is installed: cannot ask the server")
-    subprocess.run([s5cmd, "--endpoint-url", s3.endpoint, "ls"], env={**os.environ, **s3.env()},
+        raise FileNotFoundError(f"neither boto3 nor s5cmd is installed: cannot {args[0]}")
+    subprocess.run([s5cmd, "--endpoint-url", s3.endpoint, *args], env={**os.environ, **s3.env()},
                    check=True, capture_output=True, timeout=30)  # fmt: skip
 
 
@@ -433,11 +439,7 @@ def make_bucket(s3: S3Server, bucket: str, boto3: bool | None = None) -> None:
     if _has_boto3() if boto3 is None else boto3:
         s3.client().create_bucket(Bucket=bucket)
         return
-    s5cmd = s5cmd_binary()
-    if s5cmd is None:
-        raise FileNotFoundError("neither boto3 nor s5cmd is installed: cannot create a bucket")
-    subprocess.run([s5cmd, "--endpoint-url", s3.endpoint, "mb", f"s3://{bucket}"],
-                   env={**os.environ, **s3.env()}, check=True, capture_output=True)  # fmt: skip
+    _s5cmd(s3, "mb", f"s3://{bucket}")
 
 
 def upload_file(s3: S3Server, bucket: str, key: str, path: Path,

@@ -490,8 +490,6 @@ class ObjectStore:
     async def get_async(self, key: str, etag: str | None = None) -> Any:
         """:meth:`get` awaited on an event loop (no thread per request), retried under
         the same policy: the body as obstore's Bytes (a buffer; no copy)."""
-        import asyncio  # here, not above: only small objects' GETs run on an event loop
-
         full = self._full(key)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
         tries: Tries | None = None  # made at the first failure: most GETs have none
@@ -501,6 +499,10 @@ class ObjectStore:
                 resp = await self._ob.get_async(self._store, full, options=opts)
                 return await resp.bytes_async()
             except Exception as e:
+                # Imported here, with the first failure (a GET without one needs no
+                # asyncio of its own; SmallGets, which runs the loop, imported it).
+                import asyncio
+
                 if tries is None:
                     tries = self._tries(full, started)
                 await asyncio.sleep(tries.wait_after(e))

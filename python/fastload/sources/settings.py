@@ -29,6 +29,7 @@ from .base import set_site_loader, site_options
 
 StorageOptions = Mapping[str, Any]
 
+
 def _metadata_disabled() -> bool:
     """``AWS_EC2_METADATA_DISABLED=true``, as the AWS SDKs read it."""
     return os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"

@@ -353,7 +353,23 @@ def import_fastload(*, torch: bool = False) -> ModuleType:
         raise
     if torch:
         pytest.importorskip("torch")
+    # The staging pipelines a stage imports on first use (issue 33: `import fastload`
+    # imports them no more), imported here, outside the timed rounds: the benchmarks time
+    # the work, as they did when the package imported them. Where a build predates them
+    # (FASTLOAD_BENCH_OTHER), whatever it lacks is skipped.
+    import importlib
+
+    for name in _LAZY_PIPELINES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            if e.name != name:
+                raise
     return fastload
+
+
+_LAZY_PIPELINES = ("fastload.staging", "fastload.staging.archive", "fastload.staging.readers",
+                   "fastload.staging.stream", "fastload.staging.remote")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,10 +68,29 @@ def binary() -> Path:
     return BINARY
 
 
-def unmount(path: Path) -> None:
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def unmount(path: Path) -> bool:
+    """Unmounts ``path``; returns whether it was busy (then it is detached, lazily)."""
     r = subprocess.run([str(BINARY), "umount", str(path)], capture_output=True, check=False)
-    if r.returncode != 0 and os.path.ismount(path):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+    if r.returncode == 0 or not os.path.ismount(path):
+        return False
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+    return True
+
+
+def abort_connection(conn: int) -> bool:
+    """Aborts FUSE connection ``conn`` (fusectl, as root: mounted here where it is not):
+    its server sees the file system gone and exits. Returns whether it could."""
+    if not (FUSECTL / str(conn)).exists():
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)],
+                       capture_output=True, check=False)
+    try:
+        (FUSECTL / str(conn) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True
 
 
 class Mount:
@@ -98,17 +117,28 @@ class Mount:
         # netsim returns once the kernel has the mount.
         assert os.path.ismount(path), f"netsim returned without a mount at {path}"
         self.mounted = True
+        self.connection = os.minor(os.stat(path).st_dev)  # its number in fusectl
 
     def unmount(self) -> dict[str, int]:
         """Unmounts; the counts netsim wrote (``opens``, ``reads``, ``read_bytes``,
         ``meta``)."""
+        busy = False
         if self.mounted:
             self.mounted = False
-            unmount(self.path)
-        # The server writes the file whole (by rename) as it exits.
-        deadline = time.monotonic() + 60
+            busy = unmount(self.path)
+        # The server writes the file whole (by rename) as it exits: once the kernel drops
+        # the file system. Detached while busy, that is when the last user lets go. Now
+        # and then (after a failed extraction, on a busy machine) the kernel keeps it for
+        # over a minute while no process holds anything in it (no descriptor, mapping,
+        # working directory or thread: seen in /proc), so after a grace period the
+        # connection is aborted.
+        start = time.monotonic()
+        aborted = False
         while not self._stats.exists():
-            assert time.monotonic() < deadline, f"netsim wrote no counts for {self.path}"
+            waited = time.monotonic() - start
+            if busy and not aborted and waited > 5:
+                aborted = abort_connection(self.connection)
+            assert waited < 60, f"netsim wrote no counts for {self.path} (busy: {busy})"
             time.sleep(0.02)
         out = {}
         for line in self._stats.read_text().splitlines():

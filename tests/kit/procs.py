@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import trees
+
 TESTS = Path(__file__).resolve().parents[1]
 CHILD_SCRIPT = Path(__file__).resolve().with_name("stage_child.py")
 
@@ -278,30 +280,59 @@ def trigger_on_growth(
     if base is None:
         st = os.statvfs(mount)
         base = (st.f_blocks - st.f_bfree) * st.f_frsize
-    fired = False
+
+    def grown() -> bool:
+        st = os.statvfs(mount)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize - base >= threshold
+
+    def frozen() -> None:
+        # Freeze the child while acting, so the action is not a race with a copy that
+        # moves at GB/s. (A stop and continue may make some blocking system calls
+        # return EINTR: the engine must cope with that anyway.)
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        try:
+            _wait_until_settled(mount)
+            action()
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+
+    return act_when(child, grown, frozen, timeout=timeout)
+
+
+def act_when(child: Child, ready: Any, action: Any, *, timeout: float = 180.0) -> bool:
+    """Polls ``ready()`` from a real-time thread (SCHED_FIFO, every ~100 us, so the
+    child's threads cannot starve it on a small, busy machine; without the right, it
+    busy-polls) and calls ``action()`` once it is true. Returns whether that happened
+    before the child exited."""
     deadline = time.monotonic() + timeout
     restore = _enter_realtime()
     try:
         while child.proc.poll() is None and time.monotonic() < deadline:
-            st = os.statvfs(mount)
-            if (st.f_blocks - st.f_bfree) * st.f_frsize - base >= threshold:
-                # Freeze the child while acting, so the action is not a race with a
-                # copy that moves at GB/s. (A stop and continue may make some blocking
-                # system calls return EINTR: the engine must cope with that anyway.)
-                os.kill(child.proc.pid, signal.SIGSTOP)
-                try:
-                    _wait_until_settled(mount)
-                    action()
-                finally:
-                    os.kill(child.proc.pid, signal.SIGCONT)
-                fired = True
-                break
+            if ready():
+                action()
+                return True
             if restore is not None:
                 time.sleep(0.0001)
     finally:
         if restore is not None:
             os.sched_setscheduler(0, *restore)
-    return fired
+    return False
+
+
+def signal_once_done(spec: dict[str, Any], dst: Path, files: int,
+                     sig: int = signal.SIGKILL) -> Child:
+    """Runs a stage child and sends it ``sig`` once ``files`` files are whole at their
+    final names in ``dst``: a point in its progress, not in time (on a busy machine a
+    moment measured once may come before the first file, or after the last). Returns the
+    finished child; it may have finished first (see its returncode and result)."""
+    child = Child(spec, env=child_env())
+    assert child.wait_line("START") is not None, child.finish().stderr
+    act_when(child, lambda: trees.files_at_final_names(dst) >= files,
+             lambda: child.signal(sig))
+    try:
+        return child.finish(timeout=60)
+    except AssertionError as e:
+        raise AssertionError(f"the stage did not stop after signal {sig}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------

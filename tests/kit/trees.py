@@ -24,6 +24,24 @@ def is_tmp_name(name: str) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
+
+def files_at_final_names(root: Path) -> int:
+    """How many regular files under ``root`` have a final (not a temporary) name: what a
+    writer that names a file only once it is whole has finished. Cheap enough to poll."""
+    n = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                stack.append(Path(e.path))
+            elif e.is_file(follow_symlinks=False) and not is_tmp_name(e.name):
+                n += 1
+    return n
+
 # --------------------------------------------------------------------------------------
 # Building trees
 # --------------------------------------------------------------------------------------

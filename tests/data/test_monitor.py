@@ -1,11 +1,11 @@
-"""fastload.monitor (issue 36): the share of time a loop waits for data against loops of
-known sleeps; counters against the work done (samples and bytes of a real epoch; cache
-hits, misses, downloads and evictions against the cache's own event log; GETs against
-the loopback S3 proxy's count); the Chrome trace of 2 real workers; the stall message
-for a slow transform, a small cache and a slow store (latency added by the proxy).
-
-No durations are asserted: only shares of time, compared with what the sleeps make them,
-within 10 percentage points (the machine may be loaded).
+"""fastload.monitor (issue 36): the share of time a loop waits for data against the test's
+own timing of loops of sleeps; counters against the work done (samples and bytes of a
+real epoch; cache hits, misses, downloads and evictions against the cache's own event
+log; GETs against the loopback S3 proxy's count); the Chrome trace of 2 real workers;
+the stall message for a slow transform, a small cache and a slow store (latency added by
+the proxy). No durations are asserted: only shares of time, compared with what the test
+times itself around the same loop (loops of sleeps set their shape), within 5 percentage
+points.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kit.shards import Sample, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = [pytest.mark.native]
 
-#: How far a measured share of time may be from the one the sleeps make.
-TOLERANCE = 0.10
+#: How far the monitor's share of time may be from the one the test times itself.
+TOLERANCE = 0.05
 
 
 def keep(batch: Any) -> Any:
@@ -64,31 +64,57 @@ def run(loop: Any, step: float = 0.0) -> int:
     return n
 
 
+def run_timed(loop: Any, step: float) -> tuple[int, float]:
+    """Runs the loop with steps of ``step`` seconds; returns how many batches came and
+    the share of the time after the first batch that the loop spent waiting for the
+    next, timed here around each ``next()``: what the monitor must report. (Sleeps set
+    the shape; what a loaded machine makes of them is measured, not assumed.)"""
+    it = iter(loop)
+    n, wait, total, start = 0, 0.0, 0.0, None
+    while True:
+        t0 = time.monotonic()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        t1 = time.monotonic()
+        if start is None:
+            start = t1
+        else:
+            wait += t1 - t0
+        n += 1
+        time.sleep(step)
+    if start is not None:
+        total = time.monotonic() - start
+    return n, wait / total if total > 0 else 0.0
+
+
 # --- the share of time the loop waits ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("workers", "delay", "step", "expected"),
+    ("workers", "delay", "step"),
     [
-        # Read in the main process: each batch waits its 30 ms, each step takes 20 ms.
-        (0, 0.030, 0.020, 0.6),
+        # Read in the main process: each batch waits its 30 ms, each step takes 20 ms
+        # (idle, the loop waits 60% of the time).
+        (0, 0.030, 0.020),
         # Two workers making a batch every 60 ms each (one every 30 ms between them),
-        # steps of 15 ms: the loop waits 15 ms of every 30.
-        (2, 0.060, 0.015, 0.5),
+        # steps of 15 ms: the loop waits 15 ms of every 30 (50%).
+        (2, 0.060, 0.015),
         # Data faster than the step: the loop hardly waits.
-        (2, 0.005, 0.050, 0.0),
+        (2, 0.005, 0.050),
     ],
     ids=["main-process", "2-workers-slow-data", "2-workers-slow-step"],
 )
-def test_wait_share_matches_known_sleeps(workers: int, delay: float, step: float,
-                                         expected: float) -> None:
+def test_wait_share_matches_the_loop(workers: int, delay: float, step: float) -> None:
     loader = DataLoader(Sleepy(40, delay), batch_size=None, num_workers=workers,
                         collate_fn=keep)
     m = fastload.monitor(loader)
-    assert run(m, step) == 40
+    n, share = run_timed(m, step)
+    assert n == 40
     s = m.stats()
     assert s["data/steps"] == 40 and s["data/samples"] == 40
-    assert abs(s["data/wait_share"] - expected) < TOLERANCE, s["data/wait_share"]
+    assert abs(s["data/wait_share"] - share) < TOLERANCE, (s["data/wait_share"], share)
     assert s["data/wait_s"] > 0 and s["data/step_s"] > 0
     # The workers' side of a loader that is not fastload's: batches handed over.
     assert s["workers/batches"] == 40
@@ -104,10 +130,11 @@ def test_any_iterable() -> None:
             yield [i, i]
 
     m = fastload.monitor(gen())
-    assert run(m, 0.030) == 30
+    n, share = run_timed(m, 0.030)
+    assert n == 30
     s = m.stats()
     assert s["data/samples"] == 60
-    assert abs(s["data/wait_share"] - 0.5) < TOLERANCE, s["data/wait_share"]
+    assert abs(s["data/wait_share"] - share) < TOLERANCE, (s["data/wait_share"], share)
     assert "no stage times" in (m.stall() or "")
 
 

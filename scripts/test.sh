@@ -103,15 +103,16 @@ step "pytest (the engine's cases on $FIRST_ENGINE; $LAST_ENGINE's in the sanitiz
 # processes much of the time (an S3 server, SLURM, the node cache's downloads) beside the
 # rest, so the waits of one take the other's CPU time instead of adding to the wall time.
 # Each has its own servers and temporary folders; the second one's output follows.
+# --durations: the slowest tests, in CI's log, for keeping the whole run under 20 minutes.
 WAITING=(tests/sources tests/slurm tests/cache)
 IGNORE=()
 for d in "${WAITING[@]}"; do IGNORE+=(--ignore="$d"); done
-FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 \
   "${WAITING[@]}" >build/pytest-waiting.log 2>&1 &
 WAITING_PID=$!
 trap 'kill "$PEERS_PID" "$ASAN_PID" "$WAITING_PID" 2>/dev/null || true' EXIT
 rest=0
-FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests \
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests \
   "${IGNORE[@]}" || rest=$?
 waiting=0
 wait "$WAITING_PID" || waiting=$?

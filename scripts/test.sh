@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything from scratch and runs every test: lint, types, the Python suite on
 # both I/O backends, the native tests and the Python suite again under ASan+UBSan, and
-# the benchmarks once at a small size, side by side with the peers (in a venv of their
-# own, scripts/bench-peers.sh), the regression check's subset among them timed, its ratio
-# table (benchmarks/bench_check.py) printed without failing on timing.
+# the benchmarks once at a small size (beside that pass), side by side with the peers
+# (in a venv of their own, scripts/bench-peers.sh), the regression check's subset among
+# them timed, its ratio table (benchmarks/bench_check.py) printed without failing on
+# timing.
 # CI (.ci/run) runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +124,31 @@ if [ "$rest" != 0 ] || [ "$waiting" != 0 ]; then
   exit 1
 fi
 
+step "benchmarks, once, small, timing off, with the peers (MosaicML streaming, litdata, HF datasets): in the background, beside the sanitized pass"
+# The peers' pins clash with the test venv, and two of them would pull torchvision (another
+# torch): scripts/bench-peers.sh gives them a venv of their own, with this torch and this
+# fastload. Where it cannot be set up (no network), the benchmarks run in the test venv
+# and the peer cases skip, saying why.
+BENCH_PY=$VENV/bin/python
+if wait "$PEERS_PID"; then
+  tail -n 3 build/bench-peers.log
+  BENCH_PY=$BENCH_VENV/bin/python
+else
+  tail -n 20 build/bench-peers.log
+  echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
+fi
+# Every case once; those of the regression check's subset are left to the next step,
+# which runs each of them once too (one round at this size), timed.
+mapfile -t CHECKED < <("$BENCH_PY" benchmarks/bench_check.py nodes)
+DESELECT=()
+for node in "${CHECKED[@]}"; do DESELECT+=(--deselect "$node"); done
+# Untimed, they take the CPU time the sanitized pass leaves (its Python is mostly one
+# thread); their output follows that pass's.
+FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-disable "${DESELECT[@]}" \
+  >build/bench.log 2>&1 &
+BENCH_PID=$!
+trap 'kill "$BENCH_PID" 2>/dev/null || true' EXIT
+
 step "native tests and the Python suite under AddressSanitizer + UndefinedBehaviorSanitizer"
 if ! wait "$ASAN_PID"; then
   tail -n 40 build/asan-build.log
@@ -155,25 +181,14 @@ FASTLOAD_TEST_ENGINES=$LAST_ENGINE LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTION
   --ignore-glob='tests/data/test_mix*.py' \
   -k "not sigkill and not repeated_kills"
 
-step "benchmarks, once, small, timing off, with the peers (MosaicML streaming, litdata, HF datasets)"
-# The peers' pins clash with the test venv, and two of them would pull torchvision (another
-# torch): scripts/bench-peers.sh gives them a venv of their own, with this torch and this
-# fastload. Where it cannot be set up (no network), the benchmarks run in the test venv
-# and the peer cases skip, saying why.
-BENCH_PY=$VENV/bin/python
-if wait "$PEERS_PID"; then
-  tail -n 3 build/bench-peers.log
-  BENCH_PY=$BENCH_VENV/bin/python
-else
-  tail -n 20 build/bench-peers.log
-  echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
+step "benchmarks: their output"
+bench=0
+wait "$BENCH_PID" || bench=$?
+cat build/bench.log
+if [ "$bench" != 0 ]; then
+  echo "benchmarks failed (exit $bench)" >&2
+  exit 1
 fi
-# Every case once; those of the regression check's subset are left to the next step,
-# which runs each of them once too (one round at this size), timed.
-mapfile -t CHECKED < <("$BENCH_PY" benchmarks/bench_check.py nodes)
-DESELECT=()
-for node in "${CHECKED[@]}"; do DESELECT+=(--deselect "$node"); done
-FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-disable "${DESELECT[@]}"
 
 step "I/O regression check: ratios against benchmarks/baseline.json (printed, not failing on timing)"
 # The CI machine is shared and differs from the baseline's: a human reads the table on every

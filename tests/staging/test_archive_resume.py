@@ -2,9 +2,10 @@
 process killed (SIGKILL) or interrupted (SIGINT) midway and then resumed; a re-run of a
 complete extraction; four processes extracting one archive to one destination.
 
-The reference for every end state is GNU tar's extraction of the same archive. A SIGKILL
-or a Ctrl-C lands once a fraction of the files is whole at their names; the repeated kills
-land at fractions of one uninterrupted extraction's time, measured here first.
+The reference for every end state is GNU tar's extraction of the same archive. Each
+SIGKILL or Ctrl-C lands once a given number of files is whole at their names (a point in
+the extraction's progress, not in time: on a busy machine a moment may come before the
+first file, or after the last).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Interrupted staging: a real child process killed mid-way (SIGKILL) or interrupted
 (SIGINT), then resumed.
 
-A SIGKILL or a Ctrl-C lands once a fraction of the files is whole at their names; the
-repeated kills land at fractions of how long one uninterrupted stage of the same tree takes
-here (measured first). Those durations only pick when to kill; nothing asserts on them.
+Each SIGKILL or Ctrl-C lands once a given number of files is whole at their names (a
+point in the stage's progress, not in time: on a busy machine a moment may come before the
+first file, or after the last).
 """
 
 from __future__ import annotations

@@ -25,6 +25,19 @@ def is_tmp_name(name: str) -> bool:
 
 
 
+def leave_interrupted_run(dst: Path, names: list[str], stale: bytes) -> None:
+    """What a killed run leaves in ``dst`` for the files ``names`` (relative paths, their
+    folders made): ``stale`` under the temporary name of every other one, and an older
+    copy at the final name of every third one from the second, each of mode 0600."""
+    for rel in names[::2]:
+        p = dst / rel
+        tmp = p.with_name(f".{p.name}{TMP_MARK}")
+        tmp.write_bytes(stale)
+        tmp.chmod(0o600)
+    for rel in names[1::3]:
+        (dst / rel).write_bytes(b"old copy")
+        (dst / rel).chmod(0o600)
+
 def files_at_final_names(root: Path) -> int:
     """How many regular files under ``root`` have a final (not a temporary) name: what a
     writer that names a file only once it is whole has finished. Cheap enough to poll."""

@@ -221,13 +221,7 @@ def test_named_temporaries_modes_and_stale_ones(tmp_path: Path, no_tmpfile: Any,
     (src / "d/big").write_bytes(os.urandom(300_000))  # striped: sized first, then written
     mnt, back = no_tmpfile()
     (mnt / "d").mkdir()
-    for rel in names[::2]:
-        stale = mnt / "d" / f".{rel.split('/')[1]}.fl-tmp"
-        stale.write_bytes(b"stale" * 100_000)
-        stale.chmod(0o600)
-    for rel in names[1::3]:
-        (mnt / rel).write_bytes(b"old copy")
-        (mnt / rel).chmod(0o600)
+    trees.leave_interrupted_run(mnt, names, b"stale" * 100_000)
     old = os.umask(umask)
     try:
         job = _copy_job(src, mnt, names, modes, engine=engine)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fastload import _core
+from kit import trees
 from kit.jobs import run_copy_job
 
 N = 300
@@ -123,15 +124,9 @@ def test_modes_whatever_the_umask_and_leftover_temporaries(
     for i, rel in enumerate(names):
         (src / rel).write_bytes(os.urandom(1000 + i))
         sizes.append(1000 + i)
-    # Leftovers of an interrupted run beside every other file.
-    for rel in names[::2]:
-        stale = dst / "d" / f".{rel.split('/')[1]}.fl-tmp"
-        stale.write_bytes(b"stale" * 1000)
-        stale.chmod(0o600)
-    # Older copies at the final names of some files (a changed source staged again).
-    for rel in names[1::3]:
-        (dst / rel).write_bytes(b"old copy")
-        (dst / rel).chmod(0o600)
+    # Temporaries of an interrupted run, and older copies at the final names of some
+    # files (a changed source staged again).
+    trees.leave_interrupted_run(dst, names, b"stale" * 1000)
     mtimes = [(src / n).stat().st_mtime_ns for n in names]
     files = _core.CopyFiles(names, names, sizes, [(s + 511) // 512 for s in sizes], modes,
                             mtimes)  # fmt: skip

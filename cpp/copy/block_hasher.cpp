@@ -26,9 +26,11 @@ void BlockHasher::push(int block, const char* data, size_t n) {
 
 void BlockHasher::take_hashed(std::vector<int>* out) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (error_) std::rethrow_exception(error_);
+  // Those hashed before a failure are handed back too: which ones they are does not
+  // depend on when the caller looked.
   out->insert(out->end(), hashed_.begin(), hashed_.end());
   hashed_.clear();
+  if (error_) std::rethrow_exception(error_);
 }
 
 size_t BlockHasher::pending() const {

@@ -30,8 +30,8 @@ class BlockHasher {
 
   void push(int block, const char* data, size_t n);
   // The blocks hashed since the last call, in order, appended to `out` (the caller may
-  // reuse them now). Rethrows what the hash function threw (after which nothing more
-  // is hashed).
+  // reuse them now). Then rethrows what the hash function threw (after which nothing
+  // more is hashed).
   void take_hashed(std::vector<int>* out);
   // Pushed and not yet hashed.
   size_t pending() const;

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pytest
 
 import fastload
+from fastload.staging import archive as _archive  # imported before the readers are patched
 from fastload.staging import readers as _readers
 from fastload.staging.engine import resolve_engine
 from fastload.staging.state import read_manifest
@@ -63,7 +64,7 @@ def used(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(_readers, "NativeReader", Native)
     monkeypatch.setattr(_readers, "Prefetcher", Read)
-    monkeypatch.setattr("fastload.staging.archive.NativeReader", Native)
+    monkeypatch.setattr(_archive, "NativeReader", Native)
     monkeypatch.delenv("FASTLOAD_MAPPED_READS", raising=False)
     monkeypatch.delenv("FASTLOAD_NATIVE_READS", raising=False)
     monkeypatch.delenv("FASTLOAD_DIRECT_READS", raising=False)

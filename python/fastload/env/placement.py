@@ -20,7 +20,6 @@ import errno
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -185,7 +184,7 @@ def _gzip_size(path: Path, size: int) -> int:
         tail = f.read(4)
     if len(tail) < 4:
         return size
-    isize = struct.unpack("<I", tail)[0]
+    isize = int.from_bytes(tail, "little")
     floor = size - size // 64
     wraps = max(0, -(-(floor - isize) // (1 << 32)))
     return isize + wraps * (1 << 32)

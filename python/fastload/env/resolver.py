@@ -331,6 +331,8 @@ def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> 
         unpack=kw.get("unpack", "auto"), storage_options=kw.get("storage_options"),
     )  # fmt: skip
     if place.where == "local":
+        if target.is_symlink() and os.readlink(target) in (source, str(cached)):
+            target.unlink()  # the view of an earlier fallback: a stage would write through it
         try:
             return returned(stage(source, target, **kw).path, base)
         except NotEnoughSpaceError as e:

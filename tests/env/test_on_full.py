@@ -255,3 +255,23 @@ def test_fastload_env_says_where_and_why(
     assert report["on_full"] == "fallback"
     (place,) = report["placements"]
     assert place["where"] == "in_place" and "reading it in place" in place["why"]
+
+
+def test_a_source_grown_past_the_disk_falls_back(tmp_path: Path, node: Path) -> None:
+    """Staged once (the record says "local"), then the source grows past the disk: the
+    next call follows the record into stage(), whose space check (before its first byte)
+    finds too little room; the fallback is decided then, and recorded."""
+    src = tmp_path / "shared" / "ds"
+    src.mkdir(parents=True)
+    trees.write_patterned(src / "a.bin", 100 * 1024, seed=1)
+    env = _env(tmp_path, node)
+    assert fastload.resolve(src, env=env) == node / "ds"
+    _tree(src)
+    with pytest.warns(OnFullWarning, match="reading it in place") as record:
+        assert fastload.resolve(src, env=env) == src
+    (place,) = placements(node)
+    assert (place.where, place.followed) == ("in_place", 0)
+    assert place.why == _only_warning(record)
+    with pytest.warns(OnFullWarning):  # the record followed from now on
+        assert fastload.resolve(src, env=env) == src
+    assert placements(node)[0].followed == 1

@@ -13,11 +13,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_torchvision_shim import make_tar, tv, write  # noqa: F401 (tv: the fixture)
 
 import fastload.torchvision as ftv
 from fastload.env import OnFullWarning
 from kit.trees import MiB
+from test_torchvision_shim import make_tar, tv, write  # noqa: F401 (tv: the fixture)
 
 pytestmark = pytest.mark.native
 

@@ -9,6 +9,7 @@ test_on_full_node.py.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -81,9 +82,10 @@ def test_a_tree_too_big_is_read_in_place(tmp_path: Path, node: Path) -> None:
                            f"at '{node}' has ")  # fmt: skip
     assert f"reading it in place from '{src}' (every epoch reads the shared file system" in text
     assert text.endswith("on_full='error' (FASTLOAD_ON_FULL=error) fails instead")
-    # Decided before the first byte: beside the lock and the record, nothing was written.
+    # Decided before the first byte (stage()'s own check of the room, from its walk):
+    # beside the locks and the record, nothing was written.
     assert _fastload_files(node) == [
-        ".bigds.fastload-where.json", ".bigds.where.fastload.lock",
+        ".bigds.fastload-where.json", ".bigds.fastload.lock", ".bigds.where.fastload.lock",
     ]  # fmt: skip
     (place,) = placements(node)
     assert (place.where, place.kind, place.path, place.decided_by.split()[1]) == (
@@ -275,3 +277,19 @@ def test_a_source_grown_past_the_disk_falls_back(tmp_path: Path, node: Path) -> 
     with pytest.warns(OnFullWarning):  # the record followed from now on
         assert fastload.resolve(src, env=env) == src
     assert placements(node)[0].followed == 1
+
+
+def test_measured_before_the_stage_when_asked(tmp_path: Path, node: Path) -> None:
+    """choose(measure=True) (a caller whose stage would not raise before it returns)
+    sizes a tree itself, with the same answer stage()'s check gives."""
+    from fastload.env.placement import choose
+
+    src = _tree(tmp_path / "shared" / "bigds")
+    target = node / "bigds"
+    place, decided = choose(str(src), target, tmp_path / "cache" / "bigds", label="'bigds'",
+                            measure=True)  # fmt: skip
+    assert decided and (place.where, place.kind, place.path) == ("in_place", "tree", str(src))
+    assert place.needed == 3 * MiB + 4096 and "reading it in place" in place.why
+    assert _fastload_files(node) == [".bigds.fastload-where.json", ".bigds.where.fastload.lock"]
+    again, decided = choose(str(src), target, tmp_path / "cache" / "bigds", label="'bigds'")
+    assert not decided and again == dataclasses.replace(place, followed=1)

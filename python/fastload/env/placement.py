@@ -3,9 +3,11 @@
 archive, a bucket's objects or a URL's download extracted once into the environment's
 cache.
 
-The decision is made before the first byte is written, from the dataset's size (a tree's
-walk, an archive's extracted size, a prefix's listing) and the free space, under a lock
-beside the node-local destination, and recorded there (``.NAME.fastload-where.json``):
+The decision is made before the first byte is written, from the dataset's size and the
+free space: an archive's extracted size is measured first (:func:`choose`); a tree, a
+file or a bucket's objects are measured by stage() itself, whose space check comes
+before its first byte, the fallback then decided by :func:`refit`. It is made under a
+lock beside the node-local destination and recorded there (``.NAME.fastload-where.json``):
 of the processes of one node asking at once, the first decides and the others follow
 its record. A later call follows a record of "local" (the stage itself says if the data
 no longer fits), and one of a fallback while the disk still lacks the room it recorded.
@@ -258,6 +260,24 @@ def _measure_store(
     return "held", 0, False  # a complete copy, its store unreachable: it is local
 
 
+def _kind(source: str, unpack: Any) -> str:
+    """What ``source`` is, told without listing it: a store URL by its name (an archive
+    object without an archive's suffix is an ``"object"`` here)."""
+    if "://" in source:
+        from ..staging.archive import suffix_kind
+
+        if source.endswith("/"):
+            return "prefix"
+        name = source.rsplit("/", 1)[-1]
+        return "archive" if unpack is not False and suffix_kind(name) else "object"
+    if os.path.isdir(source):
+        return "tree"
+    from ..staging import archive_compression
+
+    compressed = unpack is not False and archive_compression(Path(source)) is not None
+    return "archive" if compressed else "file"
+
+
 def _already(target: Path, source: str) -> int:
     """Bytes of this source already at ``target``: a complete stage's manifest, else the
     files of an interrupted one (a resume needs room for the rest only)."""
@@ -315,10 +335,17 @@ def choose(
     include: Patterns = None,
     unpack: Any = "auto",
     storage_options: Mapping[str, Any] | None = None,
+    measure: bool | None = None,
 ) -> tuple[Placement, bool]:
     """Where ``source`` goes: ``target`` (node-local) when it fits, else in place (a tree
     or file) or ``cache_target``. Decided once per node (a record beside ``target``,
     under a lock); returns the placement and whether this call made the decision.
+
+    ``measure``: size the data now. By default only an archive is (a stat, a few bytes
+    of its head or tail): stage() checks the room of a tree, a file or a bucket's objects
+    itself before its first byte, from the walk or listing it makes anyway, and the
+    caller then asks :func:`refit`; an archive's own check counts its compressed size.
+    ``True`` for a caller whose stage does not raise before it returns.
 
     Raises:
         NotEnoughSpaceError: it fits neither on node-local disk nor in the cache.
@@ -331,6 +358,13 @@ def choose(
                     rec = dataclasses.replace(rec, followed=rec.followed + 1)
                     _write(target, rec)
                     return rec, False
+        kind = _kind(source, unpack)
+        if not (kind == "archive" if measure is None else measure):
+            free = _free(target)
+            place = Placement("local", source, str(target), str(target), kind, 0, free,
+                              f"{human(free)} free: stage() checks the room", _me())  # fmt: skip
+            _write(target, place)
+            return place, True
         shards = False
         if "://" in source:
             kind, size, shards = _measure_store(source, target, include, unpack, storage_options)
@@ -348,8 +382,9 @@ def choose(
 
 
 def refit(
-    place: Placement, cache_target: Path, error: NotEnoughSpaceError, label: str
-) -> Placement:
+    place: Placement, cache_target: Path, error: NotEnoughSpaceError, label: str, *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Placement:  # fmt: skip
     """After the stage of a "local" decision found too little room (``error``, raised
     before its first byte): the fallback, decided once (a caller that finds the record
     already changed follows it)."""
@@ -357,9 +392,15 @@ def refit(
     with _deciding(target):
         rec = _read(target)
         if rec is not None and rec.where != "local" and rec.source == place.source:
+            rec = dataclasses.replace(rec, followed=rec.followed + 1)
+            _write(target, rec)
             return rec
+        shards = place.shards
+        if place.kind == "prefix":  # what the warning says depends on what is in it
+            with contextlib.suppress(OSError, ValueError):
+                shards = _measure_store(place.source, target, None, "auto", storage_options)[2]
         place = dataclasses.replace(place, needed=error.needed, free=error.free, decided_by=_me(),
-                                    followed=0)  # fmt: skip
+                                    followed=0, shards=shards)  # fmt: skip
         place = _fallback(place, cache_target, label, error.needed)
         _write(target, place)
         return place

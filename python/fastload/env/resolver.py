@@ -336,7 +336,8 @@ def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> 
         try:
             return returned(stage(source, target, **kw).path, base)
         except NotEnoughSpaceError as e:
-            place = refit(place, cached, e, where.label)
+            place = refit(place, cached, e, where.label,
+                          storage_options=kw.get("storage_options"))
     warnings.warn(place.why, OnFullWarning, stacklevel=4)
     if place.where == "in_place":
         return _in_place(Path(source), target, base, where.returns, kw.get("checksum"))

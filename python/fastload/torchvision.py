@@ -308,10 +308,12 @@ class ImageNet(_DropIn):
         if src is not None:
             for name in ("meta.bin", _DEVKIT):
                 if (src / name).is_file():
-                    resolve("imagenet", sources=[src / name], unpack=False,
-                            destination=local / name, env=env)
+                    _view(resolve("imagenet", sources=[src / name], unpack=False,
+                                  destination=_unview(local / name), env=env), local / name)
                     return
         if (local / "meta.bin").exists():
             return
         with contextlib.suppress(FileNotFoundError):
-            resolve("imagenet", split="devkit", env=env, download=False)
+            _unview(local / _DEVKIT)
+            got = resolve("imagenet", split="devkit", env=env, download=False)
+            _view(got, local / got.name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import urllib.parse
 import warnings
 from collections.abc import Mapping, Sequence
@@ -326,9 +327,12 @@ def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> 
     options = {k: kw.get(k) for k in ("include", "unpack")}
     top = where.cache / "staged" / cache_key(source, options) / base.name
     cached = top / target.relative_to(base) if base in target.parents else top.parent / target.name
+    # Fanned out, every node must enter the stage or none: measured first, so that no
+    # node finds itself short of room inside the group's stage.
     place, _ = choose(
         source, target, cached, label=where.label, include=kw.get("include"),
         unpack=kw.get("unpack", "auto"), storage_options=kw.get("storage_options"),
+        measure=True if kw.get("fanout") else None,
     )  # fmt: skip
     if place.where == "local":
         if target.is_symlink() and os.readlink(target) in (source, str(cached)):
@@ -338,11 +342,20 @@ def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> 
         except NotEnoughSpaceError as e:
             place = refit(place, cached, e, where.label,
                           storage_options=kw.get("storage_options"))
-    warnings.warn(place.why, OnFullWarning, stacklevel=4)
+    warnings.warn(place.why, OnFullWarning, stacklevel=_outside())
     if place.where == "in_place":
         return _in_place(Path(source), target, base, where.returns, kw.get("checksum"))
     kw.pop("fanout", None)  # the cache is one copy for every node
     return returned(stage(source, cached, **kw).path, top)
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside this module (a warning names the
+    caller's line)."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__") == __name__:
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _in_place(found: Path, target: Path, base: Path, returns: str | None,

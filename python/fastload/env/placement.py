@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._util import human, node_lock, parse_checksum, write_json_atomic
-from ..errors import NotEnoughSpaceError
+from ..errors import ChecksumMismatchError, NotEnoughSpaceError
 from ..staging import Patterns
 
 __all__ = [
@@ -147,8 +147,6 @@ def _deciding(target: Path) -> Iterator[None]:
 def check_file(path: Path, checksum: str) -> None:
     """A file read in place against its published checksum (a copy would be checked as
     it is made)."""
-    from ..errors import ChecksumMismatchError
-
     algo, want = parse_checksum(checksum) or ("", "")
     h = hashlib.new(algo)
     with open(path, "rb") as f:

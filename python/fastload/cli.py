@@ -249,7 +249,9 @@ def _parser() -> argparse.ArgumentParser:
         "env",
         help="show the detected environment, this process's rank and the data paths",
         description="Show which environment fastload detects here (mila, drac, slurm, "
-        "local, or a site plug-in), this process's node and rank, and where data goes.",
+        "local, or a site plug-in), this process's node and rank, where data goes, what "
+        "resolve() does with data larger than tmpdir (on_full), and where it put the data "
+        "it resolved here, and why.",
     )
     e.add_argument("--json", action="store_true", help="print it as JSON")
 

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any, Callable, Union
 
 from ._util import node_lock
-from .env import Environment, current, resolve
+from .env import Environment, current, datasets, resolve
 from .errors import ChecksumMismatchError
 
 __all__ = [
@@ -113,6 +113,29 @@ def _torchvision_root(
     if local is None:
         local = env.tmpdir / name  # torchvision says what is missing
     return local
+
+
+def _unview(path: Path) -> Path:
+    """``path`` without the symbolic link :func:`_view` left there (a stage into it
+    would write through it)."""
+    if path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return path
+
+
+def _view(got: Path, path: Path) -> None:
+    """Where resolve() read the data from elsewhere (it does not fit on node-local disk:
+    in place, or from the cache), a symbolic link to it at ``path``, so torchvision finds
+    its layout under the node-local root."""
+    if got == path or not os.path.lexists(got):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.fastload-link-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(got)
+    os.replace(tmp, path)
 
 
 class _DropIn:
@@ -256,22 +279,28 @@ class ImageNet(_DropIn):
         candidates: list[tuple[Path, str]] = []
         if src is not None:
             candidates.append((src / split, split))
+        local = env.tmpdir / "imagenet"
         for cand, into in candidates:
             if os.path.lexists(cand):
-                resolve("imagenet", sources=[cand], destination=env.tmpdir / "imagenet" / into,
-                        env=env)
+                _view(resolve("imagenet", sources=[cand], destination=_unview(local / into),
+                              env=env), local / into)
                 return
         archive = _IMAGENET_ARCHIVES.get(split)
         if src is not None and archive is not None and (src / archive).exists():
             if split == "train":
-                resolve("imagenet", sources=[src / archive], unpack="nested",
-                        destination=env.tmpdir / "imagenet" / "train", env=env)
+                got = resolve("imagenet", sources=[src / archive], unpack="nested",
+                              destination=_unview(local / "train"), env=env)
+                _view(got, local / "train")
             else:
-                resolve("imagenet", sources=[src / archive], unpack=False,
-                        destination=env.tmpdir / "imagenet" / archive, env=env)
+                got = resolve("imagenet", sources=[src / archive], unpack=False,
+                              destination=_unview(local / archive), env=env)
+                _view(got, local / archive)
             return
         with contextlib.suppress(FileNotFoundError, ValueError):  # torchvision says what is missing
-            resolve("imagenet", split=split, env=env, download=False)
+            for source in datasets(env)["imagenet"].split(split).sources:
+                _unview(local / (source.into or Path(source.location).name))
+            got = resolve("imagenet", split=split, env=env, download=False)
+            _view(got, local / got.name)
 
     @staticmethod
     def _stage_meta(src: Path | None, env: Environment) -> None:
@@ -279,10 +308,12 @@ class ImageNet(_DropIn):
         if src is not None:
             for name in ("meta.bin", _DEVKIT):
                 if (src / name).is_file():
-                    resolve("imagenet", sources=[src / name], unpack=False,
-                            destination=local / name, env=env)
+                    _view(resolve("imagenet", sources=[src / name], unpack=False,
+                                  destination=_unview(local / name), env=env), local / name)
                     return
         if (local / "meta.bin").exists():
             return
         with contextlib.suppress(FileNotFoundError):
-            resolve("imagenet", split="devkit", env=env, download=False)
+            _unview(local / _DEVKIT)
+            got = resolve("imagenet", split="devkit", env=env, download=False)
+            _view(got, local / got.name)

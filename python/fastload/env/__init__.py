@@ -15,6 +15,7 @@ May import: ``staging``, ``sources``, ``index``, ``errors``, ``_util``, ``_core`
 from .base import Context, Detector, Environment, expand
 from .config import config_path, load_config
 from .datasets import DatasetSpec, datasets
+from .placement import OnFullWarning, Placement, placements
 from .registry import (
     ENTRY_POINT_GROUP,
     current,
@@ -31,6 +32,8 @@ __all__ = [
     "DatasetSpec",
     "Detector",
     "Environment",
+    "OnFullWarning",
+    "Placement",
     "World",
     "config_path",
     "current",
@@ -39,6 +42,7 @@ __all__ = [
     "environments",
     "expand",
     "load_config",
+    "placements",
     "register_environment",
     "resolve",
     "world",

@@ -55,6 +55,10 @@ class Environment:
     hostname: str = ""
     cluster: str | None = None
     """The cluster's own name where the site gives one (``CC_CLUSTER`` on the Alliance)."""
+    on_full: str = "fallback"
+    """What :func:`fastload.resolve` does with data that does not fit in ``tmpdir``:
+    ``"fallback"`` (read it in place, or from the ``cache``, with a warning) or
+    ``"error"`` (``on_full`` in the configuration, ``FASTLOAD_ON_FULL``)."""
     config: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )

@@ -10,6 +10,7 @@ config.toml`` (by default ``~/.config/fastload/config.toml``).
 
     [environments.slurm]                # only when this environment is the one
     tmpdir = "/local/ssd/{user}"        # a node-local disk SLURM does not announce
+    on_full = "error"                   # data larger than tmpdir: fail, not fall back
     dataset_roots = ["/shared/datasets"]
 
     [datasets.mydata]                   # extends the dataset registry
@@ -19,9 +20,11 @@ config.toml`` (by default ``~/.config/fastload/config.toml``).
     endpoint_url = "https://s3.example.edu"
 
 Keys of ``[paths]`` and ``[environments.NAME]``: ``tmpdir``, ``cache``, ``scratch``
-(path templates), ``dataset_roots`` (a list of them), ``cpus`` (an integer). The
-variables ``FASTLOAD_TMPDIR``, ``FASTLOAD_CACHE``, ``FASTLOAD_SCRATCH``,
-``FASTLOAD_DATASET_ROOTS`` (``:``-separated) and ``FASTLOAD_CPUS`` override both.
+(path templates), ``dataset_roots`` (a list of them), ``cpus`` (an integer),
+``on_full`` (``"fallback"`` or ``"error"``: what resolve() does with data that does not
+fit in ``tmpdir``, docs/on-full.md). The variables ``FASTLOAD_TMPDIR``,
+``FASTLOAD_CACHE``, ``FASTLOAD_SCRATCH``, ``FASTLOAD_DATASET_ROOTS`` (``:``-separated),
+``FASTLOAD_CPUS`` and ``FASTLOAD_ON_FULL`` override both.
 ``[storage.s3]`` (also ``gs``, ``az``) holds defaults for object store URLs
 (``endpoint_url``, ``region``, ``anonymous``...), below ``~/.aws``, the ``AWS_*``
 variables and ``storage_options=``.
@@ -40,7 +43,7 @@ from ..errors import stage_error
 
 __all__ = ["PATH_KEYS", "config_path", "load_config", "read_toml", "storage_defaults"]
 
-PATH_KEYS = ("tmpdir", "cache", "scratch", "dataset_roots", "cpus")
+PATH_KEYS = ("tmpdir", "cache", "scratch", "dataset_roots", "cpus", "on_full")
 _TOP_KEYS = ("environment", "paths", "environments", "datasets", "storage")
 
 
@@ -119,6 +122,9 @@ def _check_paths(table: Any, where: str, path: Path) -> None:
         if key == "cpus":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _fail(path, f"[{where}] cpus must be a positive integer")
+        elif key == "on_full":
+            if value not in ("fallback", "error"):
+                raise _fail(path, f"[{where}] on_full must be \"fallback\" or \"error\"")
         elif key == "dataset_roots":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise _fail(path, f"[{where}] dataset_roots must be a list of paths")

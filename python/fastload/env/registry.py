@@ -37,6 +37,7 @@ ENV_VARS = {
     "scratch": "FASTLOAD_SCRATCH",
     "dataset_roots": "FASTLOAD_DATASET_ROOTS",
     "cpus": "FASTLOAD_CPUS",
+    "on_full": "FASTLOAD_ON_FULL",
 }
 
 
@@ -147,8 +148,8 @@ def detect(
 
     ``FASTLOAD_ENV=name`` (or ``environment = "name"`` in the configuration) skips
     detection; then the configuration's ``[paths]``, its ``[environments.<name>]`` and
-    the ``FASTLOAD_TMPDIR``/``_CACHE``/``_SCRATCH``/``_DATASET_ROOTS``/``_CPUS``
-    variables override the paths, in that order.
+    the ``FASTLOAD_TMPDIR``/``_CACHE``/``_SCRATCH``/``_DATASET_ROOTS``/``_CPUS``/
+    ``_ON_FULL`` variables override the paths, in that order.
 
     Raises:
         ValueError: ``FASTLOAD_ENV`` names no registered environment, or the
@@ -204,6 +205,13 @@ def _override(env: Environment, ctx: Context) -> Environment:
         if cpus < 1:
             raise ValueError(f"the CPU budget must be at least 1, not {cpus}")
         env = dataclasses.replace(env, cpus=cpus)
+
+    if "on_full" in values:
+        if values["on_full"] not in ("fallback", "error"):
+            raise ValueError(
+                f"FASTLOAD_ON_FULL must be 'fallback' or 'error', not {values['on_full']!r}"
+            )
+        env = dataclasses.replace(env, on_full=values["on_full"])
 
     def path(template: str) -> Path:
         return Path(os.path.abspath(expand(template, env.fields(), ctx.environ)))

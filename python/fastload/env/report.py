@@ -1,5 +1,7 @@
 """What ``fastload env`` prints: the environment, this process's place in the world,
-and the paths, each with whether it exists and how much room it has."""
+the paths, each with whether it exists and how much room it has, what resolve() does
+with data larger than ``tmpdir`` (``on_full``), and where it put the data it resolved
+(the placements recorded under ``tmpdir``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from .base import Environment
 from .config import config_path
+from .placement import placements
 from .registry import detect, environments
 from .world import world
 
@@ -59,6 +62,16 @@ def report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         else "SLURM_CPUS_ON_NODE" if env_map.get("SLURM_CPUS_ON_NODE")
         else "affinity"
     )
+    env_cfg = env.config.get("environments", {}).get(env.name, {})
+    on_full_from = (
+        "FASTLOAD_ON_FULL" if env_map.get("FASTLOAD_ON_FULL")
+        else "config" if "on_full" in env.config.get("paths", {}) or "on_full" in env_cfg
+        else "default"
+    )
+    try:
+        placed = [p.as_dict() for p in placements(env.tmpdir)]
+    except OSError:
+        placed = []
     return {
         "environment": env.name,
         "chosen_by": "FASTLOAD_ENV" if env_map.get("FASTLOAD_ENV")
@@ -81,6 +94,9 @@ def report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "cpus": env.cpus,
         "cpus_from": cpus_from,
         "user": env.user,
+        "on_full": env.on_full,
+        "on_full_from": on_full_from,
+        "placements": placed,
         "config": {
             "path": str(env.config_path or cfg),
             "read": env.config_path is not None,
@@ -156,8 +172,26 @@ def format_report(r: Mapping[str, Any]) -> str:
         *(f"               {_line(p)}" for p in roots[1:]),
         f"config         {r['config']['path']}  "
         f"({'read' if r['config']['read'] else 'not found'})",
+        f"on full        {r['on_full']}   [{r['on_full_from']}]",
+    ]
+    placed = r.get("placements") or []
+    lines += [
+        f"{'placed' if i == 0 else '':15}{_placed(p)}" for i, p in enumerate(placed)
     ]
     return "\n".join(lines)
+
+
+_WHERE = {"local": "staged to node-local disk", "in_place": "read in place",
+          "cache": "in the cache"}  # fmt: skip
+
+
+def _placed(p: Mapping[str, Any]) -> str:
+    """A placement resolve() recorded, in a line: where the data is read from, and why."""
+    how = _WHERE.get(p["where"], p["where"])
+    room = f"{_human(p['needed'])} needed, {_human(p['free'])} free on node-local disk"
+    if p["where"] == "local":
+        return f"{p['target']}  ({how}: {room})"
+    return f"{p['target']} -> {p['path']}  ({how}: {room}; {p['source']})"
 
 
 def env_command(as_json: bool = False) -> int:

@@ -17,19 +17,30 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import urllib.parse
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from .._util import parse_checksum
-from ..errors import ChecksumMismatchError, stage_error
+from ..errors import ChecksumMismatchError, NotEnoughSpaceError, stage_error
 from ..sources import check_supported, is_store_url, is_url
 from ..sources import download as download_url
 from ..staging import Patterns, Progress, archive_compression, stage
 from ..staging.archive import SUFFIXES
 from .base import Environment, expand
 from .datasets import DatasetSpec, Source, Unpack, datasets
+from .placement import (
+    OnFull,
+    OnFullWarning,
+    cache_key,
+    check_file,
+    check_on_full,
+    choose,
+    refit,
+)
 from .registry import current
 
 __all__ = ["resolve"]
@@ -52,6 +63,7 @@ def resolve(
     download: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     fanout: bool | Any = False,
+    on_full: OnFull | None = None,
 ) -> Path:
     """Finds a dataset, stages it to node-local disk, and returns the local path.
 
@@ -85,6 +97,13 @@ def resolve(
         fanout: as in :func:`fastload.stage`, for a dataset found on a file system: the
             job's nodes read it once in total and exchange it (every process of the job
             calls resolve() alike).
+        on_full: what to do when the data does not fit on node-local disk (decided
+            before the first byte, from its size and the free space, once per node):
+            ``"fallback"`` (default; the environment's ``on_full``, ``FASTLOAD_ON_FULL``)
+            goes on with a one-line :class:`OnFullWarning`: a tree or file is read in
+            place, an archive, a bucket's objects or a URL's download is extracted or
+            downloaded once into the ``cache``; ``"error"`` raises
+            :class:`NotEnoughSpaceError`. See docs/on-full.md.
 
     Data already in the environment's ``tmpdir`` is returned where it is (with no
     ``destination``): it is node-local already.
@@ -96,6 +115,8 @@ def resolve(
         FileNotFoundError: no source has the data (a :class:`StageError` naming every
             place that was tried).
         ChecksumMismatchError: the data does not match its checksum.
+        NotEnoughSpaceError: the data fits neither on node-local disk nor (falling back)
+            in the cache, or ``on_full="error"`` and it does not fit on node-local disk.
         ValueError: an unknown split, a bad template, or conflicting arguments.
     """
     environment = env if env is not None else current()
@@ -103,6 +124,7 @@ def resolve(
         raise ValueError(f"unpack must be True, False, 'auto' or 'nested', not {unpack!r}")
     if checksum is not None and checksum is not False:
         parse_checksum(checksum)
+    full = check_on_full(environment.on_full if on_full is None else on_full)
     spec, name, registered, split = _plan(name_or_path, sources, split, environment)
     fields: dict[str, str | None] = {**environment.fields(), "name": name, "split": split}
 
@@ -130,19 +152,18 @@ def resolve(
             tried.append(url)
             if is_store_url(url):  # staged straight from the store, no download
                 try:
-                    result = stage(
-                        url, base / src.into if src.into else base, include=include,
+                    return _placed(
+                        url, base / src.into if src.into else base, base,
+                        _Where(full, cache_dir, f"{name!r} ({url})", spec.returns),
+                        include=include,
                         unpack=src.unpack if unpack == "auto" and src.unpack is not None
                         else unpack,
                         checksum=src_checksum, progress=progress,
                         storage_options=storage_options,
-                    )
+                    )  # fmt: skip
                 except FileNotFoundError as e:
                     failures.append(e)
                     continue
-                if spec.returns is not None:
-                    return base / spec.returns if spec.returns else base
-                return result.path
             try:
                 found = download_url(url, cache_dir, src_checksum, progress)
             except ChecksumMismatchError:
@@ -172,8 +193,8 @@ def resolve(
             checksum=src_checksum,
             include=include,
             progress=progress,
-            returns=spec.returns,
             fanout=fanout,
+            where=_Where(full, cache_dir, f"{name!r} ({found})", spec.returns),
         )
 
     what = f"dataset {name!r}" + (f" (split {split!r})" if split else "")
@@ -261,8 +282,8 @@ def _stage_found(
     checksum: str | None,
     include: Patterns,
     progress: Progress,
-    returns: str | None,
     fanout: bool | Any,
+    where: _Where,
 ) -> Path:
     is_file = found.is_file()
     as_file = is_file and (unpack is False or archive_compression(found) is None)
@@ -271,15 +292,91 @@ def _stage_found(
         target = target / found.name
     elif as_file and not explicit_destination:
         target = base.parent / found.name  # {tmpdir}/foo.bin, not {tmpdir}/foo.bin/...
-    result = stage(
-        found,
+    return _placed(
+        str(found),
         target,
+        base,
+        where,
         include=include,
         unpack=unpack if is_file else "auto",
         checksum=checksum,
         progress=progress,
         fanout=fanout,
     )
-    if returns is not None:
-        return base / returns if returns else base
-    return result.path
+
+
+class _Where(NamedTuple):
+    """What decides where a found source goes (placement.py)."""
+
+    on_full: OnFull
+    cache: Path
+    label: str
+    returns: str | None
+
+
+def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> Path:
+    """stage() of ``source`` into ``target`` (inside ``base``, or beside it for a file),
+    or, where it does not fit and ``on_full`` allows, where placement.choose() says; the
+    path resolve() returns."""
+
+    def returned(result: Path, top: Path) -> Path:
+        return result if where.returns is None else top / where.returns
+
+    if where.on_full == "error":
+        return returned(stage(source, target, **kw).path, base)
+    options = {k: kw.get(k) for k in ("include", "unpack")}
+    top = where.cache / "staged" / cache_key(source, options) / base.name
+    cached = top / target.relative_to(base) if base in target.parents else top.parent / target.name
+    # Fanned out, every node must enter the stage or none: measured first, so that no
+    # node finds itself short of room inside the group's stage.
+    place, _ = choose(
+        source, target, cached, label=where.label, include=kw.get("include"),
+        unpack=kw.get("unpack", "auto"), storage_options=kw.get("storage_options"),
+        measure=True if kw.get("fanout") else None,
+    )  # fmt: skip
+    if place.where == "local":
+        if target.is_symlink() and os.readlink(target) in (source, str(cached)):
+            target.unlink()  # the view of an earlier fallback: a stage would write through it
+        try:
+            return returned(stage(source, target, **kw).path, base)
+        except NotEnoughSpaceError as e:
+            place = refit(place, cached, e, where.label,
+                          storage_options=kw.get("storage_options"))
+    warnings.warn(place.why, OnFullWarning, stacklevel=_outside())
+    if place.where == "in_place":
+        return _in_place(Path(source), target, base, where.returns, kw.get("checksum"))
+    kw.pop("fanout", None)  # the cache is one copy for every node
+    return returned(stage(source, cached, **kw).path, top)
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside this module (a warning names the
+    caller's line)."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__") == __name__:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _in_place(found: Path, target: Path, base: Path, returns: str | None,
+              checksum: str | None) -> Path:  # fmt: skip
+    """The path resolve() returns for ``found`` read where it is: itself, or for a
+    registry layout (``into``, ``returns``) the folder it plays the part of ``target``
+    in, else a symbolic link to it at ``target``."""
+    if checksum is not None and found.is_file():
+        check_file(found, checksum)
+    if returns is None:
+        return found
+    rel = target.relative_to(base).parts if base in target.parents else ()
+    if not rel:
+        return found / returns if returns else found
+    if found.parts[-len(rel) :] == rel:
+        top = Path(*found.parts[: -len(rel)])
+        return top / returns if returns else top
+    if target.is_symlink() or not os.path.lexists(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.fastload-link-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(found)
+        os.replace(tmp, target)
+    return base / returns if returns else base

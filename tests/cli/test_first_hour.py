@@ -402,3 +402,29 @@ def test_stale_index_says_when_in_readable_times(tmp_path: Path) -> None:
     assert (f"shard '{shard}' changed since it was indexed: modified 2026-03-04 "
             "05:06:07.000000005 UTC, indexed when modified 2026-01-02 03:04:05.250000000 "
             "UTC; rebuild it (`fastload index`)") in stale, stale  # fmt: skip
+
+
+# --- 2: demo.sh --clean -----------------------------------------------------------------
+
+
+def test_demo_clean_removes_the_demos_data_only(tmp_path: Path) -> None:
+    """In a copy of the clone's scripts (the script works from its own folder's parent):
+    the demo's dataset and staged copy go, the venv, the build and a SRC of one's own
+    stay."""
+    clone, tmpdir = tmp_path / "clone", tmp_path / "node"
+    (clone / "scripts").mkdir(parents=True)
+    demo = Path(__file__).resolve().parents[2] / "scripts" / "demo.sh"
+    (clone / "scripts" / "demo.sh").write_bytes(demo.read_bytes())
+    for made in ("demo-data/source/train/a.JPEG", ".venv/bin/python", "build/cpp/x.o",
+                 "mine/data.bin"):  # fmt: skip
+        (clone / made).parent.mkdir(parents=True, exist_ok=True)
+        (clone / made).write_bytes(b"x")
+    staged = tmpdir / "fastload-demo"
+    (staged / "dataset").mkdir(parents=True)
+    (staged / ".dataset.fastload.lock").write_bytes(b"")
+    r = subprocess.run(["bash", str(clone / "scripts" / "demo.sh"), "--clean"], cwd=tmp_path,
+                       env={**os.environ, "SLURM_TMPDIR": str(tmpdir)}, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(clone)) == [".venv", "build", "mine", "scripts"]
+    assert os.listdir(tmpdir) == [] and "removed demo-data/" in r.stdout

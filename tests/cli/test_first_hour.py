@@ -344,8 +344,9 @@ def test_monitor_final_summary_agrees_with_stats(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize("batch_size", [10, None])
-def test_mix_stats_after_a_plain_dataloader(tmp_path: Path, batch_size: int | None) -> None:
+@pytest.mark.parametrize("start, batch_size", [("fork", 10), ("fork", None), ("spawn", 10)])
+def test_mix_stats_after_a_plain_dataloader(tmp_path: Path, start: str,
+                                            batch_size: int | None) -> None:  # fmt: skip
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
@@ -355,7 +356,7 @@ def test_mix_stats_after_a_plain_dataloader(tmp_path: Path, batch_size: int | No
     books = fastload.Stream(str(shards / "train-{000070..000099}.tar"), proportion=0.3,
                             name="books")  # fmt: skip
     mix = fastload.Mix([web, books], samples_per_epoch=1000, batch_size=batch_size, seed=0)
-    loader = DataLoader(mix, batch_size=None, num_workers=2)
+    loader = DataLoader(mix, batch_size=None, num_workers=2, multiprocessing_context=start)
     assert sum(len(b) if batch_size else 1 for b in loader) == 1000
     assert mix.stats() == {"epoch": 0, "streams": {"web": 700, "books": 300}}
     mix.set_epoch(1)

@@ -2,11 +2,12 @@
 process that made the mix (``mix.stats()`` after a plain ``DataLoader``, no state dict
 needed).
 
-A small file of int64 rows (``/dev/shm`` where there is one), made with the mix, so
-forked workers inherit its mapping and spawned ones map it by name: each worker writes
-its row (written, epoch, then a count per stream) with plain stores now and then and
-when its epoch ends; the maker reads the rows of the latest epoch. The file goes when
-the mix that made it is collected (or at exit).
+A small memfd of int64 rows, made with the mix (nothing in a file system: a killed
+process leaves nothing behind), so forked workers inherit it and spawned ones open it as
+``/proc/PID/fd/N`` of the process that made it: each worker writes its row (written,
+epoch, then a count per stream) with plain stores now and then and when its epoch ends;
+the maker reads the rows of the latest epoch. The memfd goes when the mix that made it
+is collected.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import tempfile
+import secrets
 import weakref
 from typing import Any
 
@@ -26,33 +27,39 @@ ROWS = 256  # workers per loader counted (a worker past these is not)
 _HEAD = 2  # written (1), epoch
 
 
-def _remove(path: str, owner: int) -> None:
+def _close(fd: int, owner: int) -> None:
     if os.getpid() == owner:  # not a forked worker's copy of the object
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class SharedCounts:
     """Counts of ``streams`` streams, a row per DataLoader worker."""
 
     def __init__(self, streams: int) -> None:
-        where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        fd, self.path = tempfile.mkstemp(prefix="fastload-mix-", dir=where)
+        # A name of its own: a process opening the path checks it is this memfd (not
+        # what a reused pid and descriptor number name after the maker is gone).
+        self.name = f"fastload-mix-counts-{secrets.token_hex(8)}"
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, ROWS * (_HEAD + streams) * 8)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
         self.streams = streams
         self._rows: np.ndarray | None = None
-        weakref.finalize(self, _remove, self.path, os.getpid())
+        weakref.finalize(self, _close, fd, os.getpid())
 
     def _map(self) -> np.ndarray | None:
         if self._rows is None:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:  # its mix is gone
+            except OSError:  # its mix (or the process that made it) is gone
                 return None
             try:
+                if os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{self.name} (deleted)":
+                    return None
                 mm = mmap.mmap(fd, 0)
             finally:
                 os.close(fd)
@@ -83,8 +90,8 @@ class SharedCounts:
         return epoch, written[written[:, 1] == epoch, _HEAD:].sum(axis=0)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "streams": self.streams}
+        return {"path": self.path, "name": self.name, "streams": self.streams}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path, self.streams = state["path"], state["streams"]
+        self.path, self.name, self.streams = state["path"], state["name"], state["streams"]
         self._rows = None

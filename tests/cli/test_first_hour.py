@@ -2,7 +2,8 @@
 or the API as they met it: s3:// without obstore, no credentials against no server
 against refused credentials, what a failed archive leaves, the lock of a run that made
 nothing, --workers' default, --stats' parts, the monitor's summary, a mix's counts after
-a plain DataLoader, a typo'd option, a stale index's times."""
+a plain DataLoader, a typo'd option, a stale index's times, and what demo.sh --clean
+removes."""
 
 from __future__ import annotations
 

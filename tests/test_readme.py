@@ -1,8 +1,9 @@
-"""Every ```python block of the README runs as written (in a scratch directory holding the
-shards and index its examples name), or is listed here with the reason it cannot run on
-this machine; and what a block promises (in its comments and names) is checked after the
-statement that makes the promise. A block added to the README without either, or a
-block that runs with no check, fails this test."""
+"""Every ```python block of the README and of the user docs (docs/*.md but the map of
+the code, DESIGN.md: every page there, those added later too) runs as written (in a
+scratch directory holding the shards and index its examples name), or is listed here
+with the reason it cannot run on this machine; and what a block promises (in its
+comments and names) is checked after the statement that makes the promise. A block
+added without either, or a block that runs with no check, fails this test."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import pytest
 
 import fastload
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The pages whose examples a user runs: the README and the user docs, not the map.
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DESIGN.md")]
 
 # Blocks that need a cluster's data or a remote store, by a phrase of theirs.
 NEEDS_ELSEWHERE = {
@@ -137,11 +141,15 @@ CHECKS: dict[str, Callable[[Namespace], None]] = {
 }
 
 
-def _blocks() -> list[tuple[int, str]]:
-    text = README.read_text(encoding="utf-8")
+def _blocks() -> list[tuple[str, int, str]]:
+    """(page relative to the repository, line of the block's first line, code) of every
+    python block of :data:`PAGES`."""
     out = []
-    for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
-        out.append((text[: m.start()].count("\n") + 1, m.group(1)))
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = str(page.relative_to(ROOT))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
+            out.append((name, text[: m.start()].count("\n") + 1, m.group(1)))
     return out
 
 
@@ -149,9 +157,9 @@ def _skip_reason(code: str) -> str | None:
     return next((why for phrase, why in NEEDS_ELSEWHERE.items() if phrase in code), None)
 
 
-def _runnable() -> list[tuple[int, str]]:
+def _runnable() -> list[tuple[str, int, str]]:
     """The blocks that run here (the others are explained in NEEDS_ELSEWHERE)."""
-    return [(line, code) for line, code in _blocks() if _skip_reason(code) is None]
+    return [(page, line, code) for page, line, code in _blocks() if _skip_reason(code) is None]
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +204,11 @@ def _namespace() -> dict[str, Any]:
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-@pytest.mark.parametrize("line, code", _runnable(), ids=[f"line{n}" for n, _ in _runnable()])
+@pytest.mark.parametrize("page, line, code", _runnable(),
+                         ids=[f"{p}:{n}" for p, n, _ in _runnable()])  # fmt: skip
 def test_readme_block_runs(
-    line: int, code: str, scratch: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    page: str, line: int, code: str, scratch: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     pytest.importorskip("torch")
     work = tmp_path / "work"
@@ -209,15 +219,15 @@ def test_readme_block_runs(
     ns = _namespace()
     checked = []
     tree = ast.parse(code)
-    ast.increment_lineno(tree, line)  # tracebacks name README.md's own lines
+    ast.increment_lineno(tree, line)  # tracebacks name the page's own lines
     for stmt in tree.body:
-        exec(compile(ast.Module([stmt], type_ignores=[]), "README.md", "exec"), ns)
+        exec(compile(ast.Module([stmt], type_ignores=[]), page, "exec"), ns)
         text = ast.get_source_segment(code, _shifted(stmt, -line)) or ""
         for phrase, check in CHECKS.items():
             if phrase in text:
                 check(ns)
                 checked.append(phrase)
-    assert checked, f"README line {line}: a block that runs has no check (CHECKS)"
+    assert checked, f"{page} line {line}: a block that runs has no check (CHECKS)"
 
 
 def _shifted(stmt: ast.stmt, by: int) -> ast.stmt:
@@ -231,9 +241,10 @@ def _shifted(stmt: ast.stmt, by: int) -> ast.stmt:
 def test_every_block_is_run_or_explained() -> None:
     blocks = _blocks()
     assert len(blocks) >= 6
-    ran = [line for line, _ in _runnable()]
+    assert {page for page, _, _ in blocks} >= {"README.md", "docs/reading.md"}
+    ran = _runnable()
     # The reading and writing examples, at least, run here.
     assert len(ran) >= 4, ran
     # Every check still finds its statement in a block that runs.
     for phrase in CHECKS:
-        assert any(phrase in code for line, code in blocks if line in ran), phrase
+        assert any(phrase in code for _, _, code in ran), phrase

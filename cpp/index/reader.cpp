@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <ctime>
 #include <stdexcept>
 
 #include "common/error.hpp"
@@ -26,6 +28,22 @@ std::string folder_of(const std::string& path) {
 
 int64_t mtime_ns_of(const struct stat& st) {
   return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// A modification time as a person reads it: "2026-11-28 09:02:11.123456789 UTC".
+std::string utc_time(int64_t ns) {
+  time_t sec = time_t(ns / 1000000000);
+  int64_t frac = ns % 1000000000;
+  if (frac < 0) {
+    frac += 1000000000;
+    --sec;
+  }
+  struct tm tm {};
+  char day[32] = "?";
+  if (::gmtime_r(&sec, &tm) != nullptr) ::strftime(day, sizeof day, "%Y-%m-%d %H:%M:%S", &tm);
+  char out[64];
+  std::snprintf(out, sizeof out, "%s.%09lld UTC", day, static_cast<long long>(frac));
+  return out;
 }
 
 [[noreturn]] void stale(const IndexFile& index, const std::string& detail, int err = 0) {
@@ -202,8 +220,9 @@ void IndexFile::check_shards() const {
       stale(*this, "shard '" + p + "' changed since it was indexed: size " +
                        std::to_string(st.st_size) + ", was " + std::to_string(r.size));
     if (mtime_ns_of(st) != r.mtime_ns)
-      stale(*this, "shard '" + p + "' changed since it was indexed: mtime " +
-                       std::to_string(mtime_ns_of(st)) + " ns, was " + std::to_string(r.mtime_ns));
+      stale(*this, "shard '" + p + "' changed since it was indexed: modified " +
+                       utc_time(mtime_ns_of(st)) + ", indexed when modified " +
+                       utc_time(r.mtime_ns));
   }
 }
 

@@ -172,23 +172,38 @@ def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterat
     ``on_wait`` with a line naming them.
     """
     path = lock_path(dst)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise stage_error(
-            e.errno or errno.EIO,
-            f"cannot use '{dst}': {e.strerror} in '{dst.parent}' (fastload keeps its lock "
-            "and manifest beside the destination)",
-            str(dst),
-        ) from None
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise stage_error(
+                e.errno or errno.EIO,
+                f"cannot use '{dst}': {e.strerror} in '{dst.parent}' (fastload keeps its "
+                "lock and manifest beside the destination)",
+                str(dst),
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if on_wait is not None:
                 holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
                 on_wait(f"waiting for {holder or 'another process'}, which is staging '{dst}'")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+        # The holder before may have removed the file (drop_lock) while this process
+        # waited on it: only the file at the path now is the lock.
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        here = os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+            break
+        os.close(fd)
+    try:
         with contextlib.suppress(OSError):
             me = f"process {os.getpid()} on {os.uname().nodename}".encode()
             os.ftruncate(fd, 0)
@@ -196,6 +211,13 @@ def node_lock(dst: Path, on_wait: Callable[[str], None] | None = None) -> Iterat
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def drop_lock(dst: Path) -> None:
+    """Removes the lock file beside ``dst``; called holding it (:func:`node_lock`), by
+    a run that leaves nothing there (a waiter then locks the path's new file)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock_path(dst))
 
 
 def pwrite_all(fd: int, data: Any, offset: int, path: str | os.PathLike[str]) -> None:

@@ -5,6 +5,7 @@ the environment."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Any, Literal, Sequence
@@ -12,6 +13,12 @@ from typing import Any, Literal, Sequence
 from ._util import human, version
 from .errors import FastloadError
 from .staging import stage, verify
+from .staging.job import (
+    LOCAL_PER_CORE,
+    MAX_NETWORK_FILES,
+    MAX_SUBMITTERS,
+    NETWORK_PER_CORE,
+)
 
 
 def _progress_flags(p: argparse.ArgumentParser) -> None:
@@ -40,8 +47,47 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+# --workers' default: staging.job.in_flight's rule (what probe reports), from its
+# constants; objects, staging.remote's (not imported by a local stage; test_first_hour).
+_OBJECTS_IN_FLIGHT = 64
+_WORKERS_HELP = (
+    f"files (or objects) in flight (default: {LOCAL_PER_CORE} per core, up to "
+    f"{MAX_SUBMITTERS} cores, from a local disk; {NETWORK_PER_CORE} per core per "
+    f"millisecond of latency from a network file system, at most {MAX_NETWORK_FILES}; "
+    f"{_OBJECTS_IN_FLIGHT} objects from a store. 'fastload probe SRC' prints the "
+    "number for SRC and measures what pays off)"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Answers an unknown option with its subcommand's usage and its closest option."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # fmt: skip
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            where = _subcommand(self, parsed)
+            unknown = next((a for a in extra if a.startswith("-")), extra[0])
+            options = [o for a in where._actions for o in a.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(unknown.split("=", 1)[0], options, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            what = "option" if unknown.startswith("-") else "argument"
+            where.error(f"unrecognized {what} {unknown!r}{hint}")
+        return parsed
+
+
+def _subcommand(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that ``args`` went through (``p`` if none)."""
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            name = getattr(args, a.dest or "", None)
+            if name in a.choices:
+                return _subcommand(a.choices[name], args)
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fastload",
         description=__doc__,
         epilog="Run 'fastload COMMAND --help' for the options of one command.",
@@ -65,29 +111,17 @@ def _parser() -> argparse.ArgumentParser:
         "dst", help="the node-local directory (or file, for a file not unpacked) to write; "
         "made if missing, e.g. $SLURM_TMPDIR/data"
     )
-    s.add_argument(
-        "--include",
-        action="append",
-        default=None,
-        metavar="GLOB",
-        help="only paths matching GLOB (repeatable)",
-    )
-    s.add_argument(
-        "--exclude",
-        action="append",
-        default=None,
-        metavar="GLOB",
-        help="leave out paths matching GLOB (repeatable)",
-    )
+    s.add_argument("--include", action="append", default=None, metavar="GLOB",
+                   help="only paths matching GLOB (repeatable)")  # fmt: skip
+    s.add_argument("--exclude", action="append", default=None, metavar="GLOB",
+                   help="leave out paths matching GLOB (repeatable)")  # fmt: skip
     s.add_argument(
         "--engine", choices=["auto", "uring", "pread"], default="auto",
         help="how files are read and written: io_uring, or pread/pwrite in threads "
         "(default auto: io_uring where the kernel allows it, pread for a source on a "
         "network file system)",
     )  # fmt: skip
-    s.add_argument("--workers", type=int, default=None,
-                   help="files (or objects) in flight (default 64; 'fastload probe SRC' "
-                   "measures what pays off)")
+    s.add_argument("--workers", type=int, default=None, help=_WORKERS_HELP)
     s.add_argument("--stripe-size", type=int, default=None, help="bytes per stripe of big files")
     s.add_argument(
         "--nested",
@@ -327,7 +361,7 @@ def _index_command(args: argparse.Namespace) -> int:
         try:
             idx.check()
         except (FastloadError, ValueError) as e:
-            print(f"  stale: {e}")
+            print(f"  stale: {_as_flags(str(e))}")
             return 1
         print("  shards unchanged since indexing")
         return 0
@@ -442,10 +476,18 @@ def _as_flags(message: str) -> str:
 
 def _print_stage_stats(st: Any) -> None:
     """``fastload stage --stats``: the totals, then throughput about once a second."""
-    print(f"  lock wait {st.lock_wait_seconds:.2f} s, listing and planning "
-          f"{st.setup_seconds:.2f} s (listing {st.listing_seconds:.2f} s, planning "
-          f"{st.planning_seconds:.2f} s), copying {st.copy_seconds:.2f} s, total "
-          f"{st.seconds:.2f} s")  # fmt: skip
+    # Each sum is printed with its parts, the rest of it named, so that they add up:
+    # until the copy's first progress report, the earlier stage is read, the source
+    # opened and the copy started besides any listing and planning; after its last,
+    # the journal is closed and the manifest written.
+    setup, listing, planning, lock, copy, total = (round(t, 2) for t in (  # as printed
+        st.setup_seconds, st.listing_seconds, st.planning_seconds, st.lock_wait_seconds,
+        st.copy_seconds, st.seconds))  # fmt: skip
+    print(f"  lock wait {lock:.2f} s, before the first progress {setup:.2f} s "
+          f"(listing {listing:.2f} s, planning {planning:.2f} s, opening and starting "
+          f"{max(0.0, setup - listing - planning):.2f} s), copying {copy:.2f} s, "
+          f"committing {max(0.0, total - lock - setup - copy):.2f} s, total {total:.2f} s"
+          )  # fmt: skip
     if st.read_busy_seconds or st.write_busy_seconds:
         meta = (f", opens and closes {st.meta_busy_seconds:.2f} s" if st.meta_busy_seconds
                 else "")  # fmt: skip
@@ -551,7 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastload: interrupted (run the same command again to resume)", file=sys.stderr)
         return 130
-    except (FastloadError, OSError, ValueError) as e:
+    except (FastloadError, OSError, ValueError, ImportError) as e:
+        # ImportError: an optional dependency missing (obstore), naming its extra
         print(f"fastload: error: {_as_flags(str(e))}", file=sys.stderr)
         return 1
     return 2

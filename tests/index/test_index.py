@@ -310,7 +310,7 @@ def test_stale_index(built: tuple[Path, Path, bytes]) -> None:
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     with pytest.raises(IndexFormatError) as e:
         ShardIndex.open(idx_path)
-    assert str(shard) in str(e.value) and "mtime" in str(e.value)
+    assert str(shard) in str(e.value) and "modified" in str(e.value) and " UTC" in str(e.value)
     assert str(idx_path) in str(e.value)
     ShardIndex.open(idx_path, check=False)  # still readable, on request
     idx = ShardIndex.open(idx_path, rebuild=True)

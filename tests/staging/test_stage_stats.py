@@ -101,7 +101,7 @@ def test_lock_wait_is_counted(src: Path, tmp_path: Path) -> None:
 def test_cli_stats(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["stage", "--stats", str(src), str(tmp_path / "dst")]) == 0
     out = capsys.readouterr().out
-    assert "lock wait" in out and "listing and planning" in out and "cpu " in out
+    assert "lock wait" in out and "before the first progress" in out and "cpu " in out
     assert "(listing " in out and "in flight: reads " in out
     assert cli.main(["stage", str(src), str(tmp_path / "dst3")]) == 0
     assert "lock wait" not in capsys.readouterr().out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from ._options import check_options
 from ._prefetch import Prefetcher
 from ._reading import CHUNK, batch_of, packed_fetch, rechunk, samples_of
 from ._remote import RemoteReader, open_remote
+from ._tally import SharedCounts
 from .iterable import BatchBy, ShardIterableDataset, _find_states, _Run
 from .mix import MixPlan, Stream, stream_name
 from .mix import takes as mix_takes
@@ -175,6 +177,7 @@ class Mix(ShardIterableDataset):
         self._carried = np.zeros(len(names), dtype=np.int64)
         self._carry_to = 0  # the worker whose counts include the carried ones
         self._tally: tuple[Any, int, np.ndarray] | None = None
+        self._shared = SharedCounts(len(names))  # the workers' counts, for stats() here
         self._remote = None  # streams hold their own
         self.prefetch = prefetch
         self._ahead: dict[int, Prefetcher] = {}
@@ -358,7 +361,21 @@ class Mix(ShardIterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         self._check_room(1 if info is None else int(info.num_workers))
-        return super().__iter__()
+        it = super().__iter__()
+        return it if info is None else self._published(it, int(info.id))
+
+    def _published(self, it: Iterator[Any], worker: int) -> Iterator[Any]:
+        """A worker's items, its counts shown to the process that made the mix (every
+        tenth of a second, and at the end)."""
+        run, last = self._run, 0.0
+        try:
+            for item in it:
+                if time.monotonic() - last >= 0.1:
+                    self._shared.publish(worker, run.epoch if run else 0, self._read_counts())
+                    last = time.monotonic()
+                yield item
+        finally:
+            self._shared.publish(worker, run.epoch if run else 0, self._read_counts())
 
     def _prefetchers(self, run: _Run, plan: MixPlan) -> dict[int, Prefetcher]:
         """Per remote stream, a prefetcher of this reader's shards of it, in the order
@@ -470,8 +487,11 @@ class Mix(ShardIterableDataset):
         if state is None:
             run = self._run
             epoch = run.epoch if run is not None else self._epoch
-            got = self._read_counts().tolist()
-            return {"epoch": epoch, "streams": dict(zip(self.names, got, strict=True))}
+            got = self._read_counts()
+            workers = self._shared.latest() if run is None else None
+            if workers is not None:  # read by DataLoader workers, not here
+                epoch, got = workers
+            return {"epoch": epoch, "streams": dict(zip(self.names, got.tolist(), strict=True))}
         found = list(_find_states(state))
         if not found:
             raise ValueError("no Mix state found in what was given to stats()")

@@ -192,7 +192,7 @@ class Monitor(Generic[T]):
                     self._trace_step(main, t0, t1, last)
                 if self.log_every is not None and t1 - self._last_log >= self.log_every:
                     self._last_log = t1
-                    self._say(self.summary())
+                    self._say(self._window_summary())
                 last = clock()  # the step starts: the time until the next next() is its
                 yield batch
             if last is not None:
@@ -289,15 +289,22 @@ class Monitor(Generic[T]):
         return out
 
     def summary(self) -> str:
-        """One line on the time since the last summary (or the start): the share of it
-        the loop waited for data (after each epoch's first batch), samples/s, bytes/s,
-        the cache's hit rate and the store's throughput where there is a cache, and,
-        when the loop waited more than ``stall_threshold`` of the time, why
-        (:meth:`stall`)."""
+        """One line on the whole run so far, the figures of :meth:`stats`: the share of
+        the time the loop waited for data (after each epoch's first batch), samples/s,
+        bytes/s, the cache's hit rate and the store's throughput where there is a cache,
+        and, when the loop waited more than ``stall_threshold`` of the time, why
+        (:meth:`stall`). The lines ``log_every`` logs are the same on the time since the
+        line before."""
+        return self._line(self.stats())
+
+    def _window_summary(self) -> str:
+        """:meth:`summary` of the time since the last call (or the start)."""
         now = self.stats()
         prev = self._window or {}
         self._window = now
-        d = {k: v - prev.get(k, 0.0) for k, v in now.items()}
+        return self._line({k: v - prev.get(k, 0.0) for k, v in now.items()})
+
+    def _line(self, d: dict[str, float]) -> str:
         wall = d["data/elapsed_s"]
         steady = wall - d["data/startup_s"]  # after each epoch's first batch
         share = (d["data/wait_s"] - d["data/startup_s"]) / steady if steady > 0 else 0.0

@@ -29,6 +29,7 @@ from typing import Any
 from .._util import folders_of, selected
 from ..errors import SourceChangedError, stage_error
 from .base import OBJECT_SCHEMES
+from .credentials import credentials_not_found
 from .objlist import ObjectInfo, ObjectList
 from .retry import RetryCounts, Tries
 from .settings import (
@@ -181,6 +182,10 @@ class ObjectStore:
                 url,
                 SourceChangedError,
             )
+        missing = credentials_not_found(str(e))  # the store was never asked
+        if missing is not None:
+            return stage_error(errno.EACCES, f"no credentials found for '{url}' (endpoint "
+                               f"{self.endpoint}, not contacted): {missing}", url)  # fmt: skip
         if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or any(
             code in str(e)
             for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", " 403 ")

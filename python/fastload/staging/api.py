@@ -78,14 +78,17 @@ def stage(
         checksum: ``"sha256:<hex>"`` or ``"md5:<hex>"`` of the archive (or file), checked
             in the same pass; a mismatch raises :class:`ChecksumMismatchError` and the
             output is not marked complete.
-        include, exclude: glob patterns on paths relative to ``src`` (``*`` also matches
-            ``/``; a pattern without ``/`` also matches the base name).
+        include: glob patterns on paths relative to ``src`` (``*`` also matches ``/``; a
+            pattern without ``/`` also matches the base name): only the paths matching.
+        exclude: glob patterns as ``include``: the paths left out.
         engine: ``"auto"`` (a pool of pread threads for a source on a network or FUSE
             file system, else io_uring where it can be set up, else the pool), ``"uring"``
             or ``"pread"``; ``FASTLOAD_ENGINE`` overrides ``"auto"``.
         progress: ``True`` for a progress bar, or ``cb(bytes_done, bytes_total,
             files_done, files_total)`` called a few times a second.
-        workers: files in flight at once (default 64).
+        workers: files (or objects) in flight at once (default: by the storage, as
+            ``fastload probe`` reports it: 16 per core on a local disk, more on a
+            network file system by its latency, 64 objects from a store).
         stripe_size: bytes per stripe of a big file, and per digest chunk (default 16 MiB).
         on_special: what to do with devices, FIFOs, sockets and symlinks leaving the
             tree: ``"error"`` (default) or ``"skip"``.

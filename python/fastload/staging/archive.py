@@ -24,7 +24,13 @@ from typing import Any, Callable
 
 from .. import _core
 from .._util import selected
-from ..errors import ChecksumMismatchError, SourceChangedError, TarFormatError, stage_error
+from ..errors import (
+    ChecksumMismatchError,
+    SourceChangedError,
+    StageError,
+    TarFormatError,
+    stage_error,
+)
 from .destination import Destination, Manifest
 from .engine import resolve_engine
 from .job import PROGRESS_EVERY, in_flight, progress_callback
@@ -124,6 +130,24 @@ def python_decompressor(compression: str) -> Callable[[], Any] | None:
         return lambda: zstandard.ZstdDecompressor().decompressobj()
     return None
 
+
+
+def _say_left(e: BaseException, files: int, dst: Path, trusted: bool) -> None:
+    """Adds to a failed extraction's message what it left in ``dst`` (no manifest: not
+    a complete stage) and what the next stage into ``dst`` does with it."""
+    if not files or not isinstance(e, (TarFormatError, StageError)):
+        return
+    if trusted:
+        then = ("the next stage of this archive into it keeps those whose member is "
+                "unchanged and extracts the rest")  # fmt: skip
+    else:
+        then = ("they are not trusted: the next stage of this archive into it extracts "
+                "every member again, over them")  # fmt: skip
+    note = (f"; {files} files extracted before the error are left in '{dst}' (no "
+            f"manifest: not a complete stage); {then}")  # fmt: skip
+    at = 1 if isinstance(e, StageError) and len(e.args) >= 2 else 0
+    if len(e.args) > at and isinstance(e.args[at], str):
+        e.args = (*e.args[:at], e.args[at] + note, *e.args[at + 1:])
 
 class Archive:
     """A tar archive extracted into the destination as it is read (:class:`Source`):
@@ -284,13 +308,15 @@ class _Extraction:
                 self._collect(job, flusher)
             with contextlib.suppress(Exception):
                 flusher.close()
-            if compression != "none" and isinstance(e, TarFormatError):
+            trusted = not (compression != "none" and isinstance(e, TarFormatError))
+            if not trusted:
                 # A corrupt compressed stream shows at the end of its gzip member or zstd
                 # frame (their checksums), or earlier as a tar error: what was extracted
                 # before may hold corrupt data, so a later run must not trust any of it.
                 journal.remove()
             else:
                 journal.close()
+            _say_left(e, len(self.done), dest.path, trusted)
             raise
         finally:
             if reader is not None:
@@ -400,6 +426,9 @@ class _Extraction:
             selected(d, list(req.include), []) for d in dirs if d.strip("./")
         ):
             dest.journal.remove()
+            for d in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
+                with contextlib.suppress(OSError):  # the empty folders of members left out
+                    (dest.path / d).rmdir()
             raise req.nothing_selected(archive.name)
         for path, target, hard in links:
             if hard and target in done:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _core
-from .._util import node_lock
+from .._util import drop_lock, node_lock
 from ..sources.objlist import compact_identity
 from ..sources.retry import process_retries
 from .columns import Entry, FileTable, Listing, Record
@@ -261,6 +261,8 @@ class Destination:
             self.journal.remove()
             with contextlib.suppress(OSError):
                 state.rmdir()
+            if not os.path.lexists(state):  # nothing of this run is left: nor its lock
+                drop_lock(self.path)
 
     def result(self, m: Manifest, copied_files: int, copied_bytes: int) -> StageResult:
         return StageResult(

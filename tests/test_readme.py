@@ -21,7 +21,13 @@ import fastload
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The pages whose examples a user runs: the README and the user docs, not the map.
-PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DESIGN.md")]
+# Pages whose blocks need a machine of their own (a small disk, a server) have a test of
+# their own that runs every block, in order, on it.
+OWN_RUNNER = {
+    "on-full.md": "tests/env/test_on_full_doc.py (a 1 MiB tmpfs as the node-local disk)",
+}
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md")
+                         if p.name != "DESIGN.md" and p.name not in OWN_RUNNER)]  # fmt: skip
 
 # Blocks that need a cluster's data or a remote store, by a phrase of theirs.
 NEEDS_ELSEWHERE = {

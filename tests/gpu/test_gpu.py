@@ -209,7 +209,7 @@ def test_the_readme_loop(shards: tuple[Path, list[Sample]]) -> None:
     n = 0
     for batch in fastload.to_device(loader, "cuda", prefetch=2):   # copies ahead
         images = fastload.decode_images(batch["jpg"], device="cuda")  # nvJPEG, one call
-        labels = batch["cls"].ints()
+        labels = batch["cls"].ints()   # packed fields stay on the host: ints on the CPU
         assert len(images) == len(labels) == len(batch)
         assert all(im.is_cuda and im.shape[0] == 3 for im in images)
         n += len(batch)

@@ -250,7 +250,7 @@ def test_registration_over_epochs(shards: tuple[Path, list[Sample]]) -> None:
             for b in loader:
                 b["npy"].data.cuda(non_blocking=True)
             torch.cuda.synchronize()
-            _gpu.poll()
+            _gpu.drain()
             now = _gpu.COUNTERS.snapshot()
             per_epoch.append({k: now[k] - before[k] for k in now})
         print(f"persistent_workers={persistent}: " + "; ".join(
@@ -278,8 +278,7 @@ def test_unregistered_when_a_worker_is_gone(shards: tuple[Path, list[Sample]]) -
     gc.collect()
     for _ in _loader(path, pin=True):  # new workers: the old workers' views dropped
         pass
-    torch.cuda.synchronize()
-    _gpu.poll()
+    _gpu.drain()  # the copies done, the old blocks' counts given back: unregistered
     assert not any(m.registered for m in old)
 
 

@@ -25,9 +25,10 @@ thread that polls and by each thread that takes a field of a batch
 points is not covered (keep its source alive until that stream has passed it).
 
 Letting go of a mapping (:func:`unregister_later`): an event is recorded on the streams
-in use, and the mapping is unregistered (and only then unmapped) once it has completed,
-polled, not waited for. A failed ``cudaHostUnregister`` leaves the mapping registered
-and mapped for good (kept in ``_stuck``), warned about and counted.
+in use, and the mapping is unregistered (and only then unmapped) once it has completed
+and no lease is left on the block, polled, not waited for. A failed
+``cudaHostUnregister`` leaves the mapping registered and mapped for good (kept in
+``STATE.stuck``), warned about and counted.
 
 Nothing here runs in a process forked from the one that registered: a forked child
 forgets the parent's fences and mappings (its copies of the leases give nothing back:
@@ -394,24 +395,24 @@ def poll() -> None:
 
 
 def _unregister_due() -> None:
-    while STATE.unregister:
-        with STATE.lock:
-            if not STATE.unregister or not STATE.unregister[0][0].query():
-                break
-            _, m = STATE.unregister.popleft()
+    """Unregisters the mappings let go of whose event has completed and over which no
+    lease is left (a tensor of an exited worker's block may still be copied from: its
+    count, retired when it goes, is given back after its own event)."""
+    with STATE.lock:
+        due = [(ev, m) for ev, m in STATE.unregister if ev.query() and m.view.users == 0]
+        for item in due:
+            STATE.unregister.remove(item)
+    for _, m in due:
         _unregister(m)
 
 
 def drain() -> None:
-    """Waits for every copy from a block and every pending unregistration."""
+    """Waits for every copy from a block, and unregisters the mappings let go of that
+    nothing here still uses."""
     if STATE.pid != os.getpid():
         return
     poll()
     FENCES.drain()
-    while STATE.unregister:
-        with STATE.lock:
-            if not STATE.unregister:
-                break
-            ev, m = STATE.unregister.popleft()
+    for ev, _ in list(STATE.unregister):
         ev.synchronize()
-        _unregister(m)
+    _unregister_due()

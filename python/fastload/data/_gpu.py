@@ -20,8 +20,8 @@ torch copied from), does not give its count back but retires it (cpp/shm/block.h
 gives the counts back when the events have completed (:class:`Fences`). The streams in
 use: the current stream of each device a block was registered for, as seen by the
 thread that polls and by each thread that takes a field of a batch
-(``PackedBatch.__getitem__``), ``to_device``'s streams, and those current when
-``pin()`` or ``copy_to`` ran. A copy issued on a stream never seen at one of these
+(``PackedBatch.__getitem__``), ``to_device``'s streams, and the one current when
+``copy_to`` (``batch.to``) ran. A copy issued on a stream never seen at one of these
 points is not covered (keep its source alive until that stream has passed it).
 
 Letting go of a mapping (:func:`unregister_later`): an event is recorded on the streams

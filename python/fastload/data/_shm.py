@@ -2,9 +2,10 @@
 payloads in and reuses once the main process has dropped them (``_core.ShmBlock``, memfd),
 the main process's mappings of them, how a batch's tensors travel between processes
 (every storage once: a pool block by reference, its descriptor the first time only; a
-small one inline), and the host side of copies to CUDA (blocks page-locked in place, and
-the fences that keep a block's lease until the copy reading it has completed). Used by
-:mod:`.collate`, which owns the packed types.
+small one inline), and the entry points of copies to CUDA (``pin``, ``copy_to``: blocks
+page-locked in place; the CUDA side, and the hold that keeps a block until every copy
+from it has completed, is :mod:`._gpu`). Used by :mod:`.collate` and :mod:`._field`,
+which own the packed types.
 """
 
 from __future__ import annotations

@@ -95,8 +95,10 @@ class StandInCuda:
     def error_name(self, rc: int) -> str:
         return f"cudaErrorStandIn ({rc})"
 
+    stream = 0  # the id of this thread's current stream, as the test sets it
+
     def current_stream(self, device: int) -> tuple[int, int, int]:
-        return (device, 0, 1)
+        return (device, self.stream, 1)
 
     def stream_key(self, stream: Any) -> tuple[int, int, int]:
         return tuple(stream)
@@ -172,6 +174,26 @@ def test_a_plain_copy_keeps_the_block_until_its_event(cuda: StandInCuda) -> None
     assert block.users == 0
     again = pool.take(100)
     assert again.data_ptr() == block.address  # free, and reused
+
+
+def test_the_event_covers_every_stream_a_field_was_taken_on(cuda: StandInCuda) -> None:
+    """A loop that runs on a stream of its own (``torch.cuda.stream(s)`` around the
+    step) takes the field there and copies there; the batch is dropped, and polled,
+    outside it: the event is recorded on that stream too, and on to_device's."""
+    back, block = _received(seed=11)
+    assert _shm.registered(back["npy"].data)
+    _gpu.use_stream((0, 5, 1))  # as to_device does with its side stream
+    cuda.stream = 9
+    x = back["npy"].data  # taken (and copied from) on stream 9
+    cuda.stream = 0
+    del back, x
+    gc.collect()
+    _gpu.poll()
+    assert sorted(cuda.events[-1].streams) == [(0, 0, 1), (0, 5, 1), (0, 9, 1)]
+    assert block.users == 1
+    cuda.events[-1].done = True
+    _gpu.poll()
+    assert block.users == 0
 
 
 def test_a_view_kept_past_the_batch_retires_when_it_goes(cuda: StandInCuda) -> None:

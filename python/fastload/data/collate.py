@@ -130,6 +130,8 @@ class PackedBatch:
             ) from None
 
     def items(self) -> Iterable[tuple[str, Value]]:
+        if _gpu.STATE.active:  # as __getitem__
+            _gpu.note_streams()
         return self._fields.items()
 
     @property

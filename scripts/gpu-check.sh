@@ -5,7 +5,10 @@
 # pin_memory=True and b.to("cuda", non_blocking=True), and through fastload.to_device;
 # then the ceilings: a pinned host-to-GPU copy, a registered shared-memory block, torch's
 # own DataLoader pin path for 16 MB uint8 batches, and nvJPEG decode (batched, GPU)
-# against torchvision's CPU decode. Where torch has no CUDA it says "no CUDA" and exits 0.
+# against torchvision's CPU decode. Each loader cell first checks every byte it copied
+# (each copy queued behind GPU work, its batch dropped at once: a block handed back too
+# early shows as wrong bytes, and fails the run) and says whether its batches came in
+# registered blocks. Where torch has no CUDA it says "no CUDA" and exits 0.
 #
 #   scripts/gpu-check.sh                 build into a temporary folder, then measure
 #   scripts/gpu-check.sh --no-build      measure the package already importable (or the

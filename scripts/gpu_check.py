@@ -1,5 +1,8 @@
-"""The measurements of scripts/gpu-check.sh (issue 34): packed JPEG batches through
-DataLoader workers to the host and to the GPU, the machine's ceilings, and decode."""
+"""The measurements of scripts/gpu-check.sh (issues 34, 48): packed JPEG batches through
+DataLoader workers to the host and to the GPU, the machine's ceilings, and decode. Each
+loader cell first runs an untimed epoch that checks the bytes (on the GPU: each copy
+queued behind work and its batch dropped at once, compared after a synchronize) and
+says whether the batches came in registered blocks; a wrong byte fails the run."""
 
 from __future__ import annotations
 
@@ -49,7 +52,9 @@ def jpegs(count: int, target: int) -> list[bytes]:
             for _ in range(count)]
 
 
-def write_shards(root: Path, shards: int, per: int, kb: int) -> Path:
+def write_shards(root: Path, shards: int, per: int, kb: int) -> tuple[Path, list[bytes]]:
+    """The index, and the images: sample i of shard s (key "ssss_iiiiii") holds
+    ``images[(s * per + i) % len(images)]``."""
     root.mkdir(parents=True, exist_ok=True)
     images = jpegs(64, kb * 1000)
     paths = []
@@ -67,7 +72,7 @@ def write_shards(root: Path, shards: int, per: int, kb: int) -> Path:
     fastload.ShardIndex.build(paths, index)
     size = sum(len(x) for x in images) / len(images)
     print(f"shards: {shards} x {per} samples, JPEGs of {size / 1000:.0f} KB on average")
-    return index
+    return index, images
 
 
 def loader(index: Path, workers: int, pin: bool) -> DataLoader[Any]:
@@ -77,9 +82,68 @@ def loader(index: Path, workers: int, pin: bool) -> DataLoader[Any]:
                       multiprocessing_context=multiprocessing.get_context("fork"))
 
 
-def epochs(dl: Any, mode: str, count: int) -> tuple[float, float, float]:
-    """(samples/s, GB/s, main-process CPU us per batch) over ``count`` epochs, after one
-    untimed epoch (workers started, blocks mapped and registered)."""
+class Expect:
+    """The JPEG bytes each key of the shards holds."""
+
+    def __init__(self, images: list[bytes], per: int) -> None:
+        self.images, self.per = images, per
+
+    def __call__(self, keys: list[str]) -> bytes:
+        out = []
+        for k in keys:
+            s, i = (int(x) for x in k.split("_"))
+            out.append(self.images[(s * self.per + i) % len(self.images)])
+        return b"".join(out)
+
+
+def _copy(b: Any, mode: str) -> Any:
+    """What a cell copies to the GPU: the whole batch (``b.to``), or, after to_device
+    (packed fields stay on the host), a plain copy of the JPEG block, which fastload
+    does not see."""
+    if mode == "to":
+        return b.to("cuda", non_blocking=True)["jpg"].data
+    return b["jpg"].data.cuda(non_blocking=True)
+
+
+def check(dl: Any, mode: str, expect: Expect) -> tuple[str, bool]:
+    """One untimed epoch (workers started, blocks mapped and registered) checking every
+    byte: on the host as received; on the GPU each copy queued behind work with its
+    batch dropped at once (a block given back too early is rewritten under the copy),
+    compared after a synchronize. (the cell's note, whether every byte was right)"""
+    from fastload.data import _gpu, _shm
+
+    bad = batches = 0
+    copies = []
+    failed = _gpu.COUNTERS.register_failed
+    it = fastload.to_device(dl, "cuda") if mode == "to_device" else dl
+    for b in it:
+        want = expect(b.keys)
+        batches += 1
+        if mode == "host":
+            bad += b["jpg"].data.numpy().tobytes() != want
+        else:
+            torch.cuda._sleep(2_000_000)
+            copies.append((want, _copy(b, mode)))
+        del b
+    if copies:
+        torch.cuda.synchronize()
+        bad += sum(g.cpu().numpy().tobytes() != want for want, g in copies)
+        del copies
+    note = "bytes ok" if not bad else f"WRONG BYTES in {bad} of {batches} batches"
+    if mode != "host":
+        pids = {w.pid for w in getattr(dl._iterator, "_workers", [])}
+        mine = [m for (pid, _), m in list(_shm._views.items()) if pid in pids]
+        reg = sum(m.registered for m in mine)
+        note += f", registered blocks {reg}/{len(mine)}"
+        if _gpu.COUNTERS.register_failed > failed:
+            note += f" ({_gpu.COUNTERS.register_failed - failed} registrations FAILED)"
+    return note, not bad
+
+
+def epochs(dl: Any, mode: str, count: int, expect: Expect) -> tuple[float, float, float, str,
+                                                                     bool]:
+    """(samples/s, GB/s, main-process CPU us per batch) over ``count`` epochs, after the
+    untimed epoch of :func:`check` (its note and verdict follow)."""
     cuda = mode != "host"
 
     def one() -> tuple[int, int, int]:
@@ -93,39 +157,45 @@ def epochs(dl: Any, mode: str, count: int) -> tuple[float, float, float]:
         n = batches = 0
         it = fastload.to_device(counted(), "cuda") if mode == "to_device" else counted()
         for b in it:
-            if mode == "to":
-                b = b.to("cuda", non_blocking=True)
+            if cuda:
+                _copy(b, mode)
             n += len(b)
             batches += 1
         if cuda:
             torch.cuda.synchronize()
         return n, host[0], batches
 
-    one()
+    note, ok = check(dl, mode, expect)
     t0, c0 = time.perf_counter(), time.process_time()
     n = nbytes = batches = 0
     for _ in range(count):
         a, b, c = one()
         n, nbytes, batches = n + a, nbytes + b, batches + c
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return n / wall, nbytes / wall / GB, cpu / batches * 1e6
+    return n / wall, nbytes / wall / GB, cpu / batches * 1e6, note, ok
 
 
-def table(index: Path, workers: list[int], count: int, cuda: bool) -> None:
+def table(index: Path, workers: list[int], count: int, cuda: bool, expect: Expect) -> bool:
+    """The table; False if a cell copied a wrong byte."""
     modes = ["host"] + (["to", "to_device"] if cuda else [])
     heads = {"host": "pin_memory=False",
              "to": 'pin_memory=True, b.to("cuda", non_blocking=True)',
-             "to_device": "pin_memory=True, fastload.to_device(loader, 'cuda')"}
+             "to_device": "pin_memory=True, fastload.to_device(loader, 'cuda'), "
+                          "b['jpg'].data.cuda(non_blocking=True)"}
+    good = True
     print("\n| workers | " + " | ".join(heads[m] for m in modes) + " |")
     print("|---|" + "---|" * len(modes))
     for w in workers:
         cells = []
         for m in modes:
             dl = loader(index, w, pin=m != "host")
-            rate, gbs, cpu = epochs(dl, m, count)
-            cells.append(f"{rate / 1000:.0f}k/s ({gbs:.2f} GB/s), main {cpu:.0f} us/batch")
+            rate, gbs, cpu, note, ok = epochs(dl, m, count, expect)
+            good = good and ok
+            cells.append(f"{rate / 1000:.0f}k/s ({gbs:.2f} GB/s), main {cpu:.0f} us/batch; "
+                         + note)
             del dl
         print(f"| {w} | " + " | ".join(cells) + " |", flush=True)
+    return good
 
 
 def h2d_ceiling() -> None:
@@ -141,7 +211,7 @@ def h2d_ceiling() -> None:
     rate = 10 * size / (time.perf_counter() - t0) / GB
     print(f"pinned host-to-GPU copy (256 MiB): {rate:.1f} GB/s")
     from fastload import _core
-    from fastload.data import _shm
+    from fastload.data import _gpu, _shm
 
     block = _core.ShmBlock(size)
     m = _shm._Mapped(_core.ShmView(os.dup(block.fd), block.length), 0)
@@ -159,6 +229,7 @@ def h2d_ceiling() -> None:
     print(f"registered shared-memory block (256 MiB, registered={ok} in {reg * 1000:.1f} ms, "
           f"is_pinned={t.is_pinned()}): {10 * size / (time.perf_counter() - t0) / GB:.1f} GB/s")
     _shm.release_host(m)
+    _gpu.drain()
 
 
 class Tensors(torch.utils.data.Dataset[Any]):
@@ -178,12 +249,28 @@ def _first(b: Any) -> Any:
     return b
 
 
+def torch_epochs(dl: Any, count: int) -> tuple[float, float]:
+    """(GB/s into the GPU, main-process CPU us per batch) of torch's own pin path."""
+    for _ in dl:  # workers started
+        pass
+    t0, c0 = time.perf_counter(), time.process_time()
+    nbytes = batches = 0
+    for _ in range(count):
+        for b in dl:
+            b.to("cuda", non_blocking=True)
+            nbytes += b.numel()
+            batches += 1
+    torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return nbytes / wall / GB, cpu / batches * 1e6
+
+
 def torch_path(samples: int, workers: list[int], count: int) -> None:
     for w in workers:
         dl = DataLoader(Tensors(samples, 16 << 20), batch_size=BATCH, num_workers=w,
                         collate_fn=_first, pin_memory=True, persistent_workers=True,
                         multiprocessing_context=multiprocessing.get_context("fork"))
-        _, gbs, cpu = epochs(dl, "to", count)
+        gbs, cpu = torch_epochs(dl, count)
         print(f"torch's own pin path, 16 MiB uint8 batches, {w} workers: {gbs:.2f} GB/s "
               f"into the GPU, main {cpu:.0f} us/batch")
 
@@ -223,15 +310,24 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"fastload {fastload.__version__}, torch {torch.__version__}, "
           f"{os.cpu_count()} cores, {torch.cuda.get_device_name() if cuda else 'no CUDA'}")
-    index = write_shards(a.work / "shards", 6, a.samples // 6, a.kb)
+    index, images = write_shards(a.work / "shards", 6, a.samples // 6, a.kb)
     workers = [int(w) for w in a.workers.split(",")]
-    table(index, workers, a.epochs, cuda)
+    good = table(index, workers, a.epochs, cuda, Expect(images, a.samples // 6))
     if cuda:
+        from fastload.data import _gpu
+
+        c = _gpu.COUNTERS
+        print(f"\nregistration: {c.registered} blocks in {c.register_ms:.0f} ms "
+              f"({c.register_failed} failed), {c.unregistered} unregistered in "
+              f"{c.unregister_ms:.0f} ms ({c.unregister_failed} failed); {c.retired} lease "
+              f"counts held back for copies, {c.fence_waits} waits")
         print()
         h2d_ceiling()
         torch_path(a.samples, [w for w in workers if w in (4, 8)] or workers[:1], a.epochs)
         decode(index)
     print(f"\ngpu-check: done in {time.perf_counter() - t0:.0f} s")
+    if not good:
+        raise SystemExit("gpu-check: FAILED: a loader cell delivered wrong bytes (above)")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,19 @@ void register_shm(py::module_& m) {
            "length.")
       .def("adopt", &shm::View::adopt,
            "A lease taking over the count the sending process retained for it.")
-      .def_property_readonly("length", &shm::View::length);
+      .def_property_readonly("length", &shm::View::length)
+      .def_property_readonly("users", &shm::View::users)
+      .def_property("held", &shm::View::held, &shm::View::hold,
+                    "Leases on a held mapping retire their counts when destroyed "
+                    "(shm_take_retired) instead of giving them back.");
+
+  py::class_<shm::Retired>(m, "ShmRetired",
+                           "Counts retired by leases on held mappings; release() (or "
+                           "dropping it) gives them back, in the process that retired them.")
+      .def("__len__", &shm::Retired::size)
+      .def("release", &shm::Retired::release);
+  m.def("shm_take_retired", &shm::Retired::take,
+        "Every count retired by leases on held mappings in this process since the last call.");
 
   py::class_<shm::Block>(m, "ShmBlock",
                          "A reusable shared-memory (memfd) block for packed batches.")

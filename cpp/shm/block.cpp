@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "common/error.hpp"
 
@@ -41,6 +43,10 @@ class Mapping {
   std::atomic_ref<uint32_t> users() const noexcept {
     return std::atomic_ref<uint32_t>(header()->users);
   }
+  // Set by the receiver before it lets a copy read the block (registration); read by
+  // each lease as it is destroyed.
+  bool held() const noexcept { return hold_.load(std::memory_order_acquire); }
+  void hold(bool on) noexcept { hold_.store(on, std::memory_order_release); }
   char* payload() const noexcept { return base_ + kHeaderBytes; }
   size_t capacity() const noexcept { return length_ - kHeaderBytes; }
   size_t length() const noexcept { return length_; }
@@ -48,18 +54,72 @@ class Mapping {
  private:
   char* base_;
   size_t length_;
+  std::atomic<bool> hold_{false};
 };
+
+namespace {
+
+// The counts retired by leases destroyed on held mappings, in this process (a forked
+// child never adds to its copy of the list: its leases give nothing back).
+struct RetiredList {
+  std::mutex mu;
+  std::vector<std::pair<std::shared_ptr<Mapping>, pid_t>> maps;  // with the retiring process
+};
+
+RetiredList& retired_list() {
+  static RetiredList* list = new RetiredList();  // never destroyed: leases may outlive statics
+  return *list;
+}
+
+}  // namespace
 
 // ---- Lease ---------------------------------------------------------------------------
 
-Lease::Lease(std::shared_ptr<Mapping> map) noexcept : map_(std::move(map)) {}
+Lease::Lease(std::shared_ptr<Mapping> map) noexcept : map_(std::move(map)), pid_(::getpid()) {}
 
 Lease::~Lease() {
-  if (map_) map_->users().fetch_sub(1, std::memory_order_release);
+  // Another process's count: a forked child dropping the lease it inherited must not
+  // give back a block the parent still reads.
+  if (!map_ || ::getpid() != pid_) return;
+  if (map_->held()) {
+    RetiredList& list = retired_list();
+    try {
+      std::lock_guard<std::mutex> lock(list.mu);
+      list.maps.emplace_back(std::move(map_), pid_);
+    } catch (...) {
+      // No memory to retire it: the count stays (the block is never reused), which
+      // is safe; giving it back now is not.
+    }
+    return;
+  }
+  map_->users().fetch_sub(1, std::memory_order_release);
 }
 
 char* Lease::data() const noexcept { return map_->payload(); }
 size_t Lease::capacity() const noexcept { return map_->capacity(); }
+
+// ---- Retired -------------------------------------------------------------------------
+
+Retired::Retired() noexcept = default;
+
+Retired Retired::take() {
+  Retired out;
+  RetiredList& list = retired_list();
+  std::lock_guard<std::mutex> lock(list.mu);
+  out.maps_.swap(list.maps);
+  return out;
+}
+
+Retired::~Retired() { release(); }
+
+void Retired::release() noexcept {
+  // A count retired in another process (the list a forked child inherited) is not ours.
+  const pid_t self = ::getpid();
+  for (auto& [m, pid] : maps_) {
+    if (pid == self) m->users().fetch_sub(1, std::memory_order_release);
+  }
+  maps_.clear();
+}
 
 // ---- Block ---------------------------------------------------------------------------
 
@@ -111,6 +171,8 @@ View::~View() = default;
 
 std::unique_ptr<Lease> View::adopt() { return std::make_unique<Lease>(map_); }
 size_t View::length() const noexcept { return map_->length(); }
+void View::hold(bool on) noexcept { map_->hold(on); }
+bool View::held() const noexcept { return map_->held(); }
 uint32_t View::users() const noexcept { return map_->users().load(std::memory_order_acquire); }
 
 }  // namespace fastload::shm

@@ -20,15 +20,29 @@
 // A block is free for the next batch when its count is zero: every lease over the last
 // batch written into it is gone, in both processes.
 //
+// Two rules keep a block from going back too early:
+//  - Only the process that took a lease gives its count back: a process forked while it
+//    held one (a DataLoader worker started by the main process) drops its copy of the
+//    lease without touching the count, which belongs to the parent's.
+//  - A receiver's mapping may be held (View::hold): the block is registered with CUDA
+//    there, so a copy issued from it may still be reading it after every tensor over it
+//    is gone. A lease on a held mapping does not give its count back when destroyed: the
+//    count moves to this process's list of retired counts, which the receiver takes
+//    (Retired::take), and gives back once every copy issued before has completed.
+//
 // Errors: constructors throw Error(kOs) naming "fastload batch block"; nothing else
 // throws. Every member is safe to call from any thread; the count is the only state the
 // two processes share.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "common/unique_fd.hpp"
 
@@ -41,9 +55,12 @@ class Mapping;
 
 class Lease {
  public:
-  // Takes over one count already on the block (Block::lease() or the sender's retain()).
+  // Takes over one count already on the block (Block::lease() or the sender's retain()),
+  // for this process.
   explicit Lease(std::shared_ptr<Mapping> map) noexcept;
-  ~Lease();  // gives the count back (release order: the payload's writes come first)
+  // Gives the count back (release order: the payload's writes come first), or retires it
+  // where the mapping is held; in another process (a forked child), neither.
+  ~Lease();
   Lease(const Lease&) = delete;
   Lease& operator=(const Lease&) = delete;
 
@@ -52,6 +69,28 @@ class Lease {
 
  private:
   std::shared_ptr<Mapping> map_;
+  pid_t pid_;
+};
+
+// Counts retired by leases on held mappings (see above), taken off this process's list.
+// release() (or destruction) gives back those retired by this process (none of those a
+// forked child finds in the list it inherited).
+class Retired {
+ public:
+  // Every count retired in this process since the last take.
+  static Retired take();
+  Retired() noexcept;
+  ~Retired();  // release()
+  Retired(Retired&&) noexcept = default;
+  Retired& operator=(Retired&&) = delete;
+  Retired(const Retired&) = delete;
+  Retired& operator=(const Retired&) = delete;
+
+  size_t size() const noexcept { return maps_.size(); }
+  void release() noexcept;
+
+ private:
+  std::vector<std::pair<std::shared_ptr<Mapping>, pid_t>> maps_;  // with the retiring process
 };
 
 class Block {
@@ -94,6 +133,11 @@ class View {
   // A lease taking over the count the sender retained for this batch.
   std::unique_ptr<Lease> adopt();
   size_t length() const noexcept;
+  // Held: leases on this mapping retire their counts instead of giving them back (set
+  // while the block is registered with CUDA here). Applies to leases destroyed from now
+  // on, already taken ones included.
+  void hold(bool on) noexcept;
+  bool held() const noexcept;
   // Leases on the block, in every process.
   uint32_t users() const noexcept;
 

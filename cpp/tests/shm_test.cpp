@@ -1,7 +1,8 @@
 // The shared-memory batch blocks: sizes, the lease count through lease/retain/adopt and
 // back to zero, the payload seen by a second mapping and by another process, counts
-// kept exact under concurrent leases, and the refusals of View (short file, no payload,
-// not a block).
+// kept exact under concurrent leases, the refusals of View (short file, no payload,
+// not a block), a forked child's copies of leases giving nothing back, and the counts
+// of a held mapping retired, then given back by Retired.
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -139,6 +140,61 @@ void test_refusals() {
   CHECK_EQ(b.users(), 0u);
 }
 
+void test_forked_child_gives_nothing_back() {
+  // The parent holds a received lease; a child forked meanwhile drops its copy of it
+  // (and of a retired list): the count is the parent's, and stays.
+  shm::Block b(4096);
+  b.retain();
+  shm::View v(::dup(b.fd()), b.length());
+  auto theirs = v.adopt();
+  shm::View held(::dup(b.fd()), b.length());
+  held.hold(true);
+  b.retain();
+  held.adopt().reset();  // retired, not given back
+  CHECK_EQ(b.users(), 2u);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    theirs.reset();
+    shm::Retired::take().release();
+    ::_exit(b.users() == 2u ? 0 : 2);
+  }
+  CHECK(pid > 0);
+  int status = 0;
+  CHECK_EQ(::waitpid(pid, &status, 0), pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_EQ(b.users(), 2u);
+  theirs.reset();
+  CHECK_EQ(b.users(), 1u);
+  shm::Retired::take().release();
+  CHECK_EQ(b.users(), 0u);
+}
+
+void test_held_mapping_retires() {
+  shm::Block b(4096);
+  shm::View v(::dup(b.fd()), b.length());
+  b.retain();
+  auto early = v.adopt();  // taken before the hold: retires too, when destroyed after it
+  b.retain();
+  auto late = v.adopt();
+  v.hold(true);
+  CHECK(v.held());
+  early.reset();
+  late.reset();
+  CHECK_EQ(b.users(), 2u);
+  {
+    shm::Retired r = shm::Retired::take();
+    CHECK_EQ(r.size(), size_t(2));
+    CHECK_EQ(shm::Retired::take().size(), size_t(0));  // taken once
+    CHECK_EQ(b.users(), 2u);
+  }  // destroyed: given back
+  CHECK_EQ(b.users(), 0u);
+  v.hold(false);
+  b.retain();
+  v.adopt().reset();
+  CHECK_EQ(b.users(), 0u);  // not held: straight back
+  CHECK_EQ(shm::Retired::take().size(), size_t(0));
+}
+
 }  // namespace
 
 int main() {
@@ -148,5 +204,7 @@ int main() {
   test_another_process();
   test_concurrent_leases();
   test_refusals();
+  test_forked_child_gives_nothing_back();
+  test_held_mapping_retires();
   return test::exit_code();
 }

@@ -359,14 +359,14 @@ def test_a_block_descriptor_travels_once() -> None:
     got = _u8(_shm._attach_block(*first))  # maps the block (the descriptor taken over)
     assert got[:4].numpy().tobytes() == b"abcd"
     assert _u8(_shm._attach_block(*again)).data_ptr() == got.data_ptr()  # the same mapping
-    _shm._views.clear()  # the receiver let go of it: reopened through /proc
+    _shm.forget_views()  # the receiver let go of it: reopened through /proc
     reopened = _u8(_shm._attach_block(*_shm._BlockHandover(block, pool).__reduce__()[1]))
     assert reopened[:4].numpy().tobytes() == b"abcd" and reopened.data_ptr() != got.data_ptr()
     assert block.users == 3  # t, got and reopened (the second view was dropped at once)
     del got, reopened
     gc.collect()
     assert block.users == 1
-    _shm._views.clear()
+    _shm.forget_views()
     other = _core_block()
     with pytest.raises(OSError, match="no longer the batch block"):
         _shm._attach_block(None, other.fd, block.length, os.getpid(), block.inode)
@@ -375,7 +375,7 @@ def test_a_block_descriptor_travels_once() -> None:
     # Through a real pickle, as a worker's batch goes to the main process.
     batch_state = ForkingPickler.dumps(_shm._BlockHandover(block, pool))
     assert _u8(pickle.loads(batch_state))[:4].numpy().tobytes() == b"abcd"
-    _shm._views.clear()
+    _shm.forget_views()
 
 
 def test_a_pool_names_the_blocks_it_let_go_of() -> None:
@@ -401,7 +401,7 @@ def test_a_pool_names_the_blocks_it_let_go_of() -> None:
     landed = _shm._attach_block(*args)
     assert (os.getpid(), a.inode) not in _shm._views and (os.getpid(), b.inode) in _shm._views
     del landed, big
-    _shm._views.clear()
+    _shm.forget_views()
 
 
 def _u8(lease: Any) -> torch.Tensor:

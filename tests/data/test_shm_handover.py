@@ -43,7 +43,7 @@ def as_worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[_shm._BlockPool]:
     yield pool
     pool.max_idle = max_idle
     _shm.FENCES.drain()
-    _shm._views.clear()
+    _shm.forget_views()
 
 
 def _batch(n: int, size: int, seed: int) -> tuple[PackedBatch, list[bytes]]:
@@ -221,7 +221,7 @@ def test_untouched_batches_give_their_blocks_back(
                         collate_fn=fastload.collate, persistent_workers=True,
                         multiprocessing_context=multiprocessing.get_context(start))
     expect = sum(len(p) for _, f in samples for p in f.values())
-    _shm._views.clear()
+    _shm.forget_views()
     try:
         for _ in range(3):
             total = batches = 0
@@ -240,4 +240,4 @@ def test_untouched_batches_give_their_blocks_back(
                    for k, s in got.items())
     finally:
         del loader
-        _shm._views.clear()
+        _shm.forget_views()

@@ -2,27 +2,32 @@
 payloads in and reuses once the main process has dropped them (``_core.ShmBlock``, memfd),
 the main process's mappings of them, how a batch's tensors travel between processes
 (every storage once: a pool block by reference, its descriptor the first time only; a
-small one inline), and the host side of copies to CUDA (blocks page-locked in place, and
-the fences that keep a block's lease until the copy reading it has completed). Used by
-:mod:`.collate`, which owns the packed types.
+small one inline), and the entry points of copies to CUDA (``pin``, ``copy_to``: blocks
+page-locked in place; the CUDA side, and the hold that keeps a block until every copy
+from it has completed, is :mod:`._gpu`). Used by :mod:`.collate` and :mod:`._field`,
+which own the packed types.
 """
 
 from __future__ import annotations
 
+import bisect
 import multiprocessing.reduction as _reduction
 import os
 import threading
-from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
 
 from .. import _core
+from . import _gpu
+from ._gpu import FENCES, Fences, poll
+
+__all__ = ["FENCES", "Fences", "copy_to", "mapped_of", "pin", "poll", "register_host",
+           "registered", "release_host"]
 
 _ALIGN = 64  # each field's payload block starts on a cache line (and an int64 boundary)
-_cu: Any = torch.cuda  # its constructors are untyped; used only where CUDA is available
 
 
 # --- allocation ------------------------------------------------------------------------
@@ -132,26 +137,58 @@ class _BlockHandover:
 
 class _Mapped:
     """The main process's mapping of one worker block: the view, where its mapping starts
-    (for page-locking it: register_host) and whether it is registered with CUDA."""
+    (for page-locking it) and its registration with CUDA (:mod:`._gpu`): ``registered``,
+    ``failed`` (tried once, failed: never tried again), ``device`` (registered for)."""
 
-    __slots__ = ("base", "length", "registered", "view")
+    __slots__ = ("base", "device", "failed", "key", "length", "registered", "view")
 
-    def __init__(self, view: _core.ShmView, base: int) -> None:
+    def __init__(self, view: _core.ShmView, base: int, key: tuple[int, int] = (0, 0)) -> None:
         self.view = view
         self.base = base
         self.length = view.length
+        self.key = key
         self.registered = False
+        self.failed = False
+        self.device = 0
 
 
 # The main process's mappings of the workers' blocks, by (worker pid, block inode): kept
 # from batch to batch, so a block written again costs no descriptor, no new mapping and
 # no page faults here. Those the worker's pool let go of are named by its next hand-over
 # and dropped then; those of a worker that has exited, when another block arrives; a
-# registered one is unregistered first (release_host).
+# registered one is unregistered first, once the copies from it have completed
+# (release_host). _index: the mappings by address (starts sorted), replaced whole on
+# each change, so mapped_of reads it without the lock.
 _views: dict[tuple[int, int], _Mapped] = {}
+_index: tuple[list[int], list[_Mapped]] = ([], [])
 _lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
 _MAX_VIEWS_PER_WORKER = 64  # a bound only: a worker names the blocks it let go of
 _HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
+
+
+def _reindex() -> None:
+    global _index
+    ms = sorted(_views.values(), key=lambda m: m.base)
+    _index = ([m.base for m in ms], ms)
+
+
+def forget_views() -> None:
+    """Drops every mapping (registered ones once their copies have completed)."""
+    with _lock:
+        for key in list(_views):
+            _drop(key)
+        _reindex()
+
+
+def _forget_in_child() -> None:
+    """A forked child drops its copies of the parent's mappings, with no CUDA call."""
+    global _index, _lock
+    _views.clear()
+    _index = ([], [])
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _open_peer(pid: int, fd: int, inode: int) -> int:
@@ -176,8 +213,7 @@ def _attach_block(
     tensor) holding the count the sender retained, so dropping it, unlooked at, gives
     the block back; ``gone``: the inodes of blocks the sender's pool let go of since its
     last hand-over (their mappings here are dropped)."""
-    if FENCES._pending:
-        FENCES.poll()  # leases kept for finished copies go back first
+    _gpu.poll()  # leases kept for finished copies go back first
     key = (pid, inode)
     with _lock:
         for g in gone:
@@ -185,14 +221,19 @@ def _attach_block(
                 _drop((pid, g))
         m = _views.get(key)
         if m is not None and m.length == length:
+            if gone:
+                _reindex()
             if handle is not None:
                 os.close(handle.detach())
             return m.view.adopt()
         fd = handle.detach() if handle is not None else _open_peer(pid, fdno, inode)
         view = _core.ShmView(fd, length)
         lease = view.adopt()
+        if m is not None:
+            _drop(key)
         _forget_views(pid)
-        _views[key] = _Mapped(view, _address(lease) - _HEADER)
+        _views[key] = _Mapped(view, _address(lease) - _HEADER, key)
+        _reindex()
         return lease
 
 
@@ -201,6 +242,8 @@ def _address(buffer: Any) -> int:
 
 
 def _drop(key: tuple[int, int]) -> None:
+    """Forgets a mapping (the caller reindexes); a registered one is unregistered once
+    the copies that may read it have completed, and stays mapped until then."""
     m = _views.pop(key)
     if m.registered:
         release_host(m)
@@ -223,147 +266,72 @@ def _forget_views(pid: int) -> None:
 
 
 def mapped_of(t: torch.Tensor) -> _Mapped | None:
-    """The worker block mapped here that holds ``t``'s data, if any."""
-    if t.device.type != "cpu" or not _views:
+    """The worker block mapped here that holds ``t``'s data, if any (a binary search;
+    no lock)."""
+    starts, maps = _index
+    if not starts or t.device.type != "cpu":
         return None
     p = t.data_ptr()
-    with _lock:
-        for m in _views.values():
-            if m.base <= p < m.base + m.length:
-                return m
+    i = bisect.bisect_right(starts, p) - 1
+    if i >= 0:
+        m = maps[i]
+        if p < m.base + m.length:
+            return m
     return None
 
 
-# --- the host side of copies to CUDA -------------------------------------------------
+# --- the host side of copies to CUDA (data/_gpu.py) ------------------------------------
 #
 # A worker block the main process maps is page-locked in place (cudaHostRegister, once
 # per block, on the first pin_memory() or .to("cuda") of a batch in it), so copies read
 # it at the link's speed with no pinned copy first. The lease rule: a block goes back to
-# its worker's pool when the last lease on it is gone (cpp/shm/block.hpp). A non-blocking
-# copy reads the block after .to() has returned, so its source tensors (each holding its
-# lease) are kept, with an event recorded after the copy, until event.query() says it
-# has completed (checked whenever a batch arrives or is moved; event.synchronize() when
-# more than MAX_PENDING wait, and before a block is unregistered).
+# its worker's pool when the last lease on it is gone (cpp/shm/block.hpp); on a
+# registered block a lease's count is retired instead, and given back once every copy
+# issued before on the streams in use has completed (_gpu.poll, run as batches arrive,
+# are pinned or moved).
 
 
-class Event(Protocol):
-    """What a fence waits on (``torch.cuda.Event``, or a stand-in in tests)."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-MAX_PENDING = 64
-
-
-class Fences:
-    """Objects (the source tensors of non-blocking copies, so their leases) kept alive
-    until the event recorded after the copy has completed. Events are let go of in the
-    order they were held: one still running keeps the later ones (a conservative wait:
-    they are usually on one stream)."""
-
-    def __init__(self, max_pending: int = MAX_PENDING) -> None:
-        self.max_pending = max_pending
-        self._pending: deque[tuple[Event, Any]] = deque()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def hold(self, event: Event, keep: Any) -> None:
-        with self._lock:
-            self._pending.append((event, keep))
-            while len(self._pending) > self.max_pending:
-                ev, _ = self._pending.popleft()
-                ev.synchronize()
-        self.poll()
-
-    def poll(self) -> int:
-        """Lets go of what completed copies kept; returns how many are still pending."""
-        with self._lock:
-            while self._pending and self._pending[0][0].query():
-                self._pending.popleft()
-            return len(self._pending)
-
-    def drain(self) -> None:
-        """Waits for every pending copy, then lets go of what they kept."""
-        with self._lock:
-            while self._pending:
-                ev, _ = self._pending.popleft()
-                ev.synchronize()
-
-
-FENCES = Fences()
-
-
-def poll() -> None:
-    if len(FENCES):
-        FENCES.poll()
-
-
-# --- host registration ---------------------------------------------------------------------
-
-
-def _rc(res: Any) -> int:
-    return int(getattr(res, "value", res))
-
-
-def register_host(m: _Mapped) -> bool:
-    """Page-locks a mapped worker block for CUDA (once; ``cudaHostRegister``), so copies
-    from it run at the link's speed and ``is_pinned()`` holds for tensors over it. False
-    where CUDA is not available or registration failed (the block is then copied
-    through ordinary pinning)."""
-    if m.registered:
-        return True
-    if not torch.cuda.is_available():
-        return False
-    with _lock:
-        if not m.registered and m.base:
-            rc = _rc(_cu.cudart().cudaHostRegister(m.base, m.length, 0))
-            m.registered = rc == 0
-    return m.registered
+def register_host(m: _Mapped, device: Any = None) -> bool:
+    """Page-locks a mapped worker block for CUDA on ``device`` (once), so copies from it
+    run at the link's speed and ``is_pinned()`` holds for tensors over it. False where
+    CUDA is not available or registration failed (the block is then copied through
+    ordinary pinning)."""
+    return _gpu.register(m, device)
 
 
 def release_host(m: _Mapped) -> None:
     """Unregisters a block whose mapping this process lets go of, after every copy that
     may read it (a mapping is never unmapped while registered)."""
-    if not m.registered:
-        return
-    FENCES.drain()
-    _cu.cudart().cudaHostUnregister(m.base)
-    m.registered = False
+    _gpu.unregister_later(m)
 
 
-def registered(t: torch.Tensor) -> bool:
-    """Whether ``t`` lies in a worker block page-locked here (registering it if CUDA is
-    available and it is not yet)."""
+def registered(t: torch.Tensor, device: Any = None) -> bool:
+    """Whether ``t`` lies in a worker block page-locked here (registering it for
+    ``device`` if CUDA is available and it is not yet)."""
     m = mapped_of(t)
-    return m is not None and register_host(m)
+    return m is not None and (m.registered or _gpu.register(m, device))
 
 
 def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
     """``t`` in page-locked memory: itself when it lies in a registered worker block (no
     copy), else ``t.pin_memory()``."""
-    if registered(t):
+    if registered(t, device):
         return t
     return t.pin_memory() if device is None else t.pin_memory(device)
 
 
 def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
     """The tensors moved to ``device``. To CUDA, worker blocks are registered first (a
-    copy from page-locked memory runs at the link's speed, blocking or not); a
-    non-blocking copy keeps its registered sources (their leases) until an event
-    recorded after it has completed."""
+    copy from page-locked memory runs at the link's speed, blocking or not); the stream
+    the copies are issued on is noted as in use, so the blocks' leases, once dropped,
+    are given back only after the copies have completed."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return [t.to(dev, non_blocking=non_blocking) for t in tensors]
-    sources = [t for t in tensors if registered(t)]
+    if any([registered(t, dev) for t in tensors]):
+        _gpu.note_streams()
     out = [t.to(dev, non_blocking=non_blocking) for t in tensors]
-    if sources and non_blocking:
-        ev = _cu.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        FENCES.hold(ev, sources)
+    _gpu.poll()
     return out
 
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
 
 from .. import _core
 from ..index import ShardIndex
+from . import _gpu
+from ._field import PackedField
 from ._shm import (
     _Arena,
     _attach_block,
@@ -28,7 +30,6 @@ from ._shm import (
     _in_worker,
     _land,
     _ship,
-    _Spec,
     copy_to,
     pin,
 )
@@ -39,172 +40,6 @@ Value = Union["PackedField", torch.Tensor]
 
 
 # --- the packed types ------------------------------------------------------------------
-
-
-class PackedField:
-    """One field of a :class:`PackedBatch`: the payloads of every sample back to back in
-    ``data`` (uint8, 1-D), sample ``i`` at ``data[offsets[i]:offsets[i + 1]]``;
-    ``present`` (bool, or ``None`` when every sample has the field) marks the samples
-    that have it (``collate(..., allow_missing=True)``).
-
-    ``field[i]`` is a zero-copy uint8 tensor view (``None`` for a missing payload) that
-    keeps the block alive after the batch is gone; ``field.buffer(i)`` the same as a
-    memoryview; ``field.tolist()`` copies out ``bytes``.
-    """
-
-    __slots__ = ("_bounds", "data", "offsets", "present")
-
-    def __init__(
-        self, data: torch.Tensor, offsets: torch.Tensor, present: torch.Tensor | None = None
-    ) -> None:
-        if data.dtype != torch.uint8 or data.dim() != 1:
-            raise ValueError(
-                f"data must be a 1-D uint8 tensor, not {data.dtype} {tuple(data.shape)}"
-            )
-        if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-            raise ValueError("offsets must be a non-empty 1-D int64 tensor")
-        self.data = data
-        self.offsets = offsets
-        self.present = present
-        self._bounds: list[int] | None = None
-
-    def _b(self) -> list[int]:
-        if self._bounds is None:
-            self._bounds = self.offsets.tolist()
-        return self._bounds
-
-    def __len__(self) -> int:
-        return self.offsets.numel() - 1
-
-    def _check(self, i: int) -> int:
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range for a batch of {n}")
-        return i
-
-    def missing(self, i: int) -> bool:
-        return self.present is not None and not bool(self.present[self._check(i)])
-
-    def __getitem__(self, i: int) -> torch.Tensor | None:
-        i = self._check(i)
-        if self.present is not None and not bool(self.present[i]):
-            return None
-        b = self._b()
-        return self.data[b[i] : b[i + 1]]
-
-    def __iter__(self) -> Iterator[torch.Tensor | None]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def buffer(self, i: int) -> memoryview | None:
-        """Sample ``i``'s payload as a read-only memoryview, zero-copy (``None`` if it
-        has none); it keeps the block alive."""
-        t = self[i]
-        return None if t is None else t.numpy().data.toreadonly()
-
-    def to_bytes(self, i: int) -> bytes | None:
-        t = self[i]
-        return None if t is None else t.numpy().tobytes()
-
-    def tolist(self) -> list[bytes | None]:
-        """Every payload as ``bytes`` (``None`` where missing): one copy each."""
-        mv = self.data.numpy().data
-        b = self._b()
-        out: list[bytes | None] = [mv[b[i] : b[i + 1]].tobytes() for i in range(len(self))]
-        if self.present is not None:
-            for i in torch.nonzero(~self.present).flatten().tolist():
-                out[i] = None
-        return out
-
-    def sizes(self) -> torch.Tensor:
-        """The payload sizes (int64, 0 where missing)."""
-        return self.offsets[1:] - self.offsets[:-1]
-
-    @property
-    def nbytes(self) -> int:
-        if self._bounds is None:
-            return int(self.offsets[-1])
-        return self._bounds[-1]
-
-    def uniform_size(self) -> int | None:
-        """The size every payload has, or ``None`` if they differ or one is missing."""
-        if self.present is not None and not bool(self.present.all()):
-            return None
-        n = len(self)
-        if n == 0:
-            return 0
-        size = self.nbytes // n
-        return size if size * n == self.nbytes and bool((self.sizes() == size).all()) else None
-
-    def stacked(self) -> torch.Tensor:
-        """The payloads as a ``(len, size)`` uint8 tensor, zero-copy (``.view(dtype)``
-        reinterprets it); ``ValueError`` unless every payload has the same size."""
-        size = self.uniform_size()
-        if size is None:
-            raise ValueError("stacked() needs payloads of one size, all present")
-        return self.data[: size * len(self)].view(len(self), size)
-
-    def ints(self) -> torch.Tensor:
-        """The payloads read as decimal integers (``b"417"``: class labels such as a
-        webdataset ``.cls``), an int64 tensor; ``ValueError`` naming the sample for one
-        that is not."""
-        if self.present is not None and not bool(self.present.all()):
-            raise ValueError("ints() needs every sample to have the field")
-        text = self.data.numpy().tobytes().decode("ascii", errors="replace")
-        b = self._b()
-        try:
-            values = [int(text[b[i] : b[i + 1]]) for i in range(len(self))]
-        except ValueError:
-            bad = next(i for i in range(len(self)) if not _is_int(text[b[i] : b[i + 1]]))
-            raise ValueError(
-                f"payload {bad} ({text[b[bad] : b[bad + 1]][:40]!r}) is not a decimal integer"
-            ) from None
-        return torch.tensor(values, dtype=torch.int64)
-
-    def pin_memory(self, device: Any = None) -> PackedField:
-        """The field in page-locked memory: as it is where its block is a worker's block
-        registered with CUDA in this process (registered here on first use; no copy),
-        else its payload block and offsets pinned (one copy each)."""
-        return PackedField._of([pin(t, device) for t in self._tensors()])
-
-    def to(self, device: Any, non_blocking: bool = False) -> PackedField:
-        """The field on ``device`` (one transfer per tensor; a non-blocking one from a
-        registered block keeps the block until the copy has completed)."""
-        return PackedField._of(copy_to(self._tensors(), device, non_blocking))
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [self.data, self.offsets] + ([] if self.present is None else [self.present])
-
-    @classmethod
-    def _of(cls, tensors: Sequence[torch.Tensor]) -> PackedField:
-        """A field of tensors that were one already (moved, pinned or received)."""
-        f = cls.__new__(cls)
-        f.data, f.offsets = tensors[0], tensors[1]
-        f.present = tensors[2] if len(tensors) > 2 else None
-        f._bounds = None
-        return f
-
-    def __getstate__(self) -> tuple[list[Any], list[_Spec]]:
-        return _ship(self._tensors())
-
-    def __setstate__(self, state: tuple[list[Any], list[_Spec]]) -> None:
-        t = _land(*state)
-        self.data, self.offsets = t[0], t[1]
-        self.present = t[2] if len(t) > 2 else None
-        self._bounds = None
-
-    def __repr__(self) -> str:
-        return f"PackedField({len(self)} payloads, {self.nbytes} bytes)"
-
-
-def _is_int(s: str) -> bool:
-    try:
-        int(s)
-    except ValueError:
-        return False
-    return True
 
 
 class PackedBatch:
@@ -281,6 +116,8 @@ class PackedBatch:
         return name in self._fields or name == "__key__" or name in self.meta
 
     def __getitem__(self, name: str) -> Any:
+        if _gpu.STATE.active:  # a copy from the field may follow on this thread's stream
+            _gpu.note_streams()
         try:
             return self._fields[name]
         except KeyError:
@@ -293,6 +130,8 @@ class PackedBatch:
             ) from None
 
     def items(self) -> Iterable[tuple[str, Value]]:
+        if _gpu.STATE.active:  # as __getitem__
+            _gpu.note_streams()
         return self._fields.items()
 
     @property
@@ -333,11 +172,34 @@ class PackedBatch:
         return self._with(layout, [pin(t, device) for t in tensors])
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
-        """The batch on ``device``: one transfer per tensor. ``non_blocking=True`` to CUDA
-        from registered blocks keeps the blocks' leases until the copies have completed
-        (an event recorded after them), so a worker cannot reuse a block being read."""
-        tensors, layout = self._flat()
-        return self._with(layout, copy_to(tensors, device, non_blocking))
+        """The batch on ``device``: one transfer per tensor (a packed field's ``present``
+        and sample bounds stay on the host: see :class:`PackedField`). From registered
+        blocks, a block goes back to its worker only once the copies reading it have
+        completed, so a worker cannot reuse a block being read."""
+        return self._moved(device, non_blocking, packed=True)
+
+    def _moved(self, device: Any, non_blocking: bool, packed: bool) -> PackedBatch:
+        """The batch with its tensor fields on ``device``, and its packed fields too if
+        ``packed`` (else they stay where they are: ``to_device``)."""
+        dev = torch.device(device)
+        fields = self._fields
+        src: list[torch.Tensor] = []
+        for v in fields.values():
+            if not isinstance(v, PackedField):
+                src.append(v)
+            elif packed:
+                src += [v.data, v.offsets]
+        moved = iter(copy_to(src, dev, non_blocking))
+        out: dict[str, Value] = {}
+        for name, v in fields.items():
+            if not isinstance(v, PackedField):
+                out[name] = next(moved)
+            else:
+                out[name] = v._moved(dev, (next(moved), next(moved))) if packed else v
+        b = PackedBatch.__new__(PackedBatch)
+        b._keys, b._n, b.meta = self._keys, self._n, self.meta
+        b._fields_, b._lazy, b._nbytes = out, None, self._nbytes
+        return b
 
     def _flat(self) -> tuple[list[torch.Tensor], list[tuple[str, int]]]:
         """Every tensor, and per field its name and tensor count (0: a plain tensor)."""

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..cache import store
-from . import _probe
+from . import _gpu, _probe
 from ._probe import FIELDS, Probe
 
 __all__ = ["Monitor", "monitor"]
@@ -126,6 +126,7 @@ class Monitor(Generic[T]):
         self._trace_base = str(self._dir / "trace")
         self._main: Probe | None = None
         self._cache_base = store.COUNTERS.snapshot()
+        self._gpu_base = _gpu.COUNTERS.snapshot()
         # the loop's counters
         self.steps = 0
         self.samples = 0
@@ -286,6 +287,8 @@ class Monitor(Generic[T]):
         out["store/retries"] = out["workers/retries"]
         out["store/bytes_per_s"] = out["cache/download_bytes"] / busy if busy > 0 else 0.0
         out["store/gets_in_flight"] = out["store/get_s"] / busy if busy > 0 else 0.0
+        for name, v in _gpu.COUNTERS.snapshot().items():
+            out[f"gpu/{name}"] = v - self._gpu_base.get(name, 0.0)
         return out
 
     def summary(self) -> str:
@@ -408,7 +411,10 @@ def monitor(
     seconds (``cache/...``, ``store/...``), and the object-store requests retried
     (``store/retries``, ``worker/<i>/retries``: 503s, throttling, resets, bodies cut
     short; counted in the process that made the request, the main process for the
-    downloads it serves its forked workers).
+    downloads it serves its forked workers). ``gpu/...``: the main process's
+    page-locking of worker blocks for CUDA (``registered``, ``register_failed``,
+    ``register_ms``, ``unregistered``, ``unregister_failed``, ``unregister_ms``; lease
+    counts held back for copies, ``retired``; waits for copies, ``fence_waits``).
 
     ``log_every=30``: a one-line :meth:`Monitor.summary` every 30 s through ``logger``
     (``logging.getLogger("fastload.monitor")`` by default, at INFO), or as the postfix of

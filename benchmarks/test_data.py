@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import data
+from _guard import missing
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_sizes_are_lognormal_around_mean() -> None:
 @pytest.mark.parametrize("tool", ["python", "gnu"])
 def test_imagenet_tar(tmp_path: Path, fmt: str, tool: str) -> None:
     if tool == "gnu" and not data._gnu_tar_available():
-        pytest.skip("GNU tar is not installed")
+        missing("GNU tar is not installed")
     p = data.imagenet_like_tar(tmp_path / f"{tool}-{fmt}.tar", 30, 3, 2, seed=5, fmt=fmt, tool=tool)
     with tarfile.open(p) as tf:
         members = [m for m in tf.getmembers() if m.isfile()]

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 
 import fastload
+from kit.tools import require_module
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -200,7 +201,7 @@ def _namespace() -> dict[str, Any]:
 def test_readme_block_runs(
     line: int, code: str, scratch: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
+    require_module("torch")
     work = tmp_path / "work"
     work.mkdir()
     (work / "shards").symlink_to(scratch / "shards")

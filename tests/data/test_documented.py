@@ -44,9 +44,25 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return index
 
 
-def loader_of(index: Path, workers: int) -> Any:
+def loader_of(index: Path, workers: int, collate_fn: Any = keep) -> Any:
     return DataLoader(fastload.ShardIndexDataset(index), batch_size=8, num_workers=workers,
-                      collate_fn=keep)  # fmt: skip
+                      collate_fn=collate_fn)  # fmt: skip
+
+
+class SlowToHandOver:
+    """A batch whose pickling (in the worker, after its collate: in no stage of its own)
+    takes 50 ms, as a batch of many objects does: the hand-over between processes."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def __reduce__(self) -> Any:
+        time.sleep(0.05)
+        return (SlowToHandOver, (self.batch,))
+
+
+def slow_to_hand_over(batch: Any) -> Any:
+    return SlowToHandOver(batch)
 
 
 # --- fastload.monitor ---------------------------------------------------------------------
@@ -70,12 +86,16 @@ def test_stall_threshold_decides_when_a_stall_is_named(big: Path) -> None:
         fastload.monitor(loader_of(big, 0), stall_threshold=10)
 
 
-def test_hand_over_between_processes(big: Path) -> None:
-    """Two workers read 4 MiB samples from the page cache (little work) and hand over
-    batches of 32 MiB of plain bytes (much work, in no stage of theirs): the loop waits,
-    the workers are mostly idle, and the stall is named as the hand-over, with the fix."""
-    m = fastload.monitor(loader_of(big, 2))
-    assert sum(len(b) for b in m) == 48
+def test_hand_over_between_processes(tmp_path: Path) -> None:
+    """Two workers read samples of 1 KB (little work in their stages) and hand over
+    batches that take 50 ms each to pickle (the shape set by a sleep, as in
+    test_monitor.py): the loop waits, the workers' stages are mostly idle, and the stall
+    is named as the hand-over, with the fix."""
+    shard = write_tarfile(tmp_path / "small.tar",
+                          [(f"k{i:04d}", {"bin": bytes([i]) * 1024}) for i in range(48)])
+    fastload.ShardIndex.build([shard], tmp_path / "small.fidx")
+    m = fastload.monitor(loader_of(tmp_path / "small.fidx", 2, slow_to_hand_over))
+    assert sum(len(b.batch) for b in m) == 48
     why = m.stall()
     assert why is not None and why.startswith("hand-over between processes: the workers are "
                                               "busy"), (why, m.stats())  # fmt: skip

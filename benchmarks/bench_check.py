@@ -371,7 +371,9 @@ def run_subset(
 ) -> tuple[int, dict[str, Any] | None]:
     """One pytest run of the subset into ``out`` (pytest-benchmark JSON): (exit status,
     the JSON or None). Cases of a module that does not exist are left out."""
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *subset_nodes(cases),
+    # (the destinations of passing cases removed: nothing left in the temporary folder)
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-o", "tmp_path_retention_policy=failed", *subset_nodes(cases),
            f"--benchmark-json={out}", "--benchmark-columns=median,min,rounds"]  # fmt: skip
     if autosave:
         cmd.append("--benchmark-autosave")

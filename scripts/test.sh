@@ -20,10 +20,12 @@ JOBS=${JOBS:-2}
 
 step() { printf '\n==> %s\n' "$*"; }
 in_ci() { [ -n "${CI:-}" ] && [ "${CI:-}" != false ] && [ "${CI:-}" != 0 ]; }
-# Every pytest run: a JUnit report per pass (its skips are checked at the end), and the
-# temporary folders of passing tests removed (pytest's tmp_path retention), so a run that
-# passes leaves nothing in the system temporary folder.
-PYTEST_OPTS=(-p no:cacheprovider -o tmp_path_retention_policy=failed)
+# Every pytest run, those the tests and bench_check.py start included: the temporary
+# folders of passing tests removed (pytest's tmp_path retention), so a run that passes
+# leaves nothing in the system temporary folder (.ci/run checks). Each pass writes a JUnit
+# report; its skips are checked at the end.
+export PYTEST_ADDOPTS="-o tmp_path_retention_policy=failed${PYTEST_ADDOPTS:+ $PYTEST_ADDOPTS}"
+PYTEST_OPTS=(-p no:cacheprovider)
 JUNIT=build/junit
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true

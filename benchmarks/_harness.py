@@ -15,9 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-import pytest
-
 from _cpu import CpuMeter, CpuRound, summary
+from _guard import missing, require_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +141,7 @@ def prepare_cache(cache: str, src: Path) -> None:
     ``none`` leaves it (the network mount bypasses the cache on every open anyway)."""
     if cache == "cold":
         if not drop_caches():
-            pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
+            missing("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
     elif cache == "uncached":
         drop_files(src)
     elif cache == "warm":
@@ -154,7 +153,7 @@ def prepare_cache(cache: str, src: Path) -> None:
 def check_cache(cache: str) -> None:
     """Skips a cold-cache case up front where the cache cannot be dropped."""
     if cache == "cold" and not drop_caches():
-        pytest.skip("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
+        missing("cold-cache rounds need root and a writable /proc/sys/vm/drop_caches")
 
 
 # Peers that do their work in one single-threaded process: their CPU over the wall time
@@ -349,10 +348,10 @@ def import_fastload(*, torch: bool = False) -> ModuleType:
         import fastload
     except ModuleNotFoundError as e:
         if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
+            missing(f"fastload is not installed ({e})")
         raise
     if torch:
-        pytest.importorskip("torch")
+        require_module("torch")
     # The staging pipelines a stage imports on first use (issue 33: `import fastload`
     # imports them no more), imported here, outside the timed rounds: the benchmarks time
     # the work, as they did when the package imported them. Where a build predates them

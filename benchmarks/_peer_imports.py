@@ -1,7 +1,8 @@
 """How the benchmarks import the peers that read their own formats (MosaicML streaming,
-litdata, Hugging Face ``datasets``): skipped with a hint where one is not installed, their
-warnings silenced. Imports nothing of the benchmarks' own, so data.py (which builds the
-peers' data sets) and _peers.py (which reads them) both stand on it."""
+litdata, Hugging Face ``datasets``): skipped with a hint where one is not installed (with
+CI set, failed: _guard.py), their warnings silenced. Imports nothing of the benchmarks' own
+but _guard, so data.py (which builds the peers' data sets) and _peers.py (which reads
+them) both stand on it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-import pytest
+from _guard import missing
 
 STUBS = Path(__file__).resolve().parent / "_stubs"
 HINT = "run scripts/bench-peers.sh to set up a benchmark venv with the peers"
@@ -32,12 +33,12 @@ def quiet() -> Iterator[None]:
 
 def _import(module: str, dist: str) -> ModuleType:
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{dist} is not installed ({HINT})")
+        missing(f"{dist} is not installed ({HINT})")
     with quiet():
         try:
             return importlib.import_module(module)
         except ImportError as e:
-            pytest.skip(f"{dist} does not import here: {e} ({HINT})")
+            missing(f"{dist} does not import here: {e} ({HINT})")
 
 
 def import_streaming() -> ModuleType:
@@ -46,7 +47,7 @@ def import_streaming() -> ModuleType:
     replace this torch build), a two-name stub from benchmarks/_stubs goes on sys.path
     first. Nothing the benchmarks call reaches it."""
     if importlib.util.find_spec("streaming") is None:
-        pytest.skip(f"mosaicml-streaming is not installed ({HINT})")
+        missing(f"mosaicml-streaming is not installed ({HINT})")
     if str(STUBS) not in sys.path and importlib.util.find_spec("torchvision") is None:
         sys.path.append(str(STUBS))
     return _import("streaming", "mosaicml-streaming")

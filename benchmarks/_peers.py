@@ -20,8 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-import pytest
-
+from _guard import require_module
 from _harness import IndexedShards, Source
 from _peer_imports import (  # noqa: F401  (re-exported for the benchmarks)
     HINT,
@@ -191,8 +190,8 @@ def _loader(
     seed: int,
     collate_fn: Callable[[list[Any]], Any],
 ) -> Any:
-    data = pytest.importorskip("torch.utils.data")
-    torch = pytest.importorskip("torch")
+    data = require_module("torch.utils.data")
+    torch = require_module("torch")
     common = _loader_kwargs(batch, workers, collate_fn)
     if tool == "mosaicml":
         clean_streaming()
@@ -267,8 +266,8 @@ def _remote_loader(
     shuffle_block: int | None,
     collate_fn: Callable[[list[Any]], Any],
 ) -> Any:
-    data = pytest.importorskip("torch.utils.data")
-    pytest.importorskip("boto3")
+    data = require_module("torch.utils.data")
+    require_module("boto3")
     common = _loader_kwargs(batch, workers, collate_fn)
     if tool == "mosaicml":
         clean_streaming()

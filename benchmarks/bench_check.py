@@ -19,7 +19,10 @@ naming the case, the baseline and new ratio and the baseline's commit, when the 
 last saved run of this machine (``--benchmark-compare``).
 
 Exit status: 0 ok (or ``--report-only``), 1 a ratio below its spread, 2 a benchmark failed
-(an exception, a wrong result: always a failure, with ``--report-only`` too), 3 usage.
+(an exception, a wrong result: always a failure, with ``--report-only`` too) or, with
+``--require-all`` (the default with ``CI`` set), a case of the subset did not run on both
+sides (a skipped peer, a missing mount: a check that measured nothing is not a pass),
+3 usage.
 
 Imports nothing of the benchmarks' own (stdlib only), so it runs in any interpreter.
 """
@@ -288,6 +291,16 @@ def failures(rows: Iterable[Row], baseline: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def not_run(rows: Iterable[Row], cases: Sequence[Case] = CASES) -> list[str]:
+    """The expected cases (the subset's, whose module exists) that have no ratio."""
+    expected = {c.name for c in cases if (HERE / c.module).exists()}
+    return [r.case for r in rows if r.new is None and r.case in expected]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -358,7 +371,9 @@ def run_subset(
 ) -> tuple[int, dict[str, Any] | None]:
     """One pytest run of the subset into ``out`` (pytest-benchmark JSON): (exit status,
     the JSON or None). Cases of a module that does not exist are left out."""
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *subset_nodes(cases),
+    # (the destinations of passing cases removed: nothing left in the temporary folder)
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-o", "tmp_path_retention_policy=failed", *subset_nodes(cases),
            f"--benchmark-json={out}", "--benchmark-columns=median,min,rounds"]  # fmt: skip
     if autosave:
         cmd.append("--benchmark-autosave")
@@ -397,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="pytest-benchmark: show absolute times against the last "
                          "saved run of this machine (--benchmark-compare)")  # fmt: skip
     p_run = sub.add_parser("run", parents=[common, running], help="run the subset and check")
+    p_run.add_argument("--require-all", action=argparse.BooleanOptionalAction, default=in_ci(),
+                       help="a case of the subset that did not run on both sides is a "
+                       "failure (exit 2; the default with CI set)")  # fmt: skip
     p_run.add_argument(
         "--runs",
         type=int,
@@ -478,10 +496,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"note: the baseline is at scale {base['scale']}, this run at "
                 f"{', '.join(sorted(scales))}: ratios differ by size"
             )
+    absent = not_run(rows) if args.cmd == "run" and args.require_all else []
+    for name in absent:
+        print(f"bench_check: {name} did not run (its fastload or its peer side was skipped or "
+              "deselected): a check that measured nothing is not a pass", file=sys.stderr)
     bad = failures(rows, base)
     for msg in bad:
         print(("timing (not failing, --report-only): " if args.report_only else "REGRESSION: ")
               + msg, file=sys.stderr)  # fmt: skip
+    if absent:
+        return 2
     return 1 if bad and not args.report_only else 0
 
 

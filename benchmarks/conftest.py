@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
+from _guard import missing
 from _harness import NETSIM, SCALES, Rounds, Scale, Source, netsim_unavailable, unmount_netsim
 from data import imagenet_like_tree, keyed, large_files, tree_stats
 
@@ -131,7 +132,7 @@ def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     def mount(src: Path) -> Path:
         why = netsim_unavailable()
         if why:
-            pytest.skip(why)
+            missing(why)
         if src in mounts:
             return mounts[src]
         mnt = tmp_path_factory.mktemp("netsim")
@@ -143,11 +144,11 @@ def netsim_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
             check=False,
         )
         if r.returncode != 0:
-            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+            missing(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt):
             if time.monotonic() > deadline:
-                pytest.skip("netsim mount did not appear")
+                missing("netsim mount did not appear")
             time.sleep(0.05)
         mounts[src] = mnt
         return mnt

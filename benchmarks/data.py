@@ -4,8 +4,12 @@ Every generator writes to the exact path it is given and is idempotent: the para
 are recorded beside the output (``.NAME.params.json``), and a second call with the same
 parameters returns at once. Output is built under a temporary name and renamed into
 place, so an interrupted run never leaves a half-made data set that looks complete.
-Use :func:`keyed` to get a cache path named by the parameters, under
-``$FASTLOAD_BENCH_DATA`` (default ``/tmp/fastload-bench-data``).
+Use :func:`keyed` to get a cache path named by the parameters, under a folder named by
+the generators' own content (:func:`generator_digest`: a changed generator never reuses
+what an older one made), under ``$FASTLOAD_BENCH_DATA`` (default ``build/bench-data`` in
+the checkout: nothing outside it, and ``rm -rf build`` takes it). A data set is built
+under a lock of its own: a run that finds another one building it waits, then takes
+that; nothing complete that another run may be reading is ever removed.
 
 Content is random bytes from a seeded generator (SFC64: ~1.5 GB/s), so two runs with
 the same seed produce identical files on any machine. The peers' copies of the record
@@ -15,6 +19,8 @@ from those shards, so every tool reads the very same samples.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import io
 import json
 import os
@@ -23,6 +29,7 @@ import stat
 import subprocess
 import tarfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +38,7 @@ import numpy as np
 __all__ = [
     "arrow_records",
     "cache_dir",
+    "generator_digest",
     "imagenet_like_tar",
     "imagenet_like_tree",
     "keyed",
@@ -50,15 +58,31 @@ _BLOCK = 16 << 20  # generation block for large files
 _FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
 
 
+_HERE = Path(__file__).resolve().parent
+# What makes the data: this file, and the peers' imports their copies are written with.
+_GENERATORS = (_HERE / "data.py", _HERE / "_peer_imports.py")
+
+
 def cache_dir() -> Path:
-    """Where generated data sets live (``$FASTLOAD_BENCH_DATA``)."""
-    return Path(os.environ.get("FASTLOAD_BENCH_DATA", "/tmp/fastload-bench-data"))
+    """Where generated data sets live (``$FASTLOAD_BENCH_DATA``, else build/bench-data)."""
+    default = _HERE.parent / "build" / "bench-data"
+    return Path(os.environ.get("FASTLOAD_BENCH_DATA", default))
+
+
+def generator_digest() -> str:
+    """12 hex digits of SHA-256 over the generators' source: the key of what they make."""
+    h = hashlib.sha256()
+    for p in _GENERATORS:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def keyed(kind: str, **params: Any) -> Path:
-    """A cache path named by ``kind`` and the parameters, e.g. ``tree-n300-c10-kb8-s0``."""
+    """A cache path named by ``kind`` and the parameters, e.g. ``tree-n300-c10-kb8-s0``,
+    in the folder of this generator (``gen-`` and :func:`generator_digest`)."""
     parts = [kind] + [f"{k}{v}" for k, v in sorted(params.items())]
-    return cache_dir() / "-".join(str(p).replace("/", "_") for p in parts)
+    name = "-".join(str(p).replace("/", "_") for p in parts)
+    return cache_dir() / f"gen-{generator_digest()}" / name
 
 
 def _rng(seed: int, stream: int = 0) -> np.random.Generator:
@@ -87,30 +111,57 @@ def _params_file(path: Path) -> Path:
     return path.parent / f".{path.name}.params.json"
 
 
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Held while ``path`` is checked and built: one builder at a time, across processes.
+    The lock files live in the cache's ``.locks`` (kept: removing one races its users),
+    named by the path, so nothing is left beside the data."""
+    locks = cache_dir() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    with open(locks / name, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _complete(path: Path, record: Path, want: str) -> bool:
+    try:
+        return path.exists() and record.read_text() == want
+    except OSError:
+        return False
+
+
 def _cached(path: Path, params: dict[str, Any], build: Callable[[Path], None]) -> Path:
-    """Runs ``build(tmp)`` unless ``path`` already holds output made with ``params``."""
+    """Runs ``build(tmp)`` unless ``path`` already holds output made with ``params`` by
+    this generator. Under the lock, an output without its record is the leftover of an
+    interrupted build (a builder writes the record before it lets go), so it is replaced;
+    one with other parameters or of another generator is replaced only at a path the
+    caller chose (:func:`keyed` paths differ by both)."""
     path = Path(path)
     record = _params_file(path)
-    want = json.dumps(params, sort_keys=True)
-    try:
-        if path.exists() and record.read_text() == want:
+    want = json.dumps({**params, "generator": generator_digest()}, sort_keys=True)
+    if _complete(path, record, want):
+        return path
+    with _locked(path):
+        if _complete(path, record, want):  # another run built it while this one waited
             return path
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove(path)
-    record.unlink(missing_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    _remove(tmp)
-    try:
-        build(tmp)
-        os.replace(tmp, path)
-    finally:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(path)
+        record.unlink(missing_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
         _remove(tmp)
-    # The record is written last: its presence means the output is complete.
-    rec_tmp = record.with_name(record.name + ".tmp")
-    rec_tmp.write_text(want)
-    os.replace(rec_tmp, record)
+        try:
+            build(tmp)
+            os.replace(tmp, path)
+        finally:
+            _remove(tmp)
+        # The record is written last: its presence means the output is complete.
+        rec_tmp = record.with_name(record.name + ".tmp")
+        rec_tmp.write_text(want)
+        os.replace(rec_tmp, record)
     return path
 
 

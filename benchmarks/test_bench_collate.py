@@ -47,6 +47,7 @@ from typing import Any
 import pytest
 
 import _peers
+from _guard import require_module
 from _harness import (
     IndexedShards,
     Scale,
@@ -133,8 +134,8 @@ def _loader(tool: str, s: Shards, cache: Path) -> Any:
         d = _peers.peer_data(tool, s)
         warm(d.path)
         return _peers.loader(tool, d, cache, batch=BATCH, workers=WORKERS, collate_fn=_as_list)
-    torch = pytest.importorskip("torch")
-    data = pytest.importorskip("torch.utils.data")
+    torch = require_module("torch")
+    data = require_module("torch.utils.data")
     common: dict[str, Any] = {
         "batch_size": BATCH,
         "num_workers": WORKERS,
@@ -142,11 +143,11 @@ def _loader(tool: str, s: Shards, cache: Path) -> Any:
     }
     shuffled: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(0)}
     if tool == "webdataset":
-        wds = pytest.importorskip("webdataset")
+        wds = require_module("webdataset")
         ds = wds.WebDataset(s.paths, shardshuffle=len(s.paths), empty_check=False, seed=0)
         return data.DataLoader(ds.shuffle(1000), collate_fn=_as_list, **common)
     if tool == "wids":
-        wids = pytest.importorskip("wids")
+        wids = require_module("wids")
         desc = [{"url": p, "nsamples": c} for p, c in zip(s.paths, s.counts, strict=True)]
         ds = wids.ShardListDataset(
             desc, localname=_identity, lru_size=min(len(desc), 200), transformations=[]
@@ -216,7 +217,7 @@ def test_handover_epoch(
 
 def test_host_to_device(benchmark: Any, shards: Shards, plan: Plan, scale: Scale) -> None:
     """Pinned packed batches to the GPU: one transfer per field block."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     if not torch.cuda.is_available():
         pytest.skip("no GPU: host-to-device is measured where one is present")
     fl = _fastload()

@@ -45,6 +45,7 @@ from unittest import mock
 
 import pytest
 
+from _guard import missing
 from _harness import Rounds, Scale, Source, check_cache, describe, import_fastload
 from data import imagenet_like_tar, keyed, tar_of_tars, tree_stats
 
@@ -78,7 +79,7 @@ def _fastload() -> ModuleType:
 def _need(cmd: str) -> str:
     exe = shutil.which(cmd)
     if exe is None:
-        pytest.skip(f"{cmd} is not installed")
+        missing(f"{cmd} is not installed")
     return exe
 
 
@@ -284,7 +285,7 @@ def sha256_of(path: Path) -> str:
 def _fastload_tool(engine: str, unpack: Any, variant: str = "") -> Tool:
     fl = _fastload()
     if engine != "auto" and engine not in fl.available_engines():
-        pytest.skip(f"fastload engine {engine!r} is not available here")
+        missing(f"fastload engine {engine!r} is not available here")
     label, env = _VARIANTS[variant]
 
     def run(archive: Path, dst: Path) -> Any:
@@ -365,7 +366,7 @@ def make_tool(name: str) -> Tool:
         return Tool("tar -xzf", _tar_x("-xzf"))
     if name == "tarfile":
         if not hasattr(tarfile, "data_filter"):
-            pytest.skip("this Python's tarfile has no extraction filters")
+            missing("this Python's tarfile has no extraction filters")
         return Tool("tarfile.extractall", _tarfile_extractall)
     if name == "shell-loop":
         _need("tar")
@@ -543,7 +544,7 @@ def netsim_read_tar(
     def mount(mode: str) -> Archive:
         why = netsim_unavailable()
         if why:
-            pytest.skip(why)
+            missing(why)
         if mode not in mounts:
             mnt = tmp_path_factory.mktemp(f"netsim-read-{mode}")
             env = dict(os.environ, NETSIM_DIRECT="1") if mode == "direct" else None
@@ -552,7 +553,7 @@ def netsim_read_tar(
                 capture_output=True, text=True, timeout=600, check=False, env=env,
             )  # fmt: skip
             if r.returncode != 0:
-                pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+                missing(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
             mounts[mode] = mnt
         return dataclasses.replace(read_tar, path=mounts[mode] / read_tar.path.name)
 

@@ -53,6 +53,7 @@ from typing import IO, Any
 
 import pytest
 
+from _guard import missing, require_module
 from _harness import (
     NETSIM,
     Scale,
@@ -244,7 +245,7 @@ class Nodes:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     import_fastload(torch=True)
-    pytest.importorskip("torch.distributed")
+    require_module("torch.distributed")
     n = Nodes(tmp_path_factory.mktemp("fanout-nodes"))
     try:
         yield n
@@ -269,7 +270,7 @@ class Store:
             capture_output=True, text=True, timeout=300, check=False, env=env,
         )  # fmt: skip
         if r.returncode != 0:
-            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+            missing(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
         deadline = time.monotonic() + 10
         while not os.path.ismount(mnt):
             if time.monotonic() > deadline:
@@ -324,7 +325,7 @@ def test_fanout(
 ) -> None:
     why = netsim_unavailable()
     if why:
-        pytest.skip(why)
+        missing(why)
     ds = datasets[shape]
     sync = pytestconfig.getoption("--bench-sync") == "on"
     work = tmp_path / "work"

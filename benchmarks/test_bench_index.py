@@ -47,6 +47,7 @@ from typing import Any, Callable
 import pytest
 
 import _peers
+from _guard import require_module
 from _harness import (
     IndexedShards,
     Scale,
@@ -85,11 +86,11 @@ def _fastload() -> ModuleType:
 
 
 def _torch_data() -> ModuleType:
-    return pytest.importorskip("torch.utils.data")
+    return require_module("torch.utils.data")
 
 
 def _wids() -> ModuleType:
-    return pytest.importorskip("wids")
+    return require_module("wids")
 
 
 Shards = IndexedShards
@@ -250,7 +251,7 @@ def _epoch_loader(tool: str, s: Shards, cache: Path) -> Any:
         warm(d.path)
         return _peers.loader(tool, d, cache, batch=BATCH, workers=WORKERS)
     data = _torch_data()
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     ctx = multiprocessing.get_context("fork")
     common: dict[str, Any] = {
         "batch_size": BATCH,
@@ -259,7 +260,7 @@ def _epoch_loader(tool: str, s: Shards, cache: Path) -> Any:
         "multiprocessing_context": ctx,
     }
     if tool == "webdataset":
-        wds = pytest.importorskip("webdataset")
+        wds = require_module("webdataset")
         ds = wds.WebDataset(s.paths, shardshuffle=len(s.paths), empty_check=False).shuffle(1000)
         return data.DataLoader(ds, **common)
     if tool == "wids":

@@ -58,6 +58,7 @@ from typing import Any, Union
 import pytest
 
 import _peers
+from _guard import require_module
 from _harness import (
     IndexedShards,
     Scale,
@@ -102,7 +103,7 @@ def _fastload() -> ModuleType:
 
 
 def _webdataset() -> ModuleType:
-    return pytest.importorskip("webdataset")
+    return require_module("webdataset")
 
 
 Shards = IndexedShards
@@ -153,7 +154,7 @@ def _loader(tool: str, s: Data, *, nodesplit: bool = False, cache: Path | None =
     if isinstance(s, PeerData):
         cache = cache or Path(tempfile.gettempdir()) / "fastload-bench-peer-cache"
         return _peers.loader(tool, s, cache, batch=BATCH, workers=WORKERS)
-    data = pytest.importorskip("torch.utils.data")
+    data = require_module("torch.utils.data")
     common: dict[str, Any] = {
         "num_workers": WORKERS,
         "multiprocessing_context": multiprocessing.get_context("fork"),

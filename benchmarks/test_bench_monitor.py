@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from _guard import require_module
 from _harness import IndexedShards, Scale, describe, import_fastload, indexed_shards, warm
 
 PLANS = {"small": (2_000, 200, 1, 3), "full": (200_000, 1_000, 3, 15)}
@@ -70,7 +71,7 @@ def shards(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> IndexedSha
 
 
 def _loader(s: IndexedShards) -> Any:
-    data = pytest.importorskip("torch.utils.data")
+    data = require_module("torch.utils.data")
     fl = import_fastload(torch=True)
     ds = fl.ShardIterableDataset(s.index, batch_size=BATCH)
     return data.DataLoader(ds, batch_size=None, collate_fn=_as_list, num_workers=WORKERS,

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import pytest
 
+from _guard import require_module
 from _harness import Rounds, Scale, Source, describe, import_fastload
 from _peers import import_litdata, import_streaming, quiet
 from data import imagenet_like_tree, keyed, tar_of_tars, tree_stats
@@ -146,7 +147,7 @@ def _run_fastload(
 
 
 def _run_webdataset(d: Data, shuffle: bool, max_size: str) -> Callable[[Path], int]:
-    wds = pytest.importorskip("webdataset")
+    wds = require_module("webdataset")
     fl = _fastload()
     limit = fl._util.parse_size(max_size)
     if d.name == "tot":
@@ -321,7 +322,7 @@ def test_writer(benchmark: Any, fresh: Rounds, tool: str, scale: Scale, tmp_path
                     w.write(s)
             return int(w.samples)
     elif tool == "webdataset":
-        wds = pytest.importorskip("webdataset")
+        wds = require_module("webdataset")
 
         def run(dst: Path) -> int:
             dst.mkdir()

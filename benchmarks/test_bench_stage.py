@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import pytest
 
+from _guard import missing
 from _harness import (
     NETSIM,
     Rounds,
@@ -58,7 +59,7 @@ def _fastload() -> ModuleType:
         import fastload
     except ModuleNotFoundError as e:
         if e.name in ("fastload", "fastload._core"):
-            pytest.skip(f"fastload is not installed ({e})")
+            missing(f"fastload is not installed ({e})")
         raise
     return fastload
 
@@ -77,7 +78,7 @@ def _run(cmd: list[str]) -> None:
 
 def _need(cmd: str) -> None:
     if shutil.which(cmd) is None:
-        pytest.skip(f"{cmd} is not installed")
+        missing(f"{cmd} is not installed")
 
 
 def _fastload_tool(name: str) -> Tool:
@@ -94,7 +95,7 @@ def _fastload_tool(name: str) -> Tool:
         engine = engine.removesuffix("-flat")
         workers = NETWORK_PER_CORE * min(usable_cores(), MAX_SUBMITTERS)
     if engine != "auto" and engine not in fl.available_engines():
-        pytest.skip(f"fastload engine {engine!r} is not available here")
+        missing(f"fastload engine {engine!r} is not available here")
 
     def run(src: Path, dst: Path) -> Any:
         return fl.stage(src, dst, engine=engine, workers=workers)
@@ -222,7 +223,7 @@ class SecondReaderMount:
         self.close()
         why = netsim_unavailable()
         if why:
-            pytest.skip(why)
+            missing(why)
         self._n += 1
         mnt = self.work / f"mnt{self._n}"
         r = subprocess.run(
@@ -230,7 +231,7 @@ class SecondReaderMount:
             capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip
         if r.returncode != 0:
-            pytest.skip(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
+            missing(f"netsim mount failed: {(r.stderr or r.stdout).strip()}")
         assert os.path.ismount(mnt), f"netsim returned without a mount at {mnt}"
         self.path, self.peer_read_last = mnt, False
         return mnt
@@ -287,7 +288,7 @@ def _digest_fn(name: str) -> Callable[[memoryview], Any]:
     if name == "fl64":
         core = _fastload()._core
         if not hasattr(core, "fl64"):
-            pytest.skip("fastload._core does not expose fl64")
+            missing("fastload._core does not expose fl64")
         return core.fl64  # type: ignore[no-any-return]
     if name == "crc32":
         return zlib.crc32

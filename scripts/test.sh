@@ -4,8 +4,14 @@
 # the benchmarks once at a small size (beside that pass), side by side with the peers
 # (in a venv of their own, scripts/bench-peers.sh), the regression check's subset among
 # them timed, its ratio table (benchmarks/bench_check.py) printed without failing on
-# timing.
+# timing. At the end it prints every skip with its reason (tests/kit/skips.py, from each
+# pass's JUnit XML); with CI set, a skip not on tests/allowed-skips.txt fails the run.
 # CI (.ci/run) runs exactly this.
+#
+#   ./scripts/test.sh                  everything above
+#   ./scripts/test.sh -k name ...      set up, then one pytest run of tests/ with these
+#                                      arguments (a part: no lint, no sanitized pass, no
+#                                      benchmarks); e.g. -k stage_stats, or data -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,6 +19,14 @@ VENV=${FASTLOAD_VENV:-.venv}
 JOBS=${JOBS:-2}
 
 step() { printf '\n==> %s\n' "$*"; }
+in_ci() { [ -n "${CI:-}" ] && [ "${CI:-}" != false ] && [ "${CI:-}" != 0 ]; }
+# Every pytest run, those the tests and bench_check.py start included: the temporary
+# folders of passing tests removed (pytest's tmp_path retention), so a run that passes
+# leaves nothing in the system temporary folder (.ci/run checks). Each pass writes a JUnit
+# report; its skips are checked at the end.
+export PYTEST_ADDOPTS="-o tmp_path_retention_policy=failed${PYTEST_ADDOPTS:+ $PYTEST_ADDOPTS}"
+PYTEST_OPTS=(-p no:cacheprovider)
+JUNIT=build/junit
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true
 
@@ -44,7 +58,7 @@ fi
 if [ -n "$missing" ]; then
   # With CI set a missing tool fails the run (as it fails the tests that need it); by
   # hand the tests that need it skip, saying why.
-  if [ -n "${CI:-}" ] && [ "${CI:-}" != false ] && [ "${CI:-}" != 0 ]; then
+  if in_ci; then
     echo "missing (CI): $missing" >&2
     exit 1
   fi
@@ -64,6 +78,13 @@ WHEEL=$(ls build/wheelhouse/fastload-*.whl)
 export FASTLOAD_WHEEL=$PWD/$WHEEL
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$FASTLOAD_WHEEL"
 "$VENV/bin/python" -m pip install -q "$FASTLOAD_WHEEL[test,torch]"
+
+VPY=$(cd "$VENV/bin" && pwd)/python
+if [ "$#" -gt 0 ]; then
+  step "pytest $* (a part of the suite, in tests/)"
+  cd tests
+  exec "$VPY" -m pytest -q "${PYTEST_OPTS[@]}" "$@"
+fi
 
 step "ruff and mypy"
 "$VENV/bin/python" -m ruff check python tests benchmarks
@@ -90,13 +111,23 @@ nice -n 19 cmake --build build/asan -j1 >build/asan-build.log 2>&1 &
 ASAN_PID=$!
 trap 'kill "$PEERS_PID" "$ASAN_PID" 2>/dev/null || true' EXIT
 
-# Each I/O backend runs every test that takes one: the first available (io_uring where
-# the kernel allows it) in this pass, the other (the pread pool) in the sanitized pass
-# below, which runs the native suites those tests are in.
-VPY=$(cd "$VENV/bin" && pwd)/python
+# Each I/O backend runs every test that takes one (tests/conftest.py marks them
+# "engine"): the first available (io_uring where the kernel allows it) in this pass, the
+# other (the pread pool) in the sanitized pass below and, for the engine tests that pass
+# leaves out, unsanitized after it.
 ENGINES=$(cd tests && "$VPY" -c 'import fastload; print(" ".join(fastload.available_engines()))')
 FIRST_ENGINE=${ENGINES%% *}
 LAST_ENGINE=${ENGINES##* }
+# CI's machine kind has io_uring: a run on the pread pool alone would be green having
+# left out the engine most users get (the native tests that exit 77 without it fail the
+# skip check at the end).
+forced=$(echo "${FASTLOAD_ENGINE:-auto}" | tr '[:upper:]' '[:lower:]')
+if in_ci && { [ "$FIRST_ENGINE" != uring ] || ! [[ $forced =~ ^(auto|uring|io_uring)?$ ]]; }; then
+  echo "io_uring is not used here (engines: $ENGINES; FASTLOAD_ENGINE=${FASTLOAD_ENGINE:-}):" \
+    "CI's machine kind has it, and a run without it leaves out the engine most users get" >&2
+  exit 1
+fi
+rm -rf "$JUNIT" && mkdir -p "$JUNIT"
 
 step "pytest (the engine's cases on $FIRST_ENGINE; $LAST_ENGINE's in the sanitized pass)"
 # Run from tests/ so the installed package is imported, not python/fastload.
@@ -108,13 +139,13 @@ step "pytest (the engine's cases on $FIRST_ENGINE; $LAST_ENGINE's in the sanitiz
 WAITING=(tests/sources tests/slurm tests/cache)
 IGNORE=()
 for d in "${WAITING[@]}"; do IGNORE+=(--ignore="$d"); done
-FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 \
-  "${WAITING[@]}" >build/pytest-waiting.log 2>&1 &
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q "${PYTEST_OPTS[@]}" --durations=10 \
+  --junitxml="$JUNIT/pytest-waiting.xml" "${WAITING[@]}" >build/pytest-waiting.log 2>&1 &
 WAITING_PID=$!
 trap 'kill "$PEERS_PID" "$ASAN_PID" "$WAITING_PID" 2>/dev/null || true' EXIT
 rest=0
-FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests \
-  "${IGNORE[@]}" || rest=$?
+FASTLOAD_TEST_ENGINES=$FIRST_ENGINE "$VENV/bin/python" -m pytest -q "${PYTEST_OPTS[@]}" --durations=15 tests \
+  --junitxml="$JUNIT/pytest.xml" "${IGNORE[@]}" || rest=$?
 waiting=0
 wait "$WAITING_PID" || waiting=$?
 printf '\n%s:\n' "pytest ${WAITING[*]}"
@@ -128,13 +159,18 @@ step "benchmarks, once, small, timing off, with the peers (MosaicML streaming, l
 # The peers' pins clash with the test venv, and two of them would pull torchvision (another
 # torch): scripts/bench-peers.sh gives them a venv of their own, with this torch and this
 # fastload. Where it cannot be set up (no network), the benchmarks run in the test venv
-# and the peer cases skip, saying why.
+# and the peer cases skip, saying why; with CI set, that fails the run (as a tool the
+# tests need that cannot be installed does).
 BENCH_PY=$VENV/bin/python
 if wait "$PEERS_PID"; then
   tail -n 3 build/bench-peers.log
   BENCH_PY=$BENCH_VENV/bin/python
 else
   tail -n 20 build/bench-peers.log
+  if in_ci; then
+    echo "could not set up $BENCH_VENV (CI): the peer benchmark cases cannot run" >&2
+    exit 1
+  fi
   echo "could not set up $BENCH_VENV: the peer benchmark cases will skip"
 fi
 # Every case once; those of the regression check's subset are left to the next step,
@@ -144,8 +180,8 @@ DESELECT=()
 for node in "${CHECKED[@]}"; do DESELECT+=(--deselect "$node"); done
 # Untimed, they take the CPU time the sanitized pass leaves (its Python is mostly one
 # thread); their output follows that pass's.
-FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q benchmarks --benchmark-disable "${DESELECT[@]}" \
-  >build/bench.log 2>&1 &
+FASTLOAD_BENCH_SCALE=small "$BENCH_PY" -m pytest -q "${PYTEST_OPTS[@]}" benchmarks --benchmark-disable \
+  --junitxml="$JUNIT/bench.xml" "${DESELECT[@]}" >build/bench.log 2>&1 &
 BENCH_PID=$!
 trap 'kill "$BENCH_PID" 2>/dev/null || true' EXIT
 
@@ -155,7 +191,7 @@ if ! wait "$ASAN_PID"; then
   exit 1
 fi
 cmake --build build/asan -j"$JOBS"  # nothing left to do, unless the background build stopped early
-ctest --test-dir build/asan --output-on-failure
+ctest --test-dir build/asan --output-on-failure --output-junit "$PWD/$JUNIT/ctest.xml"
 rm -rf build/asan/pkg && mkdir -p build/asan/pkg/fastload
 cp -r python/fastload/. build/asan/pkg/fastload/
 cp build/asan/_core*.so build/asan/pkg/fastload/
@@ -169,17 +205,35 @@ UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 # "nodes", SLURM): tests/cache, tests/env, tests/cli, tests/sources, tests/slurm, fan-out,
 # the mixes, probe, tests/data/test_iterable.py and the torchvision shim; and the SIGKILL
 # tests (a killed process reports nothing to a sanitizer; what they check after is a
-# plain stage, run here by the others; the Ctrl-C tests stay).
+# plain stage, run here by the others; the Ctrl-C tests stay). The engine tests among
+# those left out run on this backend after it, unsanitized.
+SANITIZED=(tests -m "native or engine" -k "not sigkill and not repeated_kills"
+  --ignore=tests/cache --ignore=tests/env --ignore=tests/cli --ignore=tests/sources
+  --ignore=tests/slurm --ignore=tests/staging/test_fanout.py
+  --ignore=tests/staging/test_fanout_mpi.py --ignore=tests/staging/test_fanout_entry_points.py
+  --ignore=tests/data/test_iterable.py --ignore=tests/test_torchvision_shim.py
+  --ignore=tests/test_probe.py --ignore=tests/test_probe_edges.py
+  --ignore-glob='tests/data/test_mix*.py')
 FASTLOAD_TEST_ENGINES=$LAST_ENGINE LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=build/asan/pkg \
-  FASTLOAD_TEST_SANITIZED=1 "$VENV/bin/python" -m pytest -q -m native -p no:cacheprovider tests \
-  --ignore=tests/cache --ignore=tests/env --ignore=tests/cli --ignore=tests/sources \
-  --ignore=tests/slurm --ignore=tests/staging/test_fanout.py \
-  --ignore=tests/staging/test_fanout_mpi.py --ignore=tests/staging/test_fanout_entry_points.py \
-  --ignore=tests/data/test_iterable.py --ignore=tests/test_torchvision_shim.py \
-  --ignore=tests/test_probe.py --ignore=tests/test_probe_edges.py \
-  --ignore-glob='tests/data/test_mix*.py' \
-  -k "not sigkill and not repeated_kills"
+  FASTLOAD_TEST_SANITIZED=1 "$VENV/bin/python" -m pytest -q "${PYTEST_OPTS[@]}" \
+  --junitxml="$JUNIT/pytest-sanitized.xml" "${SANITIZED[@]}"
+
+step "the engine tests the sanitized pass leaves out, on $LAST_ENGINE"
+collect() {  # the node ids these arguments select, sorted, into the file $1
+  local out=$1 && shift
+  FASTLOAD_TEST_ENGINES=$LAST_ENGINE "$VPY" -m pytest -q -p no:cacheprovider --collect-only \
+    "$@" >"$out.log"
+  { grep '::' "$out.log" || true; } | sort >"$out"
+}
+collect build/engine-all.txt tests -m engine
+collect build/engine-sanitized.txt "${SANITIZED[@]}"
+mapfile -t REST < <(comm -23 build/engine-all.txt build/engine-sanitized.txt)
+echo "${#REST[@]} of $(wc -l <build/engine-all.txt) cases"
+if [ "${#REST[@]}" -gt 0 ]; then
+  FASTLOAD_TEST_ENGINES=$LAST_ENGINE "$VPY" -m pytest -q "${PYTEST_OPTS[@]}" \
+    --junitxml="$JUNIT/pytest-engine-rest.xml" "${REST[@]}"
+fi
 
 step "benchmarks: their output"
 bench=0
@@ -196,5 +250,19 @@ step "I/O regression check: ratios against benchmarks/baseline.json (printed, no
 # scripts/bench-check.sh is the check that fails on timing, run before and after a change.
 "$BENCH_PY" benchmarks/bench_check.py run --runs 1 --scale small --report-only --no-autosave \
   --python "$BENCH_PY"
+
+step "the node scripts, tiny, on the CPU: node-pack.sh (wheels only), node-check.sh (scale-check.sh, gpu-check.sh)"
+# What a GPU node runs (NODE.md) breaks here first: the same scripts at a tiny size
+# (seconds), with the fastload of the test venv instead of a build of their own.
+PY_VERSION=$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+NODE_PYTHON_VERSION=$PY_VERSION NODE_PACK_WEED=0 PYTHON=$VPY scripts/node-pack.sh >build/node-pack.log 2>&1 \
+  || { cat build/node-pack.log; exit 1; }
+OUT=$PWD/build/node-out NODE_BUILD=0 PYTHON=$VPY SCALE_FILES=60 SCALE_KB=4 SCALE_ROUNDS=1 SCALE_CORES=1 \
+  SCALE_ONLY=tree,tar,ceiling FASTLOAD_GPU_CHECK_CPU=1 \
+  NODE_GPU_ARGS="--samples 60 --kb 4 --workers 2 --epochs 1" scripts/node-check.sh
+
+step "skips: every one, with its reason (with CI set, one not on tests/allowed-skips.txt fails)"
+"$VPY" tests/kit/skips.py "$JUNIT"/*.xml
+rmdir "${TMPDIR:-/tmp}/pytest-of-$(id -un)" 2>/dev/null || true
 
 step "all tests passed"

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from kit.tools import missing, require_module
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 
@@ -22,7 +24,7 @@ BENCH = REPO / "benchmarks"
 def _load() -> ModuleType:
     path = BENCH / "bench_check.py"
     if not path.exists():
-        pytest.skip("no benchmarks/ beside the tests (an installed test run)")
+        missing("no benchmarks/ beside the tests (an installed test run)")
     spec = importlib.util.spec_from_file_location("bench_check", path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
@@ -198,9 +200,49 @@ def test_a_failing_benchmark_run_fails_even_when_reporting_only(tmp_path: Path) 
     assert rc == 2
 
 
+def _fake_python(tmp_path: Path, runs: list[dict[str, Any]]) -> Path:
+    """An "interpreter" for ``run --python``: writes the given run as pytest-benchmark's
+    JSON to its --benchmark-json argument and exits 0, as a pytest run whose other cases
+    were skipped does."""
+    (tmp_path / "run.json").write_text(json.dumps(runs[0]))
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nfor a; do case "$a" in --benchmark-json=*) '
+                    f'cp {tmp_path / "run.json"} "${{a#*=}}";; esac; done\n')  # fmt: skip
+    fake.chmod(0o755)
+    return fake
+
+
+def test_a_case_that_did_not_run_fails_when_all_are_required(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: a run where only tree-warm measured both sides (every other case's peer
+    or fastload side skipped) passed, having checked one case of ten. With
+    --require-all (CI's default) it fails naming the others; by hand it reports."""
+    path, _ = _baseline(tmp_path)
+    fake = _fake_python(tmp_path, [_run((1.0, 2.0))])
+    argv = ["run", "--runs", "1", "--python", str(fake), "--baseline", str(path),
+            "--no-autosave"]  # fmt: skip
+    monkeypatch.delenv("CI", raising=False)
+    assert bc.main(argv) == 0
+    assert "| extract-tar-warm | - | 0 |" in capsys.readouterr().out
+    assert bc.main([*argv, "--require-all"]) == 2
+    err = capsys.readouterr().err
+    expected = {c.name for c in bc.CASES} - {"tree-warm"}
+    assert {line.split()[1] for line in err.splitlines() if "did not run" in line} == expected
+    monkeypatch.setenv("CI", "true")
+    assert bc.main(argv) == 2
+    assert bc.main([*argv, "--no-require-all"]) == 0
+    capsys.readouterr()
+    # Every case measured: a pass under CI too.
+    full = {"benchmarks": [_bench(c.module, c.fastload[0], 1.0) for c in bc.CASES]
+                          + [_bench(c.module, c.peer, 2.0) for c in bc.CASES]}
+    assert bc.main(["run", "--runs", "1", "--python", str(_fake_python(tmp_path, [full])),
+                    "--baseline", str(path), "--no-autosave"]) == 0  # fmt: skip
+
+
 def test_ratios_from_a_real_pytest_benchmark_run(tmp_path: Path) -> None:
     """The JSON pytest-benchmark itself writes (its fullname and name) is what ratios() reads."""
-    pytest.importorskip("pytest_benchmark")
+    require_module("pytest_benchmark")
     mod = tmp_path / TREE.module
     mod.write_text(textwrap.dedent("""
         import pytest
@@ -262,7 +304,7 @@ def test_every_case_names_benchmarks_that_pytest_collects(
 ) -> None:
     """A renamed benchmark or parameter would silently drop out of the check (and out of
     CI's deselection): every node id of the subset must be collected."""
-    pytest.importorskip("pytest_benchmark")
+    require_module("pytest_benchmark")
     assert bc.main(["nodes"]) == 0
     nodes = capsys.readouterr().out.split()
     assert nodes == bc.subset_nodes() and len(nodes) >= 2 * len(bc.CASES) - 2
@@ -278,7 +320,7 @@ def test_every_case_names_benchmarks_that_pytest_collects(
 def test_the_committed_baseline_is_readable_and_covers_the_cases() -> None:
     path = BENCH / "baseline.json"
     if not path.exists():
-        pytest.skip("no baseline recorded yet")
+        missing("no baseline recorded yet")
     base = bc.load_baseline(path)
     assert base["commit"] and base["machine"] and base["runs"] >= 2
     names = {c.name for c in bc.CASES}

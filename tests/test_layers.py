@@ -8,9 +8,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import fastload
+from kit.tools import missing
 
 PACKAGE = Path(fastload.__file__).resolve().parent
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -184,7 +183,7 @@ def test_no_import_cycles_in_the_package() -> None:
 
 def test_no_import_cycles_in_the_benchmarks() -> None:
     if not BENCHMARKS.is_dir():
-        pytest.skip("no benchmarks/ beside the tests (an installed test run)")
+        missing("no benchmarks/ beside the tests (an installed test run)")
     edges = graph(BENCHMARKS, "benchmarks")
     # The benchmarks import each other by plain name (their folder is on sys.path).
     plain = {m.split(".", 1)[1]: m for m in edges}

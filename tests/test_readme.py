@@ -17,6 +17,7 @@ from typing import Any, Callable
 import pytest
 
 import fastload
+from kit.tools import require_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -216,7 +217,7 @@ def test_readme_block_runs(
     page: str, line: int, code: str, scratch: Path, monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("torch")
+    require_module("torch")
     work = tmp_path / "work"
     work.mkdir()
     (work / "shards").symlink_to(scratch / "shards")

@@ -2,7 +2,9 @@
 // hasher's thread, each reported once hashed (not before: the caller may then reuse
 // it); what the hash function throws is rethrown to the caller and nothing more is
 // hashed; the destructor stops with blocks still queued, and joins.
+#include <atomic>
 #include <chrono>
+#include <future>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -22,7 +24,8 @@ using namespace std::chrono_literals;
 void in_order() {
   constexpr int n = 50;
   std::vector<std::string> blocks(n);
-  for (int b = 0; b < n; ++b) blocks[size_t(b)] = "b" + std::to_string(1000 + b);
+  // (appended, not "b" + to_string(): GCC 12 at -O3 warns of an overlap there, -Wrestrict)
+  for (int b = 0; b < n; ++b) blocks[size_t(b)].append("b").append(std::to_string(1000 + b));
   std::string seen;  // written by the hasher's thread only, read after it is joined
   std::vector<int> back;
   {
@@ -72,17 +75,21 @@ void failure() {
   CHECK_EQ(calls, 3);
 }
 
-// Destroyed with blocks queued behind a slow one: returns once that one is done.
+// Destroyed with blocks queued behind a slow one: returns once that one is done. The
+// destructor runs once the first block's hash has begun (its hash function says so),
+// not after a sleep the hasher's thread may not have started within (under ASan, on a
+// busy machine).
 void stop_early() {
-  int calls = 0;
+  std::atomic<int> calls = 0;
+  std::promise<void> started;
   const char data[4] = "xyz";
   {
     BlockHasher h([&](const char*, size_t) {
-      ++calls;
-      std::this_thread::sleep_for(30ms);
+      if (++calls == 1) started.set_value();
+      std::this_thread::sleep_for(30ms);  // slow blocks: the rest stay queued
     });
     for (int b = 0; b < 20; ++b) h.push(b, data, sizeof data);
-    std::this_thread::sleep_for(5ms);
+    started.get_future().wait();
   }
   CHECK(calls >= 1 && calls < 20);
 }

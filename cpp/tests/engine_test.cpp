@@ -266,30 +266,33 @@ void capacity_and_busy(const Factory& make) {
   CHECK_EQ(e->in_flight(), 0u);
 }
 
-// A read from an empty pipe cannot complete: reap() must return 0 after about its
-// timeout, and at once with timeout 0; writing into the pipe completes it.
+// A read from an empty pipe cannot complete: reap() must return 0 after its timeout
+// (not before), and at once with timeout 0; writing into the pipe completes it. No bound
+// here depends on how fast the machine is: "at once" is checked against a timeout of a
+// minute (only a reap that waits for it fails), or as "returns at all" (timeout 0 with
+// a read that never completes in flight: a reap that waited would hang, and ctest's
+// TIMEOUT fails it).
 void timeouts(const Factory& make) {
   auto e = make(4);
   CHECK(e != nullptr);
   if (!e) return;
   Completion out[4];
   auto t0 = Clock::now();
-  CHECK_EQ(e->reap(out, 4, 1, 200), 0);  // nothing in flight: no waiting at all
-  CHECK(Clock::now() - t0 < std::chrono::milliseconds(150));
+  CHECK_EQ(e->reap(out, 4, 1, 60'000), 0);  // nothing in flight: no waiting at all
+  CHECK(Clock::now() - t0 < std::chrono::seconds(60));
 
   int p[2];
   CHECK_EQ(pipe2(p, O_CLOEXEC), 0);
   char buf[64];
   // Pipes cannot pread: UINT64_MAX asks for the file position on both backends.
   CHECK_EQ(e->push(rw_op(OpCode::kRead, p[0], buf, sizeof buf, UINT64_MAX, 7)), 0);
-  t0 = Clock::now();
-  CHECK_EQ(e->reap(out, 4, 1, 0), 0);
-  CHECK(Clock::now() - t0 < std::chrono::milliseconds(100));
+  CHECK_EQ(e->reap(out, 4, 1, 0), 0);  // returns, the read still in flight
+  CHECK_EQ(e->in_flight(), 1u);
   t0 = Clock::now();
   CHECK_EQ(e->reap(out, 4, 1, 150), 0);
   const auto waited = Clock::now() - t0;
-  CHECK(waited >= std::chrono::milliseconds(140));
-  CHECK(waited < std::chrono::seconds(3));
+  CHECK(waited >= std::chrono::milliseconds(140));  // a lower bound: not early
+  CHECK(waited < std::chrono::seconds(60));         // not without a limit
   CHECK_EQ(e->in_flight(), 1u);
 
   CHECK_EQ(write(p[1], "hello", 5), 5);

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from remote_kit import cache_bytes, cache_peak, plain, put_shards  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402

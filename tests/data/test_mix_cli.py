@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 import fastload  # noqa: E402
 from fastload.cli import main  # noqa: E402

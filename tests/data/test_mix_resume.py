@@ -25,7 +25,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 import fastload  # noqa: E402
 from fastload.data import partition  # noqa: E402
@@ -151,7 +153,7 @@ def sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_kill_and_resume(config: str, sets: dict[str, str], tmp_path: Path) -> None:
-    pytest.importorskip("torchdata.stateful_dataloader")
+    require_module("torchdata.stateful_dataloader")
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 from torch.utils.data import DataLoader  # noqa: E402
 

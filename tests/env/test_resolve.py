@@ -29,6 +29,7 @@ from resolve_kit import clean_environ, env_vars, make_tar, sha256, tree_of
 import fastload
 from fastload.env import Environment, detect
 from kit import procs, trees
+from kit.tools import require_module
 
 pytestmark = pytest.mark.native
 
@@ -127,8 +128,8 @@ def server(tmp_path: Path) -> Iterator[_Server]:
 def http_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     name: str = request.param
     if name == "fsspec":
-        pytest.importorskip("fsspec")
-        pytest.importorskip("aiohttp")
+        require_module("fsspec")
+        require_module("aiohttp")
     monkeypatch.setenv("FASTLOAD_HTTP", name)
     return name
 

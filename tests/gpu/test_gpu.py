@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from kit.tools import require_module
+
+torch = require_module("torch")
 
 if not torch.cuda.is_available():
     pytest.skip(

@@ -13,8 +13,7 @@ import re
 import stat
 from pathlib import Path
 
-import pytest
-
+from kit.tools import missing
 from kit.trees import MiB
 
 # --------------------------------------------------------------------------------------
@@ -93,7 +92,7 @@ def drop(path: Path) -> None:
     finally:
         os.close(fd)
     if cached(path):
-        pytest.skip(f"clean pages of {path} stay cached here (tmpfs?)")
+        missing(f"clean pages of {path} stay cached here (tmpfs?)")
 
 
 def direct_capable(directory: Path) -> bool:

@@ -15,12 +15,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import fastload
 from fastload import ShardIndex
 from fastload.packing.plan import split_key
 from kit import tars
+from kit.tools import require_module
 
 Sample = tuple[str, dict[str, bytes]]
 Fields = dict[str, bytes]
@@ -119,7 +118,7 @@ def write_gnutar(path: Path, samples: Sequence[Sample], fmt: str = "posix") -> P
 
 
 def write_wds(path: Path, samples: Sequence[Sample]) -> Path:
-    wds = pytest.importorskip("webdataset")
+    wds = require_module("webdataset")
     with wds.TarWriter(str(path)) as w:
         for key, fields in samples:
             w.write({"__key__": key, **fields})
@@ -127,7 +126,7 @@ def write_wds(path: Path, samples: Sequence[Sample]) -> Path:
 
 
 def write_wds_shards(folder: Path, samples: Sequence[Sample], per_shard: int) -> list[Path]:
-    wds = pytest.importorskip("webdataset")
+    wds = require_module("webdataset")
     folder.mkdir(parents=True, exist_ok=True)
     with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as w:
         for key, fields in samples:
@@ -175,7 +174,7 @@ def read_webdataset(shards: Iterable[Path]) -> dict[str, Fields]:
 
 def read_wids(index: Path) -> dict[str, Fields]:
     """wids's ShardListDataset over the shards (its own header parser, ustar names only)."""
-    wids = pytest.importorskip("wids")
+    wids = require_module("wids")
     idx = ShardIndex.open(index)
     desc = [{"url": s.path, "nsamples": s.samples} for s in idx.shards]
     ds = wids.ShardListDataset(desc, localname=_identity, transformations=[])

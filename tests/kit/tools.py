@@ -4,8 +4,10 @@ instead, since scripts/test.sh installs every tool the tests use."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -35,3 +37,14 @@ def require_tool(name: str, package: str) -> str:
 def require_root(what: str) -> None:
     if os.geteuid() != 0:
         missing(f"{what} needs root")
+
+
+def require_module(name: str, reason: str | None = None) -> ModuleType:
+    """``pytest.importorskip`` through the guard: the module, or a skip (with CI set, a
+    failure) saying why; callable at a module's top level. The test extra installs every
+    module the tests import this way."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        missing(f"{reason or f'{name} is not installed (the test extra has it)'}: {e}",
+                module=True)  # fmt: skip

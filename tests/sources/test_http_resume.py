@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import fastload
+from kit.tools import require_module
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -84,8 +85,8 @@ def test_cut_download_resumes_from_where_it_stopped(
     server: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
     if backend == "fsspec":
-        pytest.importorskip("fsspec")
-        pytest.importorskip("aiohttp")
+        require_module("fsspec")
+        require_module("aiohttp")
     monkeypatch.setenv("FASTLOAD_HTTP", backend)
     data = bytes(range(256)) * 40_000  # ~10 MB
     (server.root / "blob.bin").write_bytes(data)

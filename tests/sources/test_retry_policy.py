@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastload.sources.retry import RetryCounts, RetryPolicy, Tries, process_retries, transient
+from kit.tools import require_module
 
-ox = pytest.importorskip("obstore.exceptions", reason="the s3 extra (obstore) is not installed")
+ox = require_module("obstore.exceptions", "the s3 extra (obstore) is not installed")
 
 
 @pytest.mark.parametrize(

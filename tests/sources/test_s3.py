@@ -19,7 +19,7 @@ import pytest
 from s3server import KEY_ID, SECRET, FaultProxy, S3Server, tree_of, upload, upload_file
 
 import fastload
-from kit.tools import require_tool
+from kit.tools import require_module, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -373,7 +373,7 @@ def test_resolve_and_cli_read_s3(
 def test_no_credentials_fails_without_asking_the_network(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("obstore")
+    require_module("obstore")
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)

@@ -13,9 +13,10 @@ from s3server import upload_file
 
 import fastload
 from kit.nodes import results, start_nodes
+from kit.tools import require_module
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
-pytest.importorskip("torch.distributed")
+require_module("torch.distributed")
 
 
 @pytest.mark.parametrize("gz", [False, True])

@@ -19,6 +19,7 @@ from fastload import cli
 from fastload.errors import SourceChangedError
 from fastload.sources.objstore import ObjectStore
 from fastload.sources.retry import process_retries
+from kit.tools import require_module
 from sources.s3server import FaultProxy, S3Server, tree_of, upload
 
 
@@ -174,7 +175,7 @@ def test_what_is_not_transient_is_not_retried(
 
 def test_an_unreachable_store_is_retried_then_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """Connection refused is transient: retried (8 times, counted), then one line."""
-    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    require_module("obstore", "the s3 extra (obstore) is not installed")
     proxy = FaultProxy("http://127.0.0.1:9")
     port = proxy.endpoint
     proxy.close()  # nothing listens there now

@@ -25,6 +25,7 @@ import fastload
 from fastload import _core
 from kit import fs, tars, trees
 from kit.tars import Made
+from kit.tools import missing
 
 pytestmark = pytest.mark.native
 
@@ -119,7 +120,7 @@ def test_prefetcher_reads_cached_blocks_buffered(made: Made, tmp_path: Path,
     """The reader itself, 1 MiB blocks: the cached ones are copied out of the cache, the
     others read direct, and the extraction fed from both is GNU tar's."""
     if engine not in fastload.available_engines():
-        pytest.skip(f"{engine} is not available here")
+        missing(f"{engine} is not available here")
     out = tmp_path / "out"
     blocks = -(-made.size // MiB)
     drop(made.archive)

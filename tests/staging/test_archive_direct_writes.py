@@ -27,6 +27,7 @@ import pytest
 import fastload
 from fastload import _core
 from kit import fs, tars, trees
+from kit.tools import missing
 
 pytestmark = pytest.mark.native
 
@@ -79,7 +80,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Made:
 @pytest.fixture
 def capable(tmp_path: Path) -> None:
     if not fs.direct_capable(tmp_path):
-        pytest.skip(f"{tmp_path} does not take O_DIRECT writes")
+        missing(f"{tmp_path} does not take O_DIRECT writes")
 
 
 def assert_bodies_uncached(out: Path, threshold: int = 64 << 10) -> int:
@@ -140,7 +141,7 @@ def test_auto_buffered_when_the_archive_comes_from_the_same_disk(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
     if os.stat(made.archive).st_dev != os.stat(tmp_path).st_dev:
-        pytest.skip("the archive and the destination are on different devices here")
+        missing("the archive and the destination are on different devices here")
     fs.drop(made.archive)
     stage(made.archive, tmp_path / "out")
     assert_bodies_cached(tmp_path / "out")
@@ -155,7 +156,7 @@ def test_auto_direct_from_another_device(stage: Stage, made: Made, tmp_path: Pat
     monkeypatch.delenv("FASTLOAD_DIRECT_WRITES", raising=False)
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("no /dev/shm on another device")
+        missing("no /dev/shm on another device")
     archive = shm / f"fastload-dw-{os.getpid()}.tar"
     try:
         shutil.copyfile(made.archive, archive)
@@ -199,7 +200,7 @@ def _run_job(archive: Path, out: Path, engine: str, *, compression: str = "none"
 @pytest.fixture(params=["uring", "pread"])
 def engine(request: pytest.FixtureRequest) -> str:
     if request.param not in fastload.available_engines():
-        pytest.skip(f"{request.param} is not available here")
+        missing(f"{request.param} is not available here")
     return str(request.param)
 
 
@@ -264,7 +265,7 @@ def test_destination_without_direct_io(made: Made, tmp_path: Path, engine: str) 
     """tmpfs reports no O_DIRECT alignment: everything is written through the cache."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or _core.fs_type(str(shm)) != TMPFS_MAGIC:
-        pytest.skip("no tmpfs at /dev/shm")
+        missing("no tmpfs at /dev/shm")
     out = shm / f"fastload-dw-{os.getpid()}-{engine}"
     try:
         job = _run_job(made.archive, out, engine)

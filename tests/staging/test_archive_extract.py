@@ -21,7 +21,7 @@ import pytest
 
 import fastload
 from kit import netsim, procs, tars, trees
-from kit.tools import require_tool
+from kit.tools import missing, require_tool
 
 pytestmark = pytest.mark.native
 
@@ -556,7 +556,7 @@ def test_archive_on_network_storage_is_written_with_io_uring(tmp_path: Path,
     prefetching thread and the engine only writes members to the local destination.
     The source is a real FUSE mount adding 200 us per request (netsim)."""
     if "uring" not in fastload.available_engines():
-        pytest.skip("io_uring is not available here")
+        missing("io_uring is not available here")
     monkeypatch.delenv("FASTLOAD_ENGINE", raising=False)
     remote = tmp_path / "remote"
     (remote / "tree").mkdir(parents=True)

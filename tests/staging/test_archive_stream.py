@@ -26,6 +26,7 @@ import pytest
 
 import fastload
 from kit import tars, trees
+from kit.tools import missing
 
 pytestmark = pytest.mark.native
 
@@ -339,7 +340,7 @@ def test_read_blocks_small_and_pinned(tmp_path: Path, nested: bool, engine: str)
     overwritten by the next read) while the writes of others are still in flight: what
     lands on disk must still be what was read."""
     if engine not in fastload.available_engines():
-        pytest.skip(f"{engine} is not available here")
+        missing(f"{engine} is not available here")
     rng = random.Random(3)
     files = {f"d{i % 3}/f{i:02d}": rng.randbytes(rng.choice([0, 100, 70_000, 300_000]))
              for i in range(40)}

@@ -22,9 +22,10 @@ from kit.netsim import Mount, mounts
 from kit.nodes import data_bytes, fanout_tree, outcome, results, start_nodes
 from kit.procs import child_env
 from kit.tars import gnu_extract, need_gnu_tar
+from kit.tools import require_module
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
-pytest.importorskip("torch.distributed")
+require_module("torch.distributed")
 
 MiB = 1 << 20
 

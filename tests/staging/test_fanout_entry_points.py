@@ -14,9 +14,10 @@ import pytest
 
 from kit.netsim import Mount, mounts
 from kit.nodes import data_bytes, fanout_tree, results, start_nodes
+from kit.tools import require_module
 from kit.trees import assert_same_tree
 
-pytest.importorskip("torch.distributed")
+require_module("torch.distributed")
 
 MiB = 1 << 20
 

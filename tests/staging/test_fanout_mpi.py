@@ -25,10 +25,10 @@ from fastload.staging.fanout import run
 from kit.netsim import Mount, mounts
 from kit.nodes import data_bytes, fanout_tree, mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
 from kit.procs import child_env
-from kit.tools import missing
+from kit.tools import missing, require_module
 from kit.trees import assert_same_tree, build_small_files, write_patterned
 
-pytest.importorskip("mpi4py")
+require_module("mpi4py")
 if mpiexec() is None:
     missing("no mpiexec beside this Python (pip install mpich)", module=True)
 

@@ -77,7 +77,7 @@ step "virtual environment $VENV and the package (warnings are errors)"
 WHEEL=$(ls build/wheelhouse/fastload-*.whl)
 export FASTLOAD_WHEEL=$PWD/$WHEEL
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$FASTLOAD_WHEEL"
-"$VENV/bin/python" -m pip install -q "$FASTLOAD_WHEEL[test,torch]"
+"$VENV/bin/python" -m pip install -q "$FASTLOAD_WHEEL[test,torch,docs]"
 
 VPY=$(cd "$VENV/bin" && pwd)/python
 if [ "$#" -gt 0 ]; then
@@ -86,9 +86,10 @@ if [ "$#" -gt 0 ]; then
   exec "$VPY" -m pytest -q "${PYTEST_OPTS[@]}" "$@"
 fi
 
-step "ruff and mypy"
+step "ruff, mypy and the user guide (mkdocs build --strict: warnings are errors)"
 "$VENV/bin/python" -m ruff check python tests benchmarks
 "$VENV/bin/python" -m mypy
+"$VENV/bin/python" -m mkdocs build --strict --quiet --site-dir build/site
 
 # The benchmarks' venv (scripts/bench-peers.sh: pip, mostly downloads and unpacking) is
 # made while pytest runs, and waited for before the benchmarks.

@@ -135,6 +135,21 @@ def _check_mix(ns: Namespace) -> None:
     assert sorted(ns["streams"]) == ["books"] * 3 + ["web"] * 7
 
 
+def _check_gpu_handoff(ns: Namespace) -> None:
+    """docs/gpu.md's loop: the last batch's payloads stayed on the host, its first view,
+    labels and plain copy hold that batch's samples (sample ``i``: ``jpg`` is byte ``i %
+    256`` repeated ``100 + i % 7`` times, ``cls`` is ``i % 10``)."""
+    jpg, labels = ns["jpg"], ns["labels"]
+    samples = jpg.tolist()
+    assert len(samples) == len(labels) == 1000 % 256 and jpg.data.device.type == "cpu"
+    assert bytes(ns["first"].numpy()) == samples[0]
+    assert bytes(ns["raw"].cpu().numpy()) == b"".join(samples)
+    for payload, label in zip(samples, labels.tolist()):
+        i = next(i for i in range(payload[0], 1000, 256) if len(payload) == 100 + i % 7
+                 and label == i % 10)  # fmt: skip
+        assert payload == bytes([i % 256]) * (100 + i % 7)
+
+
 # What a block promises, checked after its top-level statement holding the phrase.
 CHECKS: dict[str, Callable[[Namespace], None]] = {
     "sample = ds[123]": _check_index_dataset,
@@ -145,6 +160,7 @@ CHECKS: dict[str, Callable[[Namespace], None]] = {
     "fastload.pack_dataset(": _check_pack_dataset,
     "stats = loop.stats()": _check_monitor,
     "counts = mix.stats()": _check_mix,
+    "raw = jpg.data.to(device, non_blocking=True)": _check_gpu_handoff,
 }
 
 

@@ -144,7 +144,7 @@ def _check_gpu_handoff(ns: Namespace) -> None:
     assert len(samples) == len(labels) == 1000 % 256 and jpg.data.device.type == "cpu"
     assert bytes(ns["first"].numpy()) == samples[0]
     assert bytes(ns["raw"].cpu().numpy()) == b"".join(samples)
-    for payload, label in zip(samples, labels.tolist()):
+    for payload, label in zip(samples, labels.tolist(), strict=True):
         i = next(i for i in range(payload[0], 1000, 256) if len(payload) == 100 + i % 7
                  and label == i % 10)  # fmt: skip
         assert payload == bytes([i % 256]) * (100 + i % 7)

@@ -51,7 +51,7 @@ def test_scanned_build_errors_name_the_shard(tmp_path: Path) -> None:
                                   ["one.tar", "two.tar"])
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"not a tar" * 200)
-    with pytest.raises(TarFormatError, match="bad.tar"):
+    with pytest.raises(TarFormatError, match=r"bad\.tar"):
         _core.scan_shard(os.fspath(bad))
 
 

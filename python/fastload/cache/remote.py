@@ -256,33 +256,60 @@ class RemoteShards:
         fetch = store_fetcher(ByUrl(self.store), str, _INDEX_PART)
         entry = CacheEntry(url, info.etag, info.size)
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                if url.endswith(".zst"):
-                    packed = bytearray(info.size)
-                    got_bytes = 0
-                    counting = threading.Lock()  # parts arrive on several threads
+            # Written into a file reserved in the cache at the index's size (it counts
+            # against the limit); a compressed one is decoded into memory first.
+            if url.endswith(".zst"):
+                packed = bytearray(info.size)
+                got_bytes = 0
+                counting = threading.Lock()  # parts arrive on several threads
 
-                    def keep(at: int, data: Any) -> None:
-                        nonlocal got_bytes
-                        packed[at:at + len(data)] = data
-                        with counting:
-                            got_bytes += len(data)
+                def keep(at: int, data: Any) -> None:
+                    nonlocal got_bytes
+                    packed[at:at + len(data)] = data
+                    with counting:
+                        got_bytes += len(data)
 
-                    fetch(entry, keep)
-                    if got_bytes != info.size:
-                        raise stage_error(errno.EIO, f"'{url}': {got_bytes} bytes read, "
-                                          f"{info.size} listed", url)
+                fetch(entry, keep)
+                if got_bytes != info.size:
+                    raise stage_error(errno.EIO, f"'{url}': {got_bytes} bytes read, "
+                                      f"{info.size} listed", url)
+                decoded = os.memfd_create("fastload-index", os.MFD_CLOEXEC)
+                try:
                     # An index is about ten times its compressed size; more than a
-                    # thousand times is not an index (and must not fill the disk).
-                    _core.decompress_to(packed, "zstd", fd, 1000 * info.size + (1 << 20), url)
-                else:
-                    fetch(entry, lambda at, data: pwrite_all(fd, data, at, tmp))
-                    if os.fstat(fd).st_size != info.size:
-                        raise stage_error(errno.EIO, f"'{url}': {os.fstat(fd).st_size} "
-                                          f"bytes read, {info.size} listed", url)
-            finally:
-                os.close(fd)
+                    # thousand times is not an index (and must not fill the memory).
+                    _core.decompress_to(packed, "zstd", decoded, 1000 * info.size + (1 << 20),
+                                        url)
+                    del packed
+                    size = os.fstat(decoded).st_size
+                    fd = self.cache.reserve_file(tmp, size)
+                    try:
+                        at = 0
+                        while at < size:
+                            n = os.sendfile(fd, decoded, at, size - at)
+                            if n <= 0:
+                                raise stage_error(errno.EIO, f"'{tmp}': short copy", str(tmp))
+                            at += n
+                    finally:
+                        os.close(fd)
+                finally:
+                    os.close(decoded)
+            else:
+                fd = self.cache.reserve_file(tmp, info.size)
+                written = [0]
+                counting = threading.Lock()
+
+                def write(at: int, data: Any) -> None:
+                    pwrite_all(fd, data, at, tmp)
+                    with counting:
+                        written[0] += len(memoryview(data))
+
+                try:
+                    fetch(entry, write)
+                finally:
+                    os.close(fd)
+                if written[0] != info.size:
+                    raise stage_error(errno.EIO, f"'{url}': {written[0]} bytes read, "
+                                      f"{info.size} listed", url)
             native = _core.Index(os.fspath(tmp), check_shards=False)
             got = [native.shard(i) for i in range(native.shard_count)]
             del native

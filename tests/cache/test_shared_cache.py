@@ -39,7 +39,7 @@ SHARDS = 12
 PER_SHARD = 310
 #: Seconds a reader waits for room with nothing changing in the cache (the default is
 #: longer; the issue's run waited 600 s).
-WAIT = 5.0
+WAIT = 10.0
 
 
 def keep(sample: Any) -> Any:

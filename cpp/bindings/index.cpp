@@ -2,7 +2,11 @@
 // 100 ms slices so Ctrl-C cancels it), Index (an opened index and its shards) with the
 // batched fetch (planned and read by index/batch.hpp, here only converted), and Payload,
 // the zero-copy read-only buffer over a member's bytes.
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -321,9 +325,72 @@ py::dict run_build(const py::sequence& open_paths, const py::sequence& stored_pa
   return d;
 }
 
+// A shard's scan (scan_shard) and an index's bytes built from scans, held natively.
+struct PyShardScan {
+  std::shared_ptr<const index::ShardScan> scan;
+};
+struct PyIndexImage {
+  std::string bytes;
+};
+
+PyShardScan run_scan(const py::object& path) {
+  std::string p = fs_bytes(path);
+  PyShardScan out;
+  py::gil_scoped_release nogil;
+  out.scan = index::scan_one(p, index::BuildOptions{});
+  return out;
+}
+
+PyIndexImage run_build_scanned(const py::sequence& scans, const py::sequence& names,
+                               const py::sequence& stored_paths, const std::string& on_duplicate) {
+  if (py::len(scans) != py::len(names) || py::len(names) != py::len(stored_paths))
+    throw py::value_error("build_index_scanned: scans, names and stored_paths differ in length");
+  std::vector<std::string> open = fs_list(names), stored = fs_list(stored_paths);
+  std::vector<index::ShardInput> shards(open.size());
+  std::vector<std::shared_ptr<const index::ShardScan>> keep;
+  std::vector<const index::ShardScan*> each;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    shards[i] = {std::move(open[i]), std::move(stored[i])};
+    keep.push_back(scans[i].cast<const PyShardScan&>().scan);
+    each.push_back(keep.back().get());
+  }
+  index::BuildOptions opt;
+  if (on_duplicate == "first") opt.on_duplicate = index::OnDuplicate::kFirst;
+  else if (on_duplicate != "error")
+    throw py::value_error("on_duplicate must be 'error' or 'first', not '" + on_duplicate + "'");
+  PyIndexImage out;
+  py::gil_scoped_release nogil;
+  out.bytes = index::build_bytes(shards, each, opt, nullptr);
+  return out;
+}
+
+void write_image(const PyIndexImage& image, int fd, const py::object& path) {
+  std::string p = fs_bytes(path);
+  py::gil_scoped_release nogil;
+  size_t done = 0;
+  while (done < image.bytes.size()) {
+    ssize_t n = ::pwrite(fd, image.bytes.data() + done,
+                         std::min<size_t>(image.bytes.size() - done, size_t(1) << 30), off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw Error::os(n < 0 ? errno : EIO, "write index", p);
+    done += size_t(n);
+  }
+}
+
 }  // namespace
 
 void register_index(py::module_& m) {
+  py::class_<PyShardScan>(m, "ShardScan", "A tar shard's headers, scanned (scan_shard).");
+  py::class_<PyIndexImage>(m, "IndexImage", "An index's bytes, built from shard scans.")
+      .def("__len__", [](const PyIndexImage& im) { return im.bytes.size(); })
+      .def("write", &write_image, py::arg("fd"), py::arg("path"),
+           "Writes the bytes at offset 0 of fd (path names it in errors).");
+  m.def("scan_shard", &run_scan, py::arg("path"),
+        "Scans one tar shard's headers (what build_index_scanned needs of it).");
+  m.def("build_index_scanned", &run_build_scanned, py::arg("scans"), py::arg("names"),
+        py::arg("stored_paths"), py::arg("on_duplicate") = "error",
+        "The index of shards scanned beforehand (names: for errors; stored_paths: recorded).");
+
   register_payload(m);
 
   py::class_<PyIndex, std::shared_ptr<PyIndex>>(m, "Index", "An opened shard index.")
@@ -401,6 +468,15 @@ void register_index(py::module_& m) {
            })
       .def_property_readonly("engine",
                              [](const PyIndex& ix) { return ix.shards->engine_name(); })
+      .def(
+          "forget_shard",
+          [](PyIndex& ix, uint64_t i) {
+            if (i >= ix.file->shard_count()) throw py::index_error("shard index out of range");
+            py::gil_scoped_release nogil;
+            ix.shards->forget(uint32_t(i));
+          },
+          py::arg("i"),
+          "Drops the index's mapping and descriptor of shard i (reopened by path on next use).")
       .def("fetch", &fetch, py::arg("indices"), py::arg("fields") = py::none(),
            py::arg("copy") = false, py::arg("access") = "mmap",
            "Samples as dicts {'__key__': key, field: Payload | bytes}, one native call.")
@@ -409,6 +485,8 @@ void register_index(py::module_& m) {
            "The samples packed, one column per field, into buffers from alloc(sizes) "
            "(see fastload._core.pack_payloads); returns (keys, column names, missing rows).");
 
+  m.def("index_tables_checksummed", &IndexFile::tables_checksummed,
+        "How many index opens in this process checksummed their tables.");
   m.def("build_index", &run_build, py::arg("open_paths"), py::arg("stored_paths"),
         py::arg("index_path"), py::arg("on_duplicate") = "error", py::arg("threads") = 0,
         py::arg("progress") = py::none(),

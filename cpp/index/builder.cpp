@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
+#include <stdexcept>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -16,7 +18,6 @@
 #include "tar/reader.hpp"
 
 namespace fastload::index {
-namespace {
 
 // One shard's samples, as its scanning thread found them. Keys live in `arena`, field
 // names are numbered per shard and renumbered globally when shards are merged.
@@ -42,6 +43,8 @@ struct ShardScan {
   std::vector<std::string> fields;
   std::exception_ptr error;
 };
+
+namespace {
 
 // Compressed tar files are recognised by their magic bytes (not their names, which lie).
 const char* compression_of(const unsigned char* p, size_t n) {
@@ -200,24 +203,33 @@ bool split_key(std::string_view path, std::string_view* key, std::string_view* f
   return true;
 }
 
-std::string build_bytes(const std::vector<ShardInput>& shards, const BuildOptions& opt,
-                        BuildResult* result) {
-  std::vector<ShardScan> scans(shards.size());
-  scan_all(shards, opt, scans);
+std::shared_ptr<const ShardScan> scan_one(const std::string& path, const BuildOptions& options) {
+  auto out = std::make_shared<ShardScan>();
+  scan_shard(ShardInput{path, path}, options, out.get());
+  return out;
+}
+
+namespace {
+
+// The index bytes of the scanned shards; `owned` (the scans, when they are the
+// caller's to free) has each scan freed once merged.
+std::string assemble(const std::vector<ShardInput>& shards,
+                     const std::vector<const ShardScan*>& scans, std::vector<ShardScan>* owned,
+                     const BuildOptions& opt, BuildResult* result) {
   if (shards.size() > UINT32_MAX)
     throw Error(ErrorKind::kFormat, 0, "cannot index more than 2^32 shards", "");
 
   // Merge: global field ids, the string table, samples deduplicated through the hash table.
   uint64_t max_samples = 0, max_members = 0;
-  for (const auto& s : scans) {
-    max_samples += s.samples.size();
-    max_members += s.members.size();
+  for (const ShardScan* s : scans) {
+    max_samples += s->samples.size();
+    max_members += s->members.size();
   }
   std::string strings;
   std::vector<ShardRecord> shard_recs(shards.size());
   for (size_t i = 0; i < shards.size(); ++i) {
-    shard_recs[i] = {strings.size(), uint32_t(shards[i].stored_path.size()), 0, scans[i].size,
-                     scans[i].mtime_ns, 0, 0};
+    shard_recs[i] = {strings.size(), uint32_t(shards[i].stored_path.size()), 0, scans[i]->size,
+                     scans[i]->mtime_ns, 0, 0};
     strings += shards[i].stored_path;
   }
   std::vector<FieldRecord> field_recs;
@@ -232,7 +244,7 @@ std::string build_bytes(const std::vector<ShardInput>& shards, const BuildOption
   BuildResult r;
   std::vector<uint32_t> remap;
   for (size_t si = 0; si < scans.size(); ++si) {
-    ShardScan& sc = scans[si];
+    const ShardScan& sc = *scans[si];
     remap.resize(sc.fields.size());
     for (size_t f = 0; f < sc.fields.size(); ++f) {
       auto [it, added] = field_ids.try_emplace(sc.fields[f], uint32_t(field_recs.size()));
@@ -277,8 +289,8 @@ std::string build_bytes(const std::vector<ShardInput>& shards, const BuildOption
     }
     shard_recs[si].sample_count = samples.size() - shard_recs[si].first_sample;
     r.shard_bytes += sc.size;
-    // Free each scan as soon as it is merged: peak memory is one copy, not two.
-    sc = ShardScan();
+    // Free each scan of ours as soon as it is merged: peak memory is one copy, not two.
+    if (owned) (*owned)[si] = ShardScan();
   }
 
   Header h{};
@@ -328,6 +340,25 @@ std::string build_bytes(const std::vector<ShardInput>& shards, const BuildOption
   r.index_bytes = out.size();
   if (result) *result = r;
   return out;
+}
+
+}  // namespace
+
+std::string build_bytes(const std::vector<ShardInput>& shards, const BuildOptions& opt,
+                        BuildResult* result) {
+  std::vector<ShardScan> scans(shards.size());
+  scan_all(shards, opt, scans);
+  std::vector<const ShardScan*> each(scans.size());
+  for (size_t i = 0; i < scans.size(); ++i) each[i] = &scans[i];
+  return assemble(shards, each, &scans, opt, result);
+}
+
+std::string build_bytes(const std::vector<ShardInput>& shards,
+                        const std::vector<const ShardScan*>& scans, const BuildOptions& opt,
+                        BuildResult* result) {
+  if (scans.size() != shards.size())
+    throw std::invalid_argument("build_bytes: one scan per shard is needed");
+  return assemble(shards, scans, nullptr, opt, result);
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {

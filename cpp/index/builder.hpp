@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,20 @@ struct BuildResult {
   uint64_t duplicates_skipped = 0;  // samples left out by OnDuplicate::kFirst
   uint64_t index_bytes = 0;
 };
+
+// One shard's members as scan_one() found them (its headers only), to build an index
+// from later (build_bytes() with scans), when the shard itself may be gone by then.
+struct ShardScan;
+
+// Scans the tar shard at `path` (headers only: its size and mtime recorded as they are
+// now). Throws as build_bytes() does for one shard.
+std::shared_ptr<const ShardScan> scan_one(const std::string& path, const BuildOptions& options);
+
+// build_bytes() from shards scanned beforehand: scans[i] is shards[i]'s (its open_path
+// only names it in errors). std::invalid_argument unless there is one scan per shard.
+std::string build_bytes(const std::vector<ShardInput>& shards,
+                        const std::vector<const ShardScan*>& scans, const BuildOptions& options,
+                        BuildResult* result);
 
 // Scans the shards and returns the index file's bytes. Throws Error: kOs (with the
 // shard's path) on I/O errors, kFormat on a malformed or compressed shard, a member

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <ctime>
 #include <stdexcept>
@@ -18,6 +19,8 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kMaxRead = uint64_t(1) << 30;  // one engine op reads at most this much
+
+std::atomic<uint64_t> g_tables_checksummed{0};  // relaxed: a statistic, orders nothing
 
 std::string folder_of(const std::string& path) {
   size_t slash = path.rfind('/');
@@ -128,9 +131,14 @@ std::shared_ptr<const IndexFile> IndexFile::open(const std::string& path) {
     f->corrupt("bad hash table size " + std::to_string(h.hash_slots));
   if (h.shard_count > UINT32_MAX) f->corrupt("too many shards");
 
+  g_tables_checksummed.fetch_add(1, std::memory_order_relaxed);
   if (hash::fl64(base + sizeof(Header), size - sizeof(Header), kChecksumSeed) != h.tables_checksum)
     f->corrupt("table checksum mismatch (the file was modified or damaged)");
   return f;
+}
+
+uint64_t IndexFile::tables_checksummed() noexcept {
+  return g_tables_checksummed.load(std::memory_order_relaxed);
 }
 
 std::string_view IndexFile::str(uint64_t offset, uint64_t length, const char* what) const {
@@ -280,14 +288,29 @@ std::shared_ptr<const Mapping> Shards::mapping(uint32_t shard) {
   return slot;
 }
 
+void Shards::forget(uint32_t shard) {
+  std::shared_ptr<const Mapping> dropped;  // unmapped outside the lock
+  {
+    std::lock_guard lock(map_mu_);
+    dropped = std::move(maps_.at(shard));
+  }
+  std::lock_guard lock(read_mu_);
+  if (fds_.at(shard)) {
+    fds_[shard].reset();
+    --open_fds_;
+  }
+}
+
 void Shards::prefault(std::span<const Piece> pieces) {
   uint32_t last_shard = UINT32_MAX;
+  std::shared_ptr<const Mapping> held;  // kept here: forget() may drop maps_'s meanwhile
   const char* base = nullptr;
   volatile char sink = 0;
   for (const Piece& p : pieces) {
     if (p.size == 0) continue;
     if (p.shard != last_shard) {
-      base = mapping(p.shard)->data();  // maps_ keeps it alive
+      held = mapping(p.shard);
+      base = held->data();
       last_shard = p.shard;
     }
     uint64_t first = p.offset & ~(kPage - 1);

@@ -83,6 +83,10 @@ class IndexFile {
   // Error(kIndexFormat) naming the first shard that is missing or changed.
   void check_shards() const;
 
+  // How many times open() has checksummed an index's tables in this process (each open
+  // reads the whole table region once): for tests and benchmarks of reopening.
+  static uint64_t tables_checksummed() noexcept;
+
  private:
   IndexFile() = default;
   [[noreturn]] void corrupt(const std::string& what) const;
@@ -120,6 +124,12 @@ class Shards {
   // The mapping of shard i, opened on first use (and checked to still have its
   // recorded size). Thread-safe; the mapping lives as long as any holder.
   std::shared_ptr<const Mapping> mapping(uint32_t shard);
+
+  // Drops this object's mapping and descriptor of shard i (the next use opens the file
+  // again, by its path): for a shard file that may be removed or replaced once its
+  // reader lets go of it, so that no mapping here keeps the old file's blocks. Payloads
+  // still holding the mapping keep it until they go. Thread-safe (waits for a read()).
+  void forget(uint32_t shard);
 
   // Touches every page of the pieces (in their mappings) so the page faults happen
   // here, in the caller's thread, rather than later under the GIL.

@@ -7,8 +7,9 @@ import contextlib
 import datetime
 import hashlib
 import os
+import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,37 @@ def cache_bytes(cache_dir: Path) -> int:
     return total
 
 
+def folder_bytes(cache_dir: Path) -> int:
+    """The bytes of every regular file under ``cache_dir`` (shards, downloads, views with
+    their indexes and any partial files, listings, state), each inode once."""
+    total = 0
+    seen: set[int] = set()
+    for folder, _, names in os.walk(cache_dir):
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(os.path.join(folder, n))
+                if stat.S_ISREG(st.st_mode) and st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_size
+    return total
+
+
+def with_index_only(url: str, cache_dir: Path) -> int:
+    """Builds the index of ``url`` in ``cache_dir`` and leaves no shard there; returns
+    the bytes of the cache's own files (index, listing, log), the room it keeps free
+    beside a download, and 4 KiB for the log to grow by: what a limit needs beside the
+    shards it is to hold."""
+    import fastload
+    from fastload.cache import ShardCache, _space
+
+    ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir)
+    assert ds._remote is not None
+    cache = ShardCache(cache_dir)
+    for u in ds._remote.shards.urls:
+        cache.drop(u)
+    return _space.overhead(cache_dir) + _space.SLACK + 4096
+
+
 def keep(batch: list[Any]) -> list[Any]:
     return batch
 
@@ -93,9 +125,11 @@ def epoch_keys(ds: Any, workers: int = 0) -> list[Any]:
 
 
 @contextlib.contextmanager
-def cache_peak(cache_dir: Path) -> Iterator[list[int]]:
+def cache_peak(cache_dir: Path, measure: Callable[[Path], int] = cache_bytes
+               ) -> Iterator[list[int]]:
     """The most bytes ``cache_dir`` held while the block ran (``peak[0]``), sampled every
-    2 ms by a thread."""
+    2 ms by a thread: by ``measure`` (the objects in ``shards/``, or
+    :func:`folder_bytes`: every file)."""
     import threading
 
     peak = [0]
@@ -103,7 +137,7 @@ def cache_peak(cache_dir: Path) -> Iterator[list[int]]:
 
     def watch() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], cache_bytes(cache_dir))
+            peak[0] = max(peak[0], measure(cache_dir))
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch)

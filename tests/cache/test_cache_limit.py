@@ -26,7 +26,7 @@ from kit.tools import require_module
 
 torch = require_module("torch")
 
-from remote_kit import cache_bytes, cache_peak, plain, put_shards  # noqa: E402
+from remote_kit import cache_bytes, cache_peak, plain, put_shards, with_index_only  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
@@ -179,8 +179,8 @@ def test_prefetch_leaves_room_for_a_reader(bucket_shards: tuple[list[Path], str]
                                            tmp_path: Path) -> None:
     paths, url = bucket_shards
     sizes = sizes_of(paths)
-    limit = 3 * sizes[0]  # three shards
     cache_dir = tmp_path / "c"
+    limit = 3 * sizes[0] + with_index_only(url, cache_dir)  # three shards, and the index
     ds = fastload.ShardIterableDataset(url, cache_dir=cache_dir, cache_limit=limit)
     assert ds._remote is not None
     shards = ds._remote.shards

@@ -39,6 +39,7 @@ from remote_kit import (  # noqa: E402
     last_modified,
     plain,
     put_shards,
+    with_index_only,
     write_shards,
 )
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
@@ -434,8 +435,9 @@ def test_server_stopped_mid_epoch(tmp_path: Path) -> None:
             server.client().create_bucket(Bucket="gone")
             url = put_shards(server, "gone", paths)
             # Batches of 4: each batch is read when it is asked for.
+            limit = biggest + with_index_only(url, tmp_path / "c")  # one shard at a time
             ds = fastload.ShardIterableDataset(url, cache_dir=tmp_path / "c", batch_size=4,
-                                               cache_limit=biggest, prefetch=0)
+                                               cache_limit=limit, prefetch=0)
             it = iter(ds)
             next(it)
             server.stop()
@@ -456,7 +458,9 @@ def test_object_changed_on_server(shards: tuple[list[Path], str], tmp_path: Path
     paths, url = shards
     biggest = max(p.stat().st_size for p in paths)
     cache_dir = tmp_path / "c"
-    ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir, cache_limit=biggest)
+    # Room for one shard, beside the cache's own files.
+    limit = biggest + with_index_only(url, cache_dir)
+    ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir, cache_limit=limit)
     rng = fastload.ShardIndexDataset(url, cache_dir=tmp_path / "c2", fetch="range")
     first_of_5 = sum(SIZES[:5])
     ds[first_of_5]  # shard 5 cached...

@@ -13,7 +13,14 @@ from kit.tools import require_module
 
 torch = require_module("torch")
 
-from remote_kit import cache_bytes, cache_peak, epoch_keys, put_shards, write_shards  # noqa: E402
+from remote_kit import (  # noqa: E402
+    cache_bytes,
+    cache_peak,
+    epoch_keys,
+    put_shards,
+    with_index_only,
+    write_shards,
+)
 
 import fastload  # noqa: E402
 from fastload.cache import ShardCache  # noqa: E402
@@ -53,9 +60,10 @@ def test_pinned_shard_is_never_evicted(tmp_path: Path, s3: Any, bucket: str) -> 
     paths = write_shards(tmp_path / "local", [20] * 6)
     url = put_shards(s3, bucket, paths)
     sizes = [p.stat().st_size for p in paths]
-    limit = sizes[0] + max(sizes[1:])  # shard 0 and one other
     assert min(sizes[1:]) * 2 > max(sizes[1:])  # never room for two others beside 0
     cache_dir = tmp_path / "c"
+    # Shard 0 and one other, beside the cache's own files.
+    limit = sizes[0] + max(sizes[1:]) + with_index_only(url, cache_dir)
     ds = fastload.ShardIndexDataset(url, cache_dir=cache_dir, cache_limit=limit)
     assert ds._remote is not None
     shards = ds._remote.shards

@@ -7,8 +7,8 @@ beside the shards (``index.fidx``, what ``pack`` writes, or its zstd-compressed 
 ``index.fidx.zst``, a tenth of the bytes, read first where libzstd is present) that
 describes exactly these shards and is newer than all of them; an index built earlier for
 the same ETags (kept in the cache's ``views/``); else one built now from the shards' tar
-headers (each shard passes through the cache once: a sparse copy of its headers is what
-gets indexed).
+headers (each shard passes through the cache once, its headers scanned into memory while
+it is pinned; the index file counts against the cache's limit like a shard).
 
 The index lives in a *view*: ``views/<hash of URLs and ETags>/`` holds the index file
 and, at the paths the index records, symbolic links to the cache entries of those
@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any, cast
 
 from .. import _core
-from .._util import node_lock, pwrite_all, write_json_atomic
+from .._util import human, node_lock, pwrite_all, write_json_atomic
 from ..errors import IndexFormatError, SourceChangedError, TarFormatError, stage_error
 from ..index import ShardIndex, expand_braces
 from ..sources import is_store_url, store_for
 from ..sources.objstore import ObjectInfo, ObjectStore, StorageOptions, split_url
-from . import _fetchd
+from . import _fetchd, _space
 from .store import ByUrl, CacheEntry, Pin, ShardCache, count_get, store_fetcher
 
 log = logging.getLogger(__name__)
@@ -256,33 +256,60 @@ class RemoteShards:
         fetch = store_fetcher(ByUrl(self.store), str, _INDEX_PART)
         entry = CacheEntry(url, info.etag, info.size)
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                if url.endswith(".zst"):
-                    packed = bytearray(info.size)
-                    got_bytes = 0
-                    counting = threading.Lock()  # parts arrive on several threads
+            # Written into a file reserved in the cache at the index's size (it counts
+            # against the limit); a compressed one is decoded into memory first.
+            if url.endswith(".zst"):
+                packed = bytearray(info.size)
+                got_bytes = 0
+                counting = threading.Lock()  # parts arrive on several threads
 
-                    def keep(at: int, data: Any) -> None:
-                        nonlocal got_bytes
-                        packed[at:at + len(data)] = data
-                        with counting:
-                            got_bytes += len(data)
+                def keep(at: int, data: Any) -> None:
+                    nonlocal got_bytes
+                    packed[at:at + len(data)] = data
+                    with counting:
+                        got_bytes += len(data)
 
-                    fetch(entry, keep)
-                    if got_bytes != info.size:
-                        raise stage_error(errno.EIO, f"'{url}': {got_bytes} bytes read, "
-                                          f"{info.size} listed", url)
+                fetch(entry, keep)
+                if got_bytes != info.size:
+                    raise stage_error(errno.EIO, f"'{url}': {got_bytes} bytes read, "
+                                      f"{info.size} listed", url)
+                decoded = os.memfd_create("fastload-index", os.MFD_CLOEXEC)
+                try:
                     # An index is about ten times its compressed size; more than a
-                    # thousand times is not an index (and must not fill the disk).
-                    _core.decompress_to(packed, "zstd", fd, 1000 * info.size + (1 << 20), url)
-                else:
-                    fetch(entry, lambda at, data: pwrite_all(fd, data, at, tmp))
-                    if os.fstat(fd).st_size != info.size:
-                        raise stage_error(errno.EIO, f"'{url}': {os.fstat(fd).st_size} "
-                                          f"bytes read, {info.size} listed", url)
-            finally:
-                os.close(fd)
+                    # thousand times is not an index (and must not fill the memory).
+                    _core.decompress_to(packed, "zstd", decoded, 1000 * info.size + (1 << 20),
+                                        url)
+                    del packed
+                    size = os.fstat(decoded).st_size
+                    fd = self.cache.reserve_file(tmp, size)
+                    try:
+                        at = 0
+                        while at < size:
+                            n = os.sendfile(fd, decoded, at, size - at)
+                            if n <= 0:
+                                raise stage_error(errno.EIO, f"'{tmp}': short copy", str(tmp))
+                            at += n
+                    finally:
+                        os.close(fd)
+                finally:
+                    os.close(decoded)
+            else:
+                fd = self.cache.reserve_file(tmp, info.size)
+                written = [0]
+                counting = threading.Lock()
+
+                def write(at: int, data: Any) -> None:
+                    pwrite_all(fd, data, at, tmp)
+                    with counting:
+                        written[0] += len(memoryview(data))
+
+                try:
+                    fetch(entry, write)
+                finally:
+                    os.close(fd)
+                if written[0] != info.size:
+                    raise stage_error(errno.EIO, f"'{url}': {written[0]} bytes read, "
+                                      f"{info.size} listed", url)
             native = _core.Index(os.fspath(tmp), check_shards=False)
             got = [native.shard(i) for i in range(native.shard_count)]
             del native
@@ -301,26 +328,33 @@ class RemoteShards:
 
     def _build(self, dest: Path, stored: list[str]) -> None:
         """Builds the index from each shard's tar headers: every shard passes through the
-        cache (pinned while its headers are copied into a sparse file of its size, at
-        their offsets), then the native builder scans those files."""
-        work = dest.with_name(f".build-{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        skeletons = [work / f"{i:06d}-{os.path.basename(rel)}" for i, rel in enumerate(stored)]
+        cache, its headers scanned (natively, into memory) while it is pinned; the index
+        is then assembled from the scans and written into a file reserved in the cache
+        at its size (no copy of a shard is kept: the cache stays within its limit)."""
+        scans: list[Any] = [None] * len(self.entries)
 
         def one(i: int) -> None:
             with self.pinned_one(i) as pin:
-                header_skeleton(pin.path, skeletons[i], self.entries[i].size)
+                try:
+                    scans[i] = _core.scan_shard(os.fspath(pin.path))
+                except (TarFormatError, IndexFormatError) as e:
+                    raise type(e)(f"'{self.urls[i]}': {e}") from None
 
+        with ThreadPoolExecutor(_INDEX_IN_FLIGHT, thread_name_prefix="fastload-index") as pool:
+            list(pool.map(one, range(len(self.entries))))
+        image = _core.build_index_scanned(scans, self.urls, stored, "error")
+        scans.clear()  # freed before the index is written
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        fd = self.cache.reserve_file(tmp, len(image))
         try:
-            with ThreadPoolExecutor(_INDEX_IN_FLIGHT, thread_name_prefix="fastload-index") as pool:
-                list(pool.map(one, range(len(self.entries))))
-            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-            _core.build_index([os.fspath(p) for p in skeletons], stored, os.fspath(tmp),
-                              "error", 0)
+            image.write(fd, os.fspath(tmp))
+            os.fsync(fd)
             os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            os.close(fd)
 
     def _link(self, shard: int) -> None:
         """Links the path the index records for ``shard`` in the view to its cache entry,
@@ -388,9 +422,24 @@ class RemoteShards:
         """The smallest cache limit ``readers`` readers of these shards can share: each
         keeps the shard it reads pinned (until it moves on to the next), and one more
         needs room for its next shard, so the cache must hold the ``readers`` largest
-        shards at once."""
+        shards at once. (The cache's own files, :func:`._space.overhead`, take their room
+        too: below that, readers take turns, giving back the pins of those not reading.)"""
         sizes = sorted((e.size for e in self.entries), reverse=True)
         return sum(sizes[:max(1, readers)])
+
+    def check_one_fits(self) -> None:
+        """ValueError if the limit cannot hold the largest shard beside the cache's own
+        files (its index: known once it is built or fetched)."""
+        limit = self.cache.limit
+        own = _space.overhead(self.cache.root) + _space.slack(limit)
+        if limit is not None and limit < self.largest + own:
+            need = self.largest + own
+            raise ValueError(
+                f"cache_limit {human(limit)} ({limit} bytes) cannot hold the largest shard "
+                f"({human(self.largest)}) beside the cache's own files in '{self.cache.root}' "
+                f"(the index, listings and log: {human(own)}): raise cache_limit to at "
+                f"least {human(need)} ({need} bytes)"
+            )
 
     def prefetch(self, shard: int) -> bool | None:
         """Downloads shard ``shard`` if the cache has room now, keeping the room of the

@@ -11,7 +11,9 @@ Layout under ``root``::
     state/<entry>.dl        the downloader of <entry> holds an exclusive flock
     state/lock              the cache lock: taken (briefly) to reserve room and evict
     state/waiting           readers waiting for room hold a shared flock (prefetching
-                            stands back meanwhile)
+                            stands back, idle readers give their pins back meanwhile)
+    state/held/<pid>        the pins a process holds, and for which dataset (for the
+                            error of a reader that finds no room)
 
 ``<entry>`` is ``<hash of the URL>-<hash of the ETag>-<base name>``: another version of
 an object is another entry, and an entry is only ever whole (renamed into place after
@@ -22,7 +24,9 @@ Contracts:
 - The bytes in ``shards/`` (entries plus reservations) never exceed ``limit``. Room is
   reserved before a download starts; when there is none, the least recently used
   entries that no process has pinned are removed; if that is not enough the caller
-  waits (or, for prefetching, gives up).
+  waits (or, for prefetching, gives up). A pin held by a reader that is not reading is
+  given back while a reader waits (:mod:`._holders`); a wait during which nothing
+  changes in the cache for :data:`WAIT_FOR_ROOM` seconds fails, naming who holds what.
 - Prefetching never takes room a reader needs: a prefetch reserves room only while no
   reader waits for room (a waiting reader holds a shared ``flock`` on ``state/waiting``;
   a prefetch tries it exclusively, under the cache lock) and only if ``keep_free``
@@ -49,61 +53,38 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._util import human, pwrite_all
 from ..errors import SourceChangedError, stage_error
-from ..sources.retry import process_retries
+from . import _holders, _space
+from ._counters import COUNTERS, Counters, count_get
+from ._fetchers import PART, PARTS_IN_FLIGHT, ByUrl, store_fetcher
 
-if TYPE_CHECKING:
-    from ..sources.objstore import ObjectStore
-
-__all__ = ["COUNTERS", "CacheEntry", "Counters", "Pin", "ShardCache", "count_get"]
+__all__ = ["COUNTERS", "PART", "PARTS_IN_FLIGHT", "ByUrl", "CacheEntry", "Counters", "Pin",
+           "ShardCache", "count_get", "store_fetcher"]
 
 #: How often a reader waiting for room or for another process's download looks again.
 _POLL = 0.05
-#: A reader gives up waiting for room after this long (every byte pinned by others).
-WAIT_FOR_ROOM = 600.0
-#: Objects above this size are fetched in parallel ranged GETs of this size.
-PART = 16 << 20
-PARTS_IN_FLIGHT = 4
+
+
+def _wait_setting() -> float:
+    raw = os.environ.get("FASTLOAD_CACHE_WAIT", "")
+    try:
+        return float(raw) if raw else 30.0
+    except ValueError:
+        raise ValueError(f"FASTLOAD_CACHE_WAIT must be a number of seconds, not {raw!r}"
+                         ) from None
+
+
+#: A reader waiting for room gives up once nothing has changed in the cache for this
+#: long (no download in progress, no entry pinned anew, downloaded or evicted): the
+#: readers holding the room are stuck, or need more room at once than the limit.
+#: ``FASTLOAD_CACHE_WAIT`` (seconds) sets it.
+WAIT_FOR_ROOM = _wait_setting()
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
-
-class Counters:
-    """This process's cache activity (``fastload.monitor`` reads it): reader pins that
-    found their shard cached (``hits``) or not (``misses``), downloads and their bytes,
-    evictions, object GETs and the seconds they took (summed over the GETs in flight),
-    and the retries of this process's object-store requests (``retries``: the retry
-    policy's count, :func:`fastload.sources.retry.process_retries`, for every request
-    the process made, the cache's and any other). Counted where the work runs: the
-    downloads of a DataLoader worker forked after obstore was used run in the process
-    serving it (:mod:`fastload.cache._fetchd`)."""
-
-    FIELDS = ("hits", "misses", "downloads", "download_bytes", "evictions", "evicted_bytes",
-              "gets", "get_seconds", "retries")  # fmt: skip
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._v = dict.fromkeys(self.FIELDS, 0.0)
-
-    def add(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._v[name] += n
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            out = dict(self._v)
-        out["retries"] = float(process_retries().total())
-        return out
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()  # another thread may have held it at the fork
-
-
-COUNTERS = Counters()
-os.register_at_fork(after_in_child=COUNTERS._after_fork)
 
 #: The descriptors this process holds flocks through (pins, downloads, the cache lock).
 #: A flock belongs to the open file, which a forked child shares: a DataLoader worker
@@ -187,14 +168,20 @@ Via = Callable[[CacheEntry, bool, "int | None"], "bool | None"]
 
 
 class Pin:
-    """An entry pinned for reading: ``path`` stays in place until ``release()``."""
+    """An entry pinned for reading: ``path`` stays in place until ``release()``. With
+    ``root``, recorded as held by this process for ``label`` (see :mod:`._holders`)."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, root: Path | None = None, label: str = "") -> None:
         self._fd = fd
         self.path = path
+        self._root = root
+        if root is not None:
+            _holders.record(root, fd, path.name, label)
 
     def release(self) -> None:
         if self._fd >= 0:
+            if self._root is not None:
+                _holders.forget(self._root, self._fd)
             _close(self._fd)  # drops the shared flock
             self._fd = -1
 
@@ -218,11 +205,14 @@ def _try_lock(fd: int, how: int) -> bool:
 
 class ShardCache:
     """The cache in ``root`` (created if missing), holding at most ``limit`` bytes of
-    objects (``None``: no limit). Safe to use from many processes and threads at once."""
+    objects (``None``: no limit). Safe to use from many processes and threads at once.
+    ``owner`` names the reader in what others are told about the pins it holds."""
 
-    def __init__(self, root: str | os.PathLike[str], limit: int | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], limit: int | None = None,
+                 owner: str = "") -> None:  # fmt: skip
         self.root = Path(os.path.abspath(root))
         self.limit = limit
+        self.owner = owner
         self.shards = self.root / "shards"
         self.state = self.root / "state"
         try:
@@ -237,7 +227,7 @@ class ShardCache:
         self.downloads: list[str] = []
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ShardCache, (os.fspath(self.root), self.limit))
+        return (ShardCache, (os.fspath(self.root), self.limit, self.owner))
 
     # --- locks ---------------------------------------------------------------------------
 
@@ -256,22 +246,26 @@ class ShardCache:
     def _log(self, op: str, name: str, size: int) -> None:
         """Appends ``pid op name size`` to ``state/events.log`` (one ``O_APPEND`` write
         per event: lines of concurrent processes never interleave), for tests and
-        reports: what each process downloaded and evicted, in order."""
+        reports: what each process downloaded and evicted, in order. Past
+        :data:`._space.LOG_MAX` bytes the log becomes ``events.log.1`` (the one before is
+        dropped), so it holds a bounded share of the cache (:func:`._space.overhead`)."""
         line = f"{os.getpid()} {op} {name} {size}\n".encode()
+        log = self.state / "events.log"
         with contextlib.suppress(OSError):
-            fd = os.open(self.state / "events.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                         | os.O_CLOEXEC, 0o644)
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, line)
+                if os.write(fd, line) and os.fstat(fd).st_size > _space.LOG_MAX:
+                    os.replace(log, log.with_name("events.log.1"))  # renames this inode
             finally:
                 os.close(fd)
 
     def events(self) -> list[tuple[int, str, str, int]]:
-        """The event log: (pid, "download" or "evict", entry name, size), in order."""
-        try:
-            text = (self.state / "events.log").read_text()
-        except FileNotFoundError:
-            return []
+        """The event log: (pid, "download" or "evict", entry name, size), in order (its
+        last :data:`._space.LOG_MAX` bytes at least)."""
+        text = ""
+        for name in ("events.log.1", "events.log"):
+            with contextlib.suppress(FileNotFoundError):
+                text += (self.state / name).read_text()
         out = []
         for line in text.splitlines():
             pid, op, name, size = line.split(" ")
@@ -290,14 +284,15 @@ class ShardCache:
             )
 
     def usage(self) -> int:
-        """Bytes in the cache now: entries and live reservations (stale ones removed)."""
+        """Bytes in the cache now: entries, live reservations (stale ones removed) and
+        the cache's own files (indexes, listings, logs: :func:`._space.overhead`)."""
         with self._locked():
             return self._scan()[0]
 
     def _scan(self) -> tuple[int, list[tuple[int, str, int]]]:
         """(bytes used, complete entries as (mtime_ns, name, size)); removes the
         ``.part`` files of dead downloaders. Call with the cache lock held."""
-        used = 0
+        used = _space.overhead(self.root)
         entries = []
         with os.scandir(self.shards) as it:
             for d in it:
@@ -383,7 +378,7 @@ class ShardCache:
         or None when the pinned entries leave no room. ``keep_free`` (prefetching): None
         also while a reader waits for room, or unless ``keep_free`` bytes stay free
         beside ``entry``. Cache lock held."""
-        need = entry.size
+        need = entry.size + _space.slack(self.limit)
         if keep_free is not None and self.limit is not None:
             if self._readers_waiting():
                 return None
@@ -429,7 +424,7 @@ class ShardCache:
             return None
         with contextlib.suppress(OSError):
             os.utime(self.path(entry))  # least recently used = oldest mtime
-        return Pin(pin_fd, self.path(entry))
+        return Pin(pin_fd, self.path(entry), self.root, self.owner)
 
     def prefetch(self, entry: CacheEntry, fetch: Fetcher, via: Via | None = None,
                  keep_free: int = 0) -> bool | None:  # fmt: skip
@@ -469,7 +464,6 @@ class ShardCache:
         is in place; with ``wait`` False, False when there is no room and None when
         another downloader has it. ``keep_free`` (a prefetch): see :meth:`prefetch`."""
         dl_fd = self._open(self.state / f"{entry.name}.dl")
-        waiting = -1  # state/waiting, held shared while this reader waits for room
         try:
             if wait:
                 fcntl.flock(dl_fd, fcntl.LOCK_EX)  # another process's download: wait
@@ -477,30 +471,10 @@ class ShardCache:
                 return None  # another downloader has it
             if self._valid(entry):  # it was downloaded while we waited
                 return True
-            deadline = time.monotonic() + WAIT_FOR_ROOM
-            while True:
-                with self._locked():
-                    part_fd = self._reserve(entry, keep_free)
-                if part_fd is not None:
-                    break
-                if not wait:
-                    return False
-                if waiting < 0:  # from now on no prefetch takes the room that frees
-                    waiting = self._open(self.state / "waiting")
-                    fcntl.flock(waiting, fcntl.LOCK_SH)
-                if time.monotonic() > deadline:
-                    raise stage_error(
-                        errno.ENOSPC,
-                        f"cache '{self.root}' (limit {human(self.limit or 0)}) stayed full of "
-                        f"shards other readers hold for {WAIT_FOR_ROOM:.0f} s: cannot fetch "
-                        f"'{entry.url}'; raise cache_limit (every process reading through "
-                        "this cache keeps one shard pinned)",
-                        entry.url,
-                    )
-                time.sleep(_POLL)
-            if waiting >= 0:
-                _close(waiting)
-                waiting = -1
+            part_fd = self._room(entry.url, entry.size, wait,
+                                 lambda: self._reserve(entry, keep_free))
+            if part_fd is None:
+                return False
             part = self.shards / f"{entry.name}.part"
             started = time.monotonic()
             try:
@@ -520,9 +494,56 @@ class ShardCache:
             _event("download", entry.name, entry.size, started)
             return True
         finally:
+            _close(dl_fd)
+
+    def _room(self, url: str, size: int, wait: bool, take: Callable[[], int | None]
+              ) -> int | None:
+        """``take()`` under the cache lock (it makes room and reserves it, or returns
+        None) until it succeeds; with ``wait`` False, once. While waiting this reader
+        holds ``state/waiting`` shared: no prefetch takes the room that frees, and idle
+        readers give their pins back (:mod:`._holders`). Raises once nothing has changed
+        in the cache for :data:`WAIT_FOR_ROOM` seconds, naming who holds what."""
+        waiting = -1
+        seen: object = None  # what the cache looked like when it last changed
+        since = time.monotonic()
+        try:
+            while True:
+                with self._locked():
+                    fd = take()
+                    now = _space.progress(self.shards) if fd is None and wait else None
+                if fd is not None or not wait:
+                    return fd
+                if waiting < 0:
+                    waiting = self._open(self.state / "waiting")
+                    fcntl.flock(waiting, fcntl.LOCK_SH)
+                if now is None or now != seen:  # a download in progress, or a change
+                    seen, since = now, time.monotonic()
+                elif time.monotonic() - since > WAIT_FOR_ROOM:
+                    raise _space.no_room(self.root, self.limit, url, size, WAIT_FOR_ROOM)
+                time.sleep(_POLL)
+        finally:
             if waiting >= 0:
                 _close(waiting)
-            _close(dl_fd)
+
+    def reserve_file(self, path: Path, size: int) -> int:
+        """Creates ``path``, a file of the cache's own under its root (an index), at
+        ``size`` bytes (sparse) once there is room for it, as for a download: it counts
+        against the limit from then on. Returns its descriptor (the caller writes it and
+        renames it into place, or removes it)."""
+
+        def take() -> int | None:
+            used, entries = self._scan()
+            need = size + _space.slack(self.limit)
+            if self.limit is not None and used + need > self.limit \
+                    and not self._evict(used + need - self.limit, entries):
+                return None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            os.ftruncate(fd, size)
+            return fd
+
+        fd = self._room(os.fspath(path), size, True, take)
+        assert fd is not None
+        return fd
 
     def _fill(self, entry: CacheEntry, fd: int, fetch: Fetcher) -> None:
         written = [0]
@@ -557,51 +578,3 @@ class ShardCache:
         return n
 
 
-class ByUrl:
-    """The ``get``/``get_range``/``stream_range``/``fetch_parts`` of objects named by
-    whole URLs, each through the store ``store_of(url)`` gives for its bucket (so one
-    fetcher serves shards of several buckets; the helper and the server of forked
-    workers use it with their own settings)."""
-
-    def __init__(self, store_of: Callable[[str], ObjectStore]) -> None:
-        self._store_of = store_of
-
-    def get(self, url: str, etag: str | None) -> memoryview:
-        return self._store_of(url).get(_key(url), etag)
-
-    def get_range(self, url: str, start: int, end: int, etag: str | None) -> memoryview:
-        return self._store_of(url).get_range(_key(url), start, end, etag)
-
-    def stream_range(self, url: str, start: int, end: int, etag: str | None) -> Iterator[Any]:
-        return self._store_of(url).stream_range(_key(url), start, end, etag)
-
-    def fetch_parts(self, url: str, etag: str | None, size: int,
-                    write: Callable[[int, Any], None], **kw: Any) -> None:  # fmt: skip
-        self._store_of(url).fetch_parts(_key(url), etag, size, write, **kw)
-
-
-def _key(url: str) -> str:
-    from ..sources.objstore import split_url
-
-    return split_url(url)[2]
-
-
-def count_get(start: float) -> None:
-    """Counts one GET (answered or not) that started at ``start``."""
-    COUNTERS.add("gets")
-    COUNTERS.add("get_seconds", time.monotonic() - start)
-
-
-def store_fetcher(store: Any, key_of: Callable[[str], str], part_size: int = PART) -> Fetcher:
-    """A Fetcher over an :class:`~fastload.sources.objstore.ObjectStore`: its
-    ``fetch_parts``, ranged GETs of ``part_size`` bytes, :data:`PARTS_IN_FLIGHT` at a
-    time, every one with ``If-Match`` on the listed ETag, each body written in pieces as
-    they arrive (a fresh buffer of a shard's size per download cost a page fault per
-    4 KiB, and as much system time as the download itself)."""
-
-    def fetch(entry: CacheEntry, write: Callable[[int, Any], None]) -> None:
-        store.fetch_parts(key_of(entry.url), entry.etag, entry.size, write,
-                          part_size=part_size, in_flight=PARTS_IN_FLIGHT,
-                          on_get=count_get)  # fmt: skip
-
-    return fetch

@@ -5,12 +5,14 @@ ranged GET per sample (``fetch="range"``).
 Pins follow one rule: a reader holds at most one pin, and never while it waits for
 another (it lets go of the shard it holds first). The shard last read stays pinned until
 the reader moves on (most batches of a stream fall in one shard), also while the reader
-is idle: ``k`` readers can pin the ``k`` largest shards at once, and a cache that cannot
-hold them would leave a reader waiting for one an idle reader holds
-(:meth:`RemoteReader.check_room` says so before anything is read). A shard let go of may
-be evicted; the native index's mappings of it are dropped by reopening the index (one
-mmap and a checksum) at the start of the next batch (with no ``cache_limit`` nothing is
-evicted, and the index stays open).
+is idle, unless another reader of the node waits for room: then a thread of the idle
+reader's process gives the pin back (:mod:`fastload.cache._holders`), so a dataset that
+is not reading (a validation set beside a training set) never keeps room others need.
+``k`` workers of an iterable dataset still check that the cache holds the ``k`` largest
+shards (:meth:`RemoteReader.check_room`: each may be reading one at once). A shard let go
+of may be evicted; the native index drops its mapping and descriptor of that shard
+(``forget_shard``), so none keeps an evicted shard's bytes: the index is opened once per
+reader and process, never reopened (no checksum of its tables per shard change).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._util import human, parse_size
-from ..cache import Pin, RemoteShards, ShardCache
+from ..cache import Pin, RemoteShards, ShardCache, _holders
 from ..env import current
 from ..index import ShardIndex
 from ..sources.objstore import StorageOptions
@@ -45,11 +47,18 @@ def open_remote(
     cache_dir: str | os.PathLike[str] | None,
     cache_limit: int | str | None,
     storage_options: StorageOptions | None,
+    owner: str = "a dataset",
 ) -> RemoteReader:
+    """The reader of ``source`` through the cache; ``owner`` (the dataset's class name)
+    names it to readers that wait for room it holds."""
     limit = None if cache_limit is None else parse_size(cache_limit)
-    cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), limit)
+    what = source if isinstance(source, str) else f"{source[0]} and {len(source) - 1} more"
+    cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), limit,
+                       f"{owner} over {what}")
     shards = RemoteShards(source, cache, storage_options)
-    return RemoteReader(shards, shards.index())
+    index = shards.index()
+    shards.check_one_fits()
+    return RemoteReader(shards, index)
 
 
 class RemoteReader:
@@ -63,12 +72,13 @@ class RemoteReader:
         self._index: ShardIndex | None = index
         self._pid = os.getpid()
         self._held: tuple[int, Pin] | None = None
-        self._stale = False
         self._lock = threading.Lock()
+        #: Times this reader opened the index (once per process that reads).
+        self.opens = 1
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_index=None, _held=None, _pid=-1, _stale=False, _lock=None)
+        state.update(_index=None, _held=None, _pid=-1, _lock=None, opens=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -76,16 +86,15 @@ class RemoteReader:
         self._lock = threading.Lock()
 
     def get(self) -> ShardIndex:
-        """The index in this process, reopened when a shard it may have mapped was let
-        go of (so no mapping keeps an evicted shard's bytes)."""
+        """The index in this process (opened on first use in a process)."""
         if self._pid != os.getpid():
-            self._index, self._held, self._stale = None, None, False
+            # The parent's pin stays the parent's (cache.store leaves its lock there).
+            self._index, self._held, self.opens = None, None, 0
             self._pid = os.getpid()
             self._lock = threading.Lock()
-        if self._index is None or self._stale:
-            self._index = None  # drop the old mappings before mapping anew
+        if self._index is None:
             self._index = ShardIndex.open(self.path, check=False)
-            self._stale = False
+            self.opens += 1
         return self._index
 
     def check_room(self, readers: int, prefetch: int, shuffle_block: int) -> None:
@@ -110,19 +119,42 @@ class RemoteReader:
         return out
 
     def release(self) -> None:
-        """Lets go of the shard held (the index is reopened before the next read)."""
-        if self._held is not None:
-            self._held[1].release()
-            self._held = None
-            # Without a limit nothing is evicted: the mappings may stay.
-            self._stale = self._stale or self.shards.cache.limit is not None
+        """Lets go of the shard held."""
+        if self._lock is not None:
+            with self._lock:
+                self._let_go()
+
+    def give_back(self) -> None:
+        """Lets go of the shard held unless a read is in progress (called by the
+        give-back thread while another reader waits for room)."""
+        lock = self._lock
+        if lock is None or not lock.acquire(blocking=False):
+            return  # reading: the pin is in use
+        try:
+            if self._pid == os.getpid():
+                self._let_go()
+        finally:
+            lock.release()
+
+    def _let_go(self) -> None:
+        """Lets go of the shard held, and of the index's mapping of it. Lock held."""
+        if self._held is None:
+            return
+        shard, pin = self._held
+        self._held = None
+        _holders.busy(self.shards.cache.root, self)
+        # Without a limit nothing is evicted: the mapping may stay.
+        if self._index is not None and self.shards.cache.limit is not None:
+            self._index._native.forget_shard(shard)
+        pin.release()
 
     def _pin(self, shard: int) -> None:
         if self._held is not None and self._held[0] == shard:
             return
-        self.release()
+        self._let_go()
         # (timed as the stage "fetch" while a monitor is on: a download, or a wait for one)
         self._held = (shard, _probe.timed(_probe.FETCH, self.shards.pinned_one)(shard))
+        _holders.idle(self.shards.cache.root, self)  # given back only outside a read
 
     def read(self, ids: Sequence[int], fetch: Callable[[ShardIndex, list[int]], Any]
              ) -> list[Any]:
@@ -132,8 +164,6 @@ class RemoteReader:
             return []
         arr = np.asarray(ids, dtype=np.int64)
         with self._lock:
-            # Reopened (if a shard was let go of) once per call, not per shard: the
-            # shards let go of during this call stay mapped until the next one.
             index = self.get()
             n = len(index)
             bad = np.flatnonzero((arr < -n) | (arr >= n))

@@ -87,7 +87,8 @@ class ShardIndexDataset(Dataset[Any]):  # type: ignore[misc, unused-ignore]
         self._remote: RemoteReader | None = None
         if is_remote(source):
             assert isinstance(source, (str, list, tuple))
-            self._remote = open_remote(source, cache_dir, cache_limit, storage_options)
+            self._remote = open_remote(source, cache_dir, cache_limit, storage_options,
+                                       "ShardIndexDataset")
             index = self._remote.get()
         else:
             index = index_of(source)

@@ -228,7 +228,8 @@ class ShardIterableDataset(IterableDataset[Any]):  # type: ignore[misc, unused-i
         self._remote: RemoteReader | None = None
         if is_remote(source):
             assert isinstance(source, (str, list, tuple))
-            self._remote = open_remote(source, cache_dir, cache_limit, storage_options)
+            self._remote = open_remote(source, cache_dir, cache_limit, storage_options,
+                                       "ShardIterableDataset")
             if num_workers is not None:
                 self._remote.check_room(max(1, num_workers), prefetch, shuffle_block)
             index = self._remote.get()

@@ -13,7 +13,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
@@ -151,7 +151,18 @@ def stage(
     retried = process_retries().snapshot()  # the source's listing retries count too
     with named_os_errors():
         source, dest = open_source(src, dst, req)
-        return stage_into(dest, source, retried)
+        return stage_into(dest, source, retried, _fanned(req))
+
+
+def _fanned(req: StageRequest) -> Callable[[Any, Destination], StageResult] | None:
+    """The runner of a stage fanned out over the job's nodes (``fanout=``), else None:
+    fanout/ is imported here, where such a stage is asked for, never by Destination."""
+    if req.fanout is False:
+        return None
+    from .fanout import stage_fanout
+
+    group = None if req.fanout is True else req.fanout
+    return lambda source, dest: stage_fanout(source, dest, group)
 
 
 def open_source(

@@ -313,21 +313,30 @@ class ObjectStore:
         before anything is written. Markers are kept unless include patterns are given
         (as directories are)."""
         everything = self.list_columns()
-        parents: dict[bytes, int] = {}  # a folder -> the row of a key under it
-        for i, key in enumerate(everything.key_bytes()):
-            for folder in folders_of(key):
-                parents.setdefault(folder, i)
-        keep = bytearray(b"\1") * len(everything)
-        dirs: builtins.list[str] = []
         inc: builtins.list[str] = [*(include or ())]
         exc: builtins.list[str] = [*(exclude or ())]
+        # The filters first: a clash between keys that the filters leave out is none,
+        # so the --exclude that the clash's message suggests gets past it.
+        chosen = bytearray(b"\1") * len(everything)
+        if inc or exc:
+            for i, key in enumerate(everything.key_bytes()):
+                chosen[i] = selected(os.fsdecode(key), inc, exc)
+        parents: dict[bytes, int] = {}  # a folder -> the row of a chosen key under it
+        for i, key in enumerate(everything.key_bytes()):
+            if chosen[i]:
+                for folder in folders_of(key):
+                    parents.setdefault(folder, i)
+        keep = bytearray(chosen)
+        dirs: builtins.list[str] = []
         for i, key in enumerate(everything.key_bytes()):
             size = everything.size[i]
             if key in parents:
+                keep[i] = 0
                 if size == 0:
                     dirs.append(os.fsdecode(key))
-                    keep[i] = 0
                     continue
+                if not chosen[i]:
+                    continue  # left out: the folder alone is staged
                 where = self.url if self.url.endswith("/") else self.url + "/"
                 k, other = os.fsdecode(key), everything.key_str(parents[key])
                 raise stage_error(
@@ -338,11 +347,8 @@ class ObjectStore:
                     f"one (--exclude '{k}')",
                     self.url,
                 )
-            if size == 0 and self._is_marker(os.fsdecode(key)):
+            if size == 0 and chosen[i] and self._is_marker(os.fsdecode(key)):
                 dirs.append(os.fsdecode(key))
-                keep[i] = 0
-                continue
-            if (inc or exc) and not selected(os.fsdecode(key), inc, exc):
                 keep[i] = 0
         del parents
         objects = everything.select(keep).frozen()

@@ -16,6 +16,7 @@ import builtins
 import contextlib
 import errno
 import importlib
+import logging
 import os
 import re
 import threading
@@ -39,6 +40,8 @@ from .settings import (
     site_options,
 )
 
+log = logging.getLogger(__name__)
+
 SCHEMES = OBJECT_SCHEMES
 _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
@@ -47,6 +50,11 @@ LIST_IN_FLIGHT = 16
 # Pieces of a streamed range: small enough for the CPU's cache and for malloc to reuse
 # (1 MiB pieces page-faulted 4x as often), large enough that a GiB is a few thousand.
 STREAM_CHUNK = 256 << 10
+# How long a request may wait for the server's next bytes before it fails, naming the
+# endpoint (seconds; FASTLOAD_STORE_TIMEOUT, or client_options' read_timeout); a server
+# that has not answered the first request for NOT_ANSWERING seconds is said to be so.
+ANSWER_TIMEOUT = 60.0
+NOT_ANSWERING = 3.0
 
 def split_url(url: str) -> tuple[str, str, str]:
     """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``."""
@@ -102,7 +110,13 @@ class ObjectStore:
         """The retries of this store's requests, by reason (:data:`.retry.REASONS`)."""
         # obstore retries nothing: every request goes through Tries (the policy, counted).
         retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=120)}
-        client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
+        # A server that accepts the connection and sends nothing fails a request after
+        # ``timeout`` seconds without a byte (read_timeout: each read, not the whole
+        # body, so a slow stream of a big object is not cut).
+        self.timeout = answer_timeout()
+        client: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": f"{self.timeout:g}s",
+                                  "timeout": f"{max(300.0, 4 * self.timeout):g}s"}  # fmt: skip
+        self._answered = False
         if self.scheme == "s3":
             s = s3_settings(storage_options)
             self.endpoint = s.pop("endpoint_url", None) or "https://s3.amazonaws.com"
@@ -132,6 +146,7 @@ class ObjectStore:
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))
+            self.timeout = _seconds(client.get("read_timeout"), self.timeout)
             self._store: Any = _client(
                 ("s3", self.bucket, config, client),
                 lambda: obstores.S3Store(
@@ -196,7 +211,7 @@ class ObjectStore:
                                   "tcp connect", "connect error", "timed out")):
             return stage_error(
                 errno.EHOSTUNREACH,
-                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low, retries)}",
+                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low, retries, self.timeout)}",
                 url,
             )
         if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
@@ -209,16 +224,38 @@ class ObjectStore:
         """The attempts at one request for ``full`` (first made at ``time.monotonic()``
         ``started``, else now) under the retry policy, counted in :attr:`retries`; the
         last error raised as :meth:`error` words it."""
-        return Tries(self.retries, lambda e, n: self.error(e, full, n), started=started)
+        return Tries(self.retries, lambda e, n: self.error(e, full, n), started=started,
+                     answer_limit=self.timeout)  # fmt: skip
 
     def _call(self, full: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (one request for ``full``), retried under the policy."""
+        """``fn()`` (one request for ``full``), retried under the policy. Until the store
+        has answered once, a request unanswered for :data:`NOT_ANSWERING` seconds says so
+        in a log line (the stage is otherwise silent until the timeout)."""
         tries = self._tries(full)
-        while True:
-            try:
-                return fn()
-            except Exception as e:
-                tries.failed(e)
+        watch: threading.Timer | None = None
+        if not self._answered:
+            watch = threading.Timer(NOT_ANSWERING, self._not_answering)
+            watch.daemon = True
+            watch.start()
+        try:
+            while True:
+                try:
+                    got = fn()
+                    self._answered = True
+                    return got
+                except Exception as e:
+                    tries.failed(e)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _not_answering(self) -> None:
+        if not self._answered:
+            log.warning(
+                "fastload: %s is not answering (no reply for %g s); giving up after %g s "
+                "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
+                self.endpoint, NOT_ANSWERING, self.timeout,
+            )
 
     def _full(self, key: str) -> str:
         return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)
@@ -545,7 +582,28 @@ class ObjectStore:
         self._call(full, lambda: self._ob.put(self._store, full, data))
 
 
-def _unreachable(low: str, retries: int) -> str:
+def answer_timeout() -> float:
+    """The seconds a request may wait for the server's next bytes: FASTLOAD_STORE_TIMEOUT,
+    else :data:`ANSWER_TIMEOUT`."""
+    raw = os.environ.get("FASTLOAD_STORE_TIMEOUT", "").strip()
+    if not raw:
+        return ANSWER_TIMEOUT
+    got = _seconds(raw, -1.0)
+    if got <= 0:
+        raise ValueError(f"FASTLOAD_STORE_TIMEOUT must be a number of seconds > 0, not {raw!r}")
+    return got
+
+
+def _seconds(value: Any, default: float) -> float:
+    """``value`` (``60``, ``"60"``, ``"60s"``, ``"500ms"``, ``"2m"``) in seconds, else
+    ``default``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", str(value)) if value else None
+    if m is None:
+        return default
+    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(2) or "s"]
+
+
+def _unreachable(low: str, retries: int, timeout: float = ANSWER_TIMEOUT) -> str:
     """Why a request found no server, in a few words (obstore's text runs to a line of
     retry settings and a nested cause)."""
     tries = f" (after {retries} retries)" if retries else ""
@@ -553,6 +611,9 @@ def _unreachable(low: str, retries: int) -> str:
         return "connection refused" + tries
     if "dns error" in low or "failed to lookup" in low or "name or service" in low:
         return "the host name does not resolve" + tries
+    if ("timed out" in low or "timeout" in low) and "connect" not in low:
+        return (f"it accepted the connection but did not answer within {timeout:g} s{tries} "
+                "(FASTLOAD_STORE_TIMEOUT sets the limit for a slow store)")
     if "timed out" in low or "timeout" in low:
         return "timed out" + tries
     return "no answer" + tries

@@ -127,8 +127,13 @@ class Tries:
     counted in ``counts`` and in this process's total."""
 
     def __init__(self, counts: RetryCounts, raise_as: Callable[[BaseException, int], BaseException],
-                 policy: RetryPolicy = POLICY, started: float | None = None) -> None:  # fmt: skip
+                 policy: RetryPolicy = POLICY, started: float | None = None,
+                 answer_limit: float | None = None) -> None:  # fmt: skip
         self.counts, self.raise_as, self.policy = counts, raise_as, policy
+        # A request that timed out is tried again only while the time since the first
+        # attempt is under this (the store's answer limit): a server that never answers
+        # fails once, within the limit, not after a timeout per retry.
+        self.answer_limit = answer_limit
         self.retries = 0
         self._wait = 0.0
         # The deadline counts from the first attempt (``time.monotonic()``; now if not told).
@@ -144,7 +149,10 @@ class Tries:
         if reason is None or self.retries >= self.policy.retries:
             raise self.raise_as(e, self.retries) from None
         wait = self.policy.backoff(self._wait)
-        if time.monotonic() - self._start + wait > self.policy.deadline:
+        spent = time.monotonic() - self._start + wait
+        if spent > self.policy.deadline or (
+            reason == "timeout" and self.answer_limit is not None and spent >= self.answer_limit
+        ):
             raise self.raise_as(e, self.retries) from None
         self._wait = wait
         self.retries += 1

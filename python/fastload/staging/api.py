@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Literal, Union
 from .. import _core
 from ..errors import stage_error
 from ..sources import is_store_url
+from ..sources.base import scheme_of
 from ..sources.retry import process_retries
 from .columns import FileTable
 from .destination import Destination, stage_into
@@ -181,6 +182,10 @@ def open_source(
         from .remote import open_remote
 
         return open_remote(src, dst, req)
+    if isinstance(src, str) and scheme_of(src) in ("http", "https"):
+        from .web import open_web
+
+        return open_web(src, dst, req, _open_local)
     if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
         raise stage_error(
             errno.ENOENT, f"source '{src}' does not exist; did you mean {url}?", src

@@ -8,10 +8,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from s3server import FaultProxy, S3Server, tree_of, upload
+from s3server import S3Server, tree_of, upload
 
 import fastload
 

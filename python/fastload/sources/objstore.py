@@ -209,10 +209,9 @@ class ObjectStore:
         low = str(e).lower()
         if any(w in low for w in ("connection refused", "error sending request", "dns error",
                                   "tcp connect", "connect error", "timed out")):
+            why = _unreachable(low, retries, self.timeout)
             return stage_error(
-                errno.EHOSTUNREACH,
-                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low, retries, self.timeout)}",
-                url,
+                errno.EHOSTUNREACH, f"cannot reach {self.endpoint} for '{url}': {why}", url
             )
         if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
             return e

@@ -23,7 +23,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["REASONS", "RetryCounts", "RetryPolicy", "Tries", "process_retries", "transient"]
+__all__ = ["REASONS", "RawError", "RetryCounts", "RetryPolicy", "Tries", "process_retries",
+           "transient"]
 
 #: The reasons a request is retried for, as counted.
 REASONS = ("throttled", "server_error", "connection", "timeout", "short_body")
@@ -84,6 +85,17 @@ def process_retries() -> RetryCounts:
     return _PROCESS
 
 
+class RawError(OSError):
+    """The failure of a request made without obstore (sources/s3raw.py): ``status`` (the
+    HTTP status, 0 where no server answered) and the server's error code where it sent
+    one. Its text reads like obstore's errors (``status 503``, ``connection refused``,
+    ``timed out``), so this policy and the error mapping treat both alike."""
+
+    def __init__(self, text: str, status: int = 0, code: str = "") -> None:
+        super().__init__(text)
+        self.status, self.code = status, code
+
+
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
 
 
@@ -99,7 +111,7 @@ def transient(e: BaseException) -> str | None:
                       ox.PermissionDeniedError, ox.UnauthenticatedError,
                       ox.NotModifiedError)):  # fmt: skip
         return None
-    if not isinstance(e, ox.BaseError):
+    if not isinstance(e, (ox.BaseError, RawError)):
         return None
     text = str(e)
     m = _STATUS.search(text)

@@ -1,8 +1,9 @@
 """Object stores (``s3://``, ``gs://``, ``az://``) through obstore (Rust's object_store):
 ranged reads with ``If-Match``, request signing. Listing is in :mod:`.listing`; S3
 listings, and the GETs of keys obstore would address under another name, are made by
-:mod:`.s3raw` where the credentials are keys (obstore parses every key of a listing). Retries are ours, not obstore's (whose retries cannot be counted): every request
-goes through one policy (:mod:`.retry`), and each store counts its retries by reason
+:mod:`.s3raw` where the credentials are keys (obstore parses every key of a listing).
+Retries are ours, not obstore's (whose retries cannot be counted): every request goes
+through one policy (:mod:`.retry`), and each store counts its retries by reason
 (:attr:`ObjectStore.retries`). Where the settings come from (site, profile,
 environment, ``storage_options``) and how they are checked: :mod:`.settings`.
 

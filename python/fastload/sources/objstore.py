@@ -505,7 +505,13 @@ def odd_key(key: str) -> bool:
 def _raw_client(store: ObjectStore, config: Mapping[str, Any], client: Mapping[str, Any],
                 anonymous: bool) -> Any:  # fmt: skip
     """The raw client (sources/s3raw.py) of an S3 store whose credentials are keys, or
-    that needs none; else None (obstore finds the credentials: a role, SSO)."""
+    that needs none; else None (obstore finds the credentials: a role, SSO; or a proxy
+    is set, which obstore's client goes through and the raw one does not)."""
+    if client.get("proxy_url") or any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                    "ALL_PROXY", "all_proxy")
+    ):  # fmt: skip
+        return None
     keys: tuple[str, str, str | None] | None = None
     if not anonymous:
         if not (config.get("access_key_id") and config.get("secret_access_key")):

@@ -19,10 +19,13 @@ void register_objects(py::module_& m) {
         bodies.reserve(items.size());
         for (const py::handle item : items) {
           const auto t = item.cast<py::tuple>();
-          if (t.size() != 3) throw py::value_error("write_objects: items are (name, body, mtime_ns)");
+          if (t.size() != 3 && t.size() != 4) {
+            throw py::value_error("write_objects: items are (name, body, mtime_ns[, mark])");
+          }
           held.push_back(t[1].cast<py::buffer>().request());
           const std::span<const char> b = contiguous_bytes(held.back(), "write_objects");
-          bodies.push_back({fs_bytes(t[0]), b.data(), b.size(), t[2].cast<int64_t>()});
+          bodies.push_back({fs_bytes(t[0]), b.data(), b.size(), t[2].cast<int64_t>(),
+                            t.size() == 4 ? std::string(t[3].cast<py::bytes>()) : std::string()});
         }
         std::vector<std::vector<uint64_t>> digests;
         std::vector<std::exception_ptr> errors;
@@ -52,9 +55,11 @@ void register_objects(py::module_& m) {
         return out;
       },
       py::arg("root"), py::arg("items"), py::arg("mode"), py::arg("stripe"),
-      "Writes each (name, body, mtime_ns) of items whole to root/name (name relative, its "
-      "folder there), with the GIL released: through a temporary (O_TMPFILE where the file "
-      "system has them), mode (less the umask), mtime_ns as both times, then into place. "
+      "Writes each (name, body, mtime_ns[, mark]) of items whole to root/name (name "
+      "relative, its folder there), with the GIL released: through a temporary (O_TMPFILE "
+      "where the file system has them), mode (less the umask), mtime_ns as both times, the "
+      "mark (bytes) as the xattr user.fastload.object where the file system keeps one, "
+      "then into place. "
       "Returns per item its chunk digests (fl64 of each stripe bytes, 8 little-endian "
       "bytes each), or the OSError naming the file (no temporary left behind); the "
       "others are written all the same.");

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -85,6 +86,9 @@ std::vector<uint64_t> ObjectWriter::write(const ObjectBody& b) {
     }
     const timespec times[2] = {to_timespec(b.mtime_ns), to_timespec(b.mtime_ns)};
     if (::futimens(fd.get(), times) != 0) throw Error::os(errno, "set times of", path);
+    // Before the link: a file at its final name carries its mark, or none (a refusal, as
+    // of a file system without user attributes, leaves it unmarked: not trusted later).
+    if (!b.mark.empty()) ::fsetxattr(fd.get(), kObjectMark, b.mark.data(), b.mark.size(), 0);
     if (named.empty()) {
       int err = link_into_place(fd.get(), b.name);
       if (err == EEXIST) {

@@ -19,7 +19,14 @@ struct ObjectBody {
   const char* data = nullptr;
   size_t size = 0;
   int64_t mtime_ns = 0;
+  // Recorded with the file, before it is linked into place, as the extended attribute
+  // kObjectMark (empty: none): what the object was (its identity), so a file found whole
+  // at its name after a kill is known for that object. Where the file system keeps no
+  // user attributes the file is written without it (and is not trusted that way).
+  std::string mark;
 };
+
+inline constexpr const char* kObjectMark = "user.fastload.object";
 
 // Writes one object at a time, whole, to a temporary that becomes its final name only
 // when written, digested and timed: an O_TMPFILE linked into place where the file system

@@ -1,10 +1,12 @@
 // ObjectWriter (copy/objects.*): bodies written whole with their chunk digests and
 // times, a file already at the name replaced, and a failure (a missing folder) kept per
-// body, naming the file, with the others written and no temporary left behind.
+// body, naming the file, with the others written and no temporary left behind; a body's
+// mark recorded as the file's xattr.
 #include "copy/objects.hpp"
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 
 #include <cstdlib>
 #include <string>
@@ -39,10 +41,10 @@ void test_batch(const std::string& root) {
   for (size_t i = 0; i < big.size(); ++i) big[i] = char(i * 7 + 3);
   const std::string small = "hello";
   std::vector<ObjectBody> bodies = {
-      {"big", big.data(), big.size(), 1'600'000'000'123'456'789},
-      {"sub/old", small.data(), small.size(), -1'500'000'001},
-      {"sub/empty", nullptr, 0, 0},
-      {"missing/x", small.data(), small.size(), 0},
+      {"big", big.data(), big.size(), 1'600'000'000'123'456'789, "\"etag of big\""},
+      {"sub/old", small.data(), small.size(), -1'500'000'001, ""},
+      {"sub/empty", nullptr, 0, 0, ""},
+      {"missing/x", small.data(), small.size(), 0, ""},
   };
   ObjectWriter w(root, 0644, 4096);
   std::vector<std::vector<uint64_t>> digests;
@@ -70,6 +72,16 @@ void test_batch(const std::string& root) {
   } catch (const fastload::Error& e) {
     CHECK_EQ(e.err(), ENOENT);
     CHECK_EQ(e.path(), root + "/missing/x");
+  }
+  // The mark, where the file system keeps user attributes (the writer skips it silently
+  // where not: the probe on "sub/empty" tells which).
+  char mark[64];
+  if (::setxattr((root + "/sub/empty").c_str(), "user.probe", "x", 1, 0) == 0) {
+    const ssize_t n = ::getxattr((root + "/big").c_str(), fastload::copy::kObjectMark, mark,
+                                 sizeof mark);
+    CHECK_EQ(std::string(mark, n > 0 ? size_t(n) : 0), std::string("\"etag of big\""));
+    CHECK(::getxattr((root + "/sub/old").c_str(), fastload::copy::kObjectMark, mark,
+                     sizeof mark) < 0);
   }
   CHECK_EQ(names_in(root).size(), size_t(2));      // big, sub: no temporary
   CHECK_EQ(names_in(root + "/sub").size(), size_t(2));  // old, empty

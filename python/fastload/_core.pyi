@@ -27,7 +27,10 @@ class Fl64Stream:
 
 def temp_name(path: _Path) -> str: ...
 def write_objects(
-    root: _Path, items: Sequence[tuple[_Path, Buffer, int]], mode: int, stripe: int
+    root: _Path,
+    items: Sequence[tuple[_Path, Buffer, int] | tuple[_Path, Buffer, int, bytes]],
+    mode: int,
+    stripe: int,
 ) -> list[bytes | OSError]: ...
 
 class Tree:

@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
         "second run of an unchanged source returns at once.",
     )
     s.add_argument(
-        "src", help="a file, a directory, an archive, s3://..., or - for a tar stream on "
-        "stdin (plain, gzip or zstd: curl URL | fastload stage - DST)"
+        "src", help="a file, a directory, an archive, s3://..., http(s)://... (a file or an "
+        "archive, downloaded resumably), or - for a tar stream on stdin (plain, gzip or zstd)"
     )
     s.add_argument(
         "dst", help="the node-local directory (or file, for a file not unpacked) to write; "

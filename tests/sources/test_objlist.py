@@ -57,3 +57,17 @@ def test_sorted_joined_selected() -> None:
     keep = bytearray(i % 3 == 0 for i in range(len(got)))
     assert list(got.select(keep)) == [o for i, o in enumerate(got) if i % 3 == 0]
     assert got.select(bytearray(b"\1") * len(got)) is got
+
+
+def test_placed_keys_keep_their_stored_names() -> None:
+    """Keys placed under another name (a leading "/" dropped) sort by that name, and an
+    ObjectInfo (what a GET uses) still has the key as stored; the mapping survives a
+    pickle (fan-out sends the list)."""
+    objs = ObjectList.of([ObjectInfo("/abs.txt", 3, '"%s"' % ("a" * 32), 1),
+                          ObjectInfo("b.txt", 4, '"%s"' % ("b" * 32), 2)])  # fmt: skip
+    placed = objs.placed({0: "abs.txt"})
+    assert list(placed.key_bytes()) == [b"abs.txt", b"b.txt"]
+    for got in (placed, pickle.loads(pickle.dumps(placed))):
+        assert got[0].key == "/abs.txt" and got.stored_key(0) == "/abs.txt"
+        assert got[1].key == "b.txt" and got.key_str(0) == "abs.txt"
+    assert objs.placed({}) is objs

@@ -134,7 +134,7 @@ def test_object_that_is_also_a_prefix_is_refused_before_writing(
         fastload.stage(f"s3://{bucket}/q/", out)
     assert "both" in str(e.value) and "\n" not in str(e.value)
     assert not out.exists()
-    assert not any(".fastload-tmp" in p.name for p in tmp_path.rglob("*"))
+    assert not any(m in p.name for p in tmp_path.rglob("*") for m in (".fastload-", ".fl-tmp"))
 
 
 def test_keys_with_special_characters_stage_under_their_names(

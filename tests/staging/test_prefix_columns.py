@@ -114,7 +114,7 @@ def test_listing_and_planning_a_prefix_hold_no_object_per_key(
     small, big = (1200, 5000) if layout == "flat" else (2200, 6000)
     # The folders listed one at a time: the pages in hand at the peak, a fixed base, do
     # not then depend on how the listings' threads happened to overlap.
-    monkeypatch.setattr("fastload.sources.objstore.LIST_IN_FLIGHT", 1)
+    monkeypatch.setattr("fastload.sources.listing.LIST_IN_FLIGHT", 1)
 
     def keys(name: str, n: int) -> dict[str, bytes]:
         folder = (lambda i: "") if layout == "flat" else (lambda i: f"f{i % 2}/")

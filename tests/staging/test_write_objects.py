@@ -125,3 +125,26 @@ def test_an_unwritable_folder_names_the_file(world_dir: Path, unprivileged: dict
     assert f"True {errno.EACCES}" in r.stdout, r.stdout
     assert str(locked / "x.bin") in r.stdout
     assert list(locked.iterdir()) == []
+
+
+def test_a_mark_is_recorded_with_the_file(tmp_path: Path) -> None:
+    """A 4th item, the object's mark, is the file's xattr user.fastload.object (set on the
+    temporary, before it is in place); an older copy's mark is replaced with the file."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.fastload.object", b"x")
+    except OSError:
+        pytest.skip("the test's file system keeps no user xattrs")
+    old = tmp_path / "old.bin"
+    old.write_bytes(b"an older copy")
+    os.setxattr(old, "user.fastload.object", b"the older object")
+    items = [("new.bin", b"new", 1, b"\x01" * 16), ("old.bin", b"replaced", 2, b'"v2"'),
+             ("plain.bin", b"unmarked", 3)]  # fmt: skip
+    got = _core.write_objects(str(tmp_path), items, MODE, 4096)
+    assert all(isinstance(g, bytes) for g in got), got
+    assert os.getxattr(tmp_path / "new.bin", "user.fastload.object") == b"\x01" * 16
+    assert os.getxattr(old, "user.fastload.object") == b'"v2"' and old.read_bytes() == b"replaced"
+    with pytest.raises(OSError):
+        os.getxattr(tmp_path / "plain.bin", "user.fastload.object")
+    assert _leftovers(tmp_path) == []

@@ -66,6 +66,9 @@ class ObjectList(Sequence[ObjectInfo]):
         self.etag_ends: array[int] | None = None  # None: 16 raw bytes per ETag
         self.versions = bytearray()
         self.version_ends: array[int] | None = None
+        # The keys as the bucket stores them, of the few objects listed under another
+        # name (a key with a leading "/": placed without it): name -> stored key.
+        self.stored: dict[str, str] = {}
 
     # --- building ----------------------------------------------------------------------
 
@@ -99,6 +102,7 @@ class ObjectList(Sequence[ObjectInfo]):
     def take(self, rows: Iterable[int]) -> ObjectList:
         """The rows ``rows``, in that order."""
         out = ObjectList()
+        out.stored = self.stored
         if self.version_ends is not None:
             out.version_ends = array("q", [0])
         k, v = memoryview(self.keys), memoryview(self.versions)
@@ -113,6 +117,27 @@ class ObjectList(Sequence[ObjectInfo]):
                 out.versions += v[vo[r] : vo[r + 1]]
                 out.version_ends.append(len(out.versions))
         return out
+
+    def placed(self, names: Mapping[int, str]) -> ObjectList:
+        """A copy with the keys of the rows in ``names`` replaced by those names, sorted
+        again; :meth:`stored_key` still gives each one's key as stored."""
+        if not names:
+            return self
+        out = ObjectList()
+        out.keys = bytearray()
+        out.key_ends = array("q", [0])
+        stored = dict(self.stored)
+        for i, key in enumerate(self.key_bytes()):
+            if i in names:
+                stored[names[i]] = _dec(key)
+                key = _enc(names[i])
+            out.keys += key
+            out.key_ends.append(len(out.keys))
+        out.size, out.mtime_ns = self.size, self.mtime_ns
+        out.etags, out.etag_ends = self.etags, self.etag_ends
+        out.versions, out.version_ends = self.versions, self.version_ends
+        out.stored = stored
+        return out.sorted().frozen()
 
     def select(self, keep: bytes | bytearray) -> ObjectList:
         """The rows whose byte in ``keep`` is not 0, in order (itself when all are)."""
@@ -209,6 +234,12 @@ class ObjectList(Sequence[ObjectInfo]):
     def key_str(self, i: int) -> str:
         return _dec(self.key(i))
 
+    def stored_key(self, i: int) -> str:
+        """Object ``i``'s key as the bucket stores it (relative to the listed prefix): its
+        key, unless it was listed under another name (:meth:`placed`)."""
+        key = self.key_str(i)
+        return self.stored.get(key, key) if self.stored else key
+
     def key_bytes(self) -> Iterator[bytes]:
         """Every key, encoded, in order."""
         return pieces(self.keys, self.key_ends)
@@ -265,7 +296,7 @@ class ObjectList(Sequence[ObjectInfo]):
         i = position(i, len(self))
         if isinstance(i, range):
             return [self[k] for k in i]
-        return ObjectInfo(self.key_str(i), self.size[i], self.etag(i), self.mtime_ns[i],
+        return ObjectInfo(self.stored_key(i), self.size[i], self.etag(i), self.mtime_ns[i],
                           self.version(i))  # fmt: skip
 
     def __iter__(self) -> Iterator[ObjectInfo]:
@@ -305,6 +336,7 @@ class ObjectList(Sequence[ObjectInfo]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         lengths = state.pop("key_lengths")
+        self.stored = {}
         self.__dict__.update(state)
         self.key_ends = array("q", [0])
         self.key_ends.extend(accumulate(lengths))

@@ -1,7 +1,9 @@
 """Object stores (``s3://``, ``gs://``, ``az://``) through obstore (Rust's object_store):
-listing, ranged reads with ``If-Match``, request signing. Nothing here signs or parses
-XML. Retries are ours, not obstore's (whose retries cannot be counted): every request
-goes through one policy (:mod:`.retry`), and each store counts its retries by reason
+ranged reads with ``If-Match``, request signing. Listing is in :mod:`.listing`; S3
+listings, and the GETs of keys obstore would address under another name, are made by
+:mod:`.s3raw` where the credentials are keys (obstore parses every key of a listing).
+Retries are ours, not obstore's (whose retries cannot be counted): every request goes
+through one policy (:mod:`.retry`), and each store counts its retries by reason
 (:attr:`ObjectStore.retries`). Where the settings come from (site, profile,
 environment, ``storage_options``) and how they are checked: :mod:`.settings`.
 
@@ -16,6 +18,7 @@ import builtins
 import contextlib
 import errno
 import importlib
+import logging
 import os
 import re
 import threading
@@ -26,12 +29,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .._util import folders_of, selected
+from .._util import selected
 from ..errors import SourceChangedError, stage_error
 from .base import OBJECT_SCHEMES
 from .credentials import credentials_not_found
 from .objlist import ObjectInfo, ObjectList
-from .retry import RetryCounts, Tries
+from .retry import RawError, RetryCounts, Tries
 from .settings import (
     StorageOptions,
     _metadata_disabled,
@@ -40,14 +43,19 @@ from .settings import (
     site_options,
 )
 
+log = logging.getLogger(__name__)
+
 SCHEMES = OBJECT_SCHEMES
 _EXTRA = "pip install 'fastload[s3]'  (it installs obstore)"
 _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
-# Listings of "directories" under a prefix in flight at once.
-LIST_IN_FLIGHT = 16
 # Pieces of a streamed range: small enough for the CPU's cache and for malloc to reuse
 # (1 MiB pieces page-faulted 4x as often), large enough that a GiB is a few thousand.
 STREAM_CHUNK = 256 << 10
+# How long a request may wait for the server's next bytes before it fails, naming the
+# endpoint (seconds; FASTLOAD_STORE_TIMEOUT, or client_options' read_timeout); a server
+# that has not answered the first request for NOT_ANSWERING seconds is said to be so.
+ANSWER_TIMEOUT = 60.0
+NOT_ANSWERING = 3.0
 
 def split_url(url: str) -> tuple[str, str, str]:
     """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``."""
@@ -103,7 +111,16 @@ class ObjectStore:
         """The retries of this store's requests, by reason (:data:`.retry.REASONS`)."""
         # obstore retries nothing: every request goes through Tries (the policy, counted).
         retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=120)}
-        client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
+        # A server that accepts the connection and sends nothing fails a request after
+        # ``timeout`` seconds without a byte (read_timeout: each read, not the whole
+        # body, so a slow stream of a big object is not cut).
+        self.timeout = answer_timeout()
+        client: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": f"{self.timeout:g}s",
+                                  "timeout": f"{max(300.0, 4 * self.timeout):g}s"}  # fmt: skip
+        self._answered = False
+        # Listings, and GETs of keys obstore would address under another name, made by
+        # sources/s3raw.py where the credentials are keys (or none are needed).
+        self._raw: Any = None
         if self.scheme == "s3":
             s = s3_settings(storage_options)
             self.endpoint = s.pop("endpoint_url", None) or "https://s3.amazonaws.com"
@@ -133,6 +150,8 @@ class ObjectStore:
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))
+            self.timeout = _seconds(client.get("read_timeout"), self.timeout)
+            self._raw = _raw_client(self, config, client, anonymous)
             self._store: Any = _client(
                 ("s3", self.bucket, config, client),
                 lambda: obstores.S3Store(
@@ -174,7 +193,7 @@ class ObjectStore:
             return stage_error(
                 errno.ENOENT, f"'{url}': no such {what} at {self.endpoint} ({check})", url
             )
-        if isinstance(e, ox.PreconditionError):
+        if isinstance(e, ox.PreconditionError) or getattr(e, "status", 0) == 412:
             return stage_error(
                 errno.EIO,
                 f"source changed: '{url}' was replaced while it was being read; stage "
@@ -199,12 +218,11 @@ class ObjectStore:
         low = str(e).lower()
         if any(w in low for w in ("connection refused", "error sending request", "dns error",
                                   "tcp connect", "connect error", "timed out")):
+            why = _unreachable(low, retries, self.timeout)
             return stage_error(
-                errno.EHOSTUNREACH,
-                f"cannot reach {self.endpoint} for '{url}': {_unreachable(low, retries)}",
-                url,
+                errno.EHOSTUNREACH, f"cannot reach {self.endpoint} for '{url}': {why}", url
             )
-        if isinstance(e, OSError) and not isinstance(e, ox.BaseError):
+        if isinstance(e, OSError) and not isinstance(e, (ox.BaseError, RawError)):
             return e
         return stage_error(errno.EIO, f"'{url}': {type(e).__name__}: {text}", url)
 
@@ -214,16 +232,38 @@ class ObjectStore:
         """The attempts at one request for ``full`` (first made at ``time.monotonic()``
         ``started``, else now) under the retry policy, counted in :attr:`retries`; the
         last error raised as :meth:`error` words it."""
-        return Tries(self.retries, lambda e, n: self.error(e, full, n), started=started)
+        return Tries(self.retries, lambda e, n: self.error(e, full, n), started=started,
+                     answer_limit=self.timeout)  # fmt: skip
 
     def _call(self, full: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (one request for ``full``), retried under the policy."""
+        """``fn()`` (one request for ``full``), retried under the policy. Until the store
+        has answered once, a request unanswered for :data:`NOT_ANSWERING` seconds says so
+        in a log line (the stage is otherwise silent until the timeout)."""
         tries = self._tries(full)
-        while True:
-            try:
-                return fn()
-            except Exception as e:
-                tries.failed(e)
+        watch: threading.Timer | None = None
+        if not self._answered:
+            watch = threading.Timer(NOT_ANSWERING, self._not_answering)
+            watch.daemon = True
+            watch.start()
+        try:
+            while True:
+                try:
+                    got = fn()
+                    self._answered = True
+                    return got
+                except Exception as e:
+                    tries.failed(e)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _not_answering(self) -> None:
+        if not self._answered:
+            log.warning(
+                "fastload: %s is not answering (no reply for %g s); giving up after %g s "
+                "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
+                self.endpoint, NOT_ANSWERING, self.timeout,
+            )
 
     def _full(self, key: str) -> str:
         return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)
@@ -235,124 +275,20 @@ class ObjectStore:
 
     def list_columns(self, include: Sequence[str] | None = None,
                      exclude: Sequence[str] | None = None) -> ObjectList:  # fmt: skip
-        """Every object under the prefix (a directory tree: keys split on ``/``), keys
-        relative to it, filtered by glob patterns, sorted by key, in columns (no object
-        per key: each page's metadata dicts are dropped once its keys are added).
+        """Every object under the prefix, keys relative to it, filtered by glob patterns,
+        sorted, in columns (sources/listing.py :func:`~.listing.list_columns`)."""
+        from .listing import list_columns
 
-        The top level is listed with a delimiter first; the "directories" it names are
-        then listed at once, :data:`LIST_IN_FLIGHT` at a time, each one page after
-        another. A flat prefix costs one listing as before; a tree of many directories
-        costs the pages of its largest directory in sequence, not all of them."""
-        prefix = self.prefix.rstrip("/")
-        base = f"{prefix}/" if prefix else ""
-        inc, exc = builtins.list(include or ()), builtins.list(exclude or ())
-
-        def take(metas: Iterable[Mapping[str, Any]], into: ObjectList) -> None:
-            for meta in metas:
-                path = meta["path"]
-                if not path.startswith(base) or path.endswith("/"):
-                    continue  # the prefix itself, or a "folder" marker
-                rel = path[len(base):]
-                if selected(rel, inc, exc):
-                    into.add(rel, meta)
-
-        def under(sub: str) -> ObjectList:
-            # Each page (1,000 keys) is taken as it comes: its metadata dicts are dropped
-            # before the next page, not held for the whole prefix. A listing cut short is
-            # listed again from its start (pages are not resumed).
-            def attempt() -> ObjectList:
-                got = ObjectList()
-                for page in self._ob.list(self._store, prefix=sub, chunk_size=1000):
-                    take(page, got)
-                    del page  # not held while the next one is fetched
-                return got
-
-            infos: ObjectList = self._call(base, attempt)
-            return infos
-
-        def flat() -> ObjectList | None:
-            # The first page of a listing of everything: where it is not full, or names
-            # no folder, the rest follows in the same listing (a flat prefix of a million
-            # keys is never held as metadata dicts); else None: a tree, listed by folder.
-            got = ObjectList()
-            pages = iter(self._ob.list(self._store, prefix=prefix or None, chunk_size=1000))
-            first: builtins.list[Any] = next(pages, [])
-            if len(first) >= 1000 and any("/" in m["path"][len(base):].rstrip("/")
-                                          for m in first):  # fmt: skip
-                return None
-            take(first, got)
-            del first
-            for page in pages:
-                take(page, got)
-                del page  # not held while the next one is fetched
-            return got
-
-        listed: ObjectList | None = self._call(base, flat)
-        if listed is not None:
-            return listed.sorted().frozen()
-        top = self._call(base, lambda: self._ob.list_with_delimiter(self._store, prefix or None))
-        first = ObjectList()
-        take(top["objects"], first)
-        subs = [p for p in top["common_prefixes"] if p.rstrip("/")]
-        del top
-        parts: builtins.list[ObjectList] = []
-        if len(subs) == 1:
-            parts.append(under(subs[0]))
-        elif subs:
-            with ThreadPoolExecutor(min(LIST_IN_FLIGHT, len(subs)),
-                                    thread_name_prefix="fastload-list") as pool:
-                parts.extend(pool.map(under, subs))
-        # The folders' listings are in key order and apart (each under its own "a/"); a
-        # key at the top sorts before or after a folder's whole listing, never inside.
-        return ObjectList.joined(first, parts)
+        return list_columns(self, include, exclude)
 
     def list_tree(
         self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
     ) -> tuple[ObjectList, builtins.list[str]]:
-        """:meth:`list_columns` as a directory tree to stage: the objects, and the
-        folders that markers name (zero-byte keys ending in ``/``, what the console's
-        "Create folder", s3fs and rclone write; the listing shows them without the
-        ``/``: one with keys under it is a marker, one without is told from an empty
-        file by a HEAD). A key that is an object and also a prefix of others (``a`` and
-        ``a/b``) cannot be both a file and a directory: a FileExistsError naming both,
-        before anything is written. Markers are kept unless include patterns are given
-        (as directories are)."""
-        everything = self.list_columns()
-        parents: dict[bytes, int] = {}  # a folder -> the row of a key under it
-        for i, key in enumerate(everything.key_bytes()):
-            for folder in folders_of(key):
-                parents.setdefault(folder, i)
-        keep = bytearray(b"\1") * len(everything)
-        dirs: builtins.list[str] = []
-        inc: builtins.list[str] = [*(include or ())]
-        exc: builtins.list[str] = [*(exclude or ())]
-        for i, key in enumerate(everything.key_bytes()):
-            size = everything.size[i]
-            if key in parents:
-                if size == 0:
-                    dirs.append(os.fsdecode(key))
-                    keep[i] = 0
-                    continue
-                where = self.url if self.url.endswith("/") else self.url + "/"
-                k, other = os.fsdecode(key), everything.key_str(parents[key])
-                raise stage_error(
-                    errno.EEXIST,
-                    f"'{where}': '{self._full(k)}' and '{self._full(other)}' are "
-                    "both in the bucket, an object and a prefix of the same name, which "
-                    "cannot both be on a file system: stage a narrower prefix, or exclude "
-                    f"one (--exclude '{k}')",
-                    self.url,
-                )
-            if size == 0 and self._is_marker(os.fsdecode(key)):
-                dirs.append(os.fsdecode(key))
-                keep[i] = 0
-                continue
-            if (inc or exc) and not selected(os.fsdecode(key), inc, exc):
-                keep[i] = 0
-        del parents
-        objects = everything.select(keep).frozen()
-        dirs = [] if inc else [d for d in dirs if selected(d, [], exc)]
-        return objects, dirs
+        """The objects to stage as a directory tree, and the folders markers name, each
+        key placed, checked, filtered (sources/listing.py :func:`~.listing.list_tree`)."""
+        from .listing import list_tree
+
+        return list_tree(self, include, exclude)
 
     def _is_marker(self, key: str) -> bool:
         """Whether the zero-byte ``key`` of a listing is ``key/`` (a folder marker): the
@@ -363,14 +299,23 @@ class ObjectStore:
             return True
         return False
 
+    def _odd(self, full: str) -> bool:
+        """Whether ``full`` is a key obstore would address under another name, which the
+        raw client (made where listings are) fetches instead."""
+        return self._raw is not None and odd_key(full)
+
     def head(self, key: str = "") -> ObjectInfo:
         full = self._full(key)
+        if self._odd(full):
+            return _info(key, self._call(full, lambda: self._raw.head(full)))
         return _info(key, self._call(full, lambda: self._ob.head(self._store, full)))
 
     def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
         """Bytes ``[start, end)`` of the object (fewer at its end), which must still have
         ``etag``; they stay in obstore's buffer (no copy)."""
         full = self._full(key)
+        if self._odd(full):
+            return memoryview(self._call(full, lambda: self._raw.get(full, start, end, etag)))
         opts: dict[str, Any] = {"range": (start, end)}
         if etag:
             opts["if_match"] = etag
@@ -391,7 +336,7 @@ class ObjectStore:
         most ``chunk`` bytes comes in one piece (one ``get_range``). A reply cut short
         is resumed from the byte it stopped at (a ranged GET of the rest, with the
         same ``If-Match``), a retry of the policy."""
-        if end - start <= chunk:
+        if end - start <= chunk or self._odd(self._full(key)):
             yield self.get_range(key, start, end, etag)
             return
         full = self._full(key)
@@ -488,6 +433,8 @@ class ObjectStore:
     def get(self, key: str, etag: str | None = None) -> memoryview:
         """The whole object (its bytes stay in obstore's buffer: no copy)."""
         full = self._full(key)
+        if self._odd(full):
+            return memoryview(self._call(full, lambda: self._raw.get(full, etag=etag)))
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
         return memoryview(self._call(full, lambda: self._ob.get(self._store, full,
                                                                options=opts).bytes()))
@@ -496,6 +443,10 @@ class ObjectStore:
         """:meth:`get` awaited on an event loop (no thread per request), retried under
         the same policy: the body as obstore's Bytes (a buffer; no copy)."""
         full = self._full(key)
+        if self._odd(full):
+            import asyncio
+
+            return await asyncio.to_thread(self.get, key, etag)
         opts: dict[str, Any] = {"if_match": etag} if etag else {}
         tries: Tries | None = None  # made at the first failure: most GETs have none
         started = time.monotonic()
@@ -544,7 +495,66 @@ class ObjectStore:
         self._call(full, lambda: self._ob.put(self._store, full, data))
 
 
-def _unreachable(low: str, retries: int) -> str:
+def odd_key(key: str) -> bool:
+    """Whether obstore would address ``key`` under another name, or not at all: a leading
+    or trailing ``/``, an empty, ``.`` or ``..`` segment, an ASCII control character."""
+    if not key:
+        return False
+    if key[0] == "/" or key[-1] == "/" or "//" in key:
+        return True
+    if any(seg in (".", "..") for seg in key.split("/")):
+        return True
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in key)
+
+
+def _raw_client(store: ObjectStore, config: Mapping[str, Any], client: Mapping[str, Any],
+                anonymous: bool) -> Any:  # fmt: skip
+    """The raw client (sources/s3raw.py) of an S3 store whose credentials are keys, or
+    that needs none; else None (obstore finds the credentials: a role, SSO; or a proxy
+    is set, which obstore's client goes through and the raw one does not)."""
+    if client.get("proxy_url") or any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                    "ALL_PROXY", "all_proxy")
+    ):  # fmt: skip
+        return None
+    keys: tuple[str, str, str | None] | None = None
+    if not anonymous:
+        if not (config.get("access_key_id") and config.get("secret_access_key")):
+            return None
+        keys = (config["access_key_id"], config["secret_access_key"],
+                config.get("session_token") or config.get("token"))  # fmt: skip
+    from .s3raw import RawS3
+
+    region = str(config.get("region", "us-east-1"))
+    endpoint = str(config.get("endpoint") or f"https://s3.{region}.amazonaws.com")
+    virtual = str(config.get("virtual_hosted_style_request", "false")).lower() == "true"
+    insecure = str(client.get("allow_invalid_certificates", "false")).lower() == "true"
+    return RawS3(endpoint, store.bucket, region, keys, virtual=virtual, timeout=store.timeout,
+                 verify=not insecure)  # fmt: skip
+
+
+def answer_timeout() -> float:
+    """The seconds a request may wait for the server's next bytes: FASTLOAD_STORE_TIMEOUT,
+    else :data:`ANSWER_TIMEOUT`."""
+    raw = os.environ.get("FASTLOAD_STORE_TIMEOUT", "").strip()
+    if not raw:
+        return ANSWER_TIMEOUT
+    got = _seconds(raw, -1.0)
+    if got <= 0:
+        raise ValueError(f"FASTLOAD_STORE_TIMEOUT must be a number of seconds > 0, not {raw!r}")
+    return got
+
+
+def _seconds(value: Any, default: float) -> float:
+    """``value`` (``60``, ``"60"``, ``"60s"``, ``"500ms"``, ``"2m"``) in seconds, else
+    ``default``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", str(value)) if value else None
+    if m is None:
+        return default
+    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(2) or "s"]
+
+
+def _unreachable(low: str, retries: int, timeout: float = ANSWER_TIMEOUT) -> str:
     """Why a request found no server, in a few words (obstore's text runs to a line of
     retry settings and a nested cause)."""
     tries = f" (after {retries} retries)" if retries else ""
@@ -552,6 +562,9 @@ def _unreachable(low: str, retries: int) -> str:
         return "connection refused" + tries
     if "dns error" in low or "failed to lookup" in low or "name or service" in low:
         return "the host name does not resolve" + tries
+    if ("timed out" in low or "timeout" in low) and "connect" not in low:
+        return (f"it accepted the connection but did not answer within {timeout:g} s{tries} "
+                "(FASTLOAD_STORE_TIMEOUT sets the limit for a slow store)")
     if "timed out" in low or "timeout" in low:
         return "timed out" + tries
     return "no answer" + tries

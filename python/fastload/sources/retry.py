@@ -23,7 +23,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["REASONS", "RetryCounts", "RetryPolicy", "Tries", "process_retries", "transient"]
+__all__ = ["REASONS", "RawError", "RetryCounts", "RetryPolicy", "Tries", "process_retries",
+           "transient"]
 
 #: The reasons a request is retried for, as counted.
 REASONS = ("throttled", "server_error", "connection", "timeout", "short_body")
@@ -84,6 +85,17 @@ def process_retries() -> RetryCounts:
     return _PROCESS
 
 
+class RawError(OSError):
+    """The failure of a request made without obstore (sources/s3raw.py): ``status`` (the
+    HTTP status, 0 where no server answered) and the server's error code where it sent
+    one. Its text reads like obstore's errors (``status 503``, ``connection refused``,
+    ``timed out``), so this policy and the error mapping treat both alike."""
+
+    def __init__(self, text: str, status: int = 0, code: str = "") -> None:
+        super().__init__(text)
+        self.status, self.code = status, code
+
+
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
 
 
@@ -99,7 +111,7 @@ def transient(e: BaseException) -> str | None:
                       ox.PermissionDeniedError, ox.UnauthenticatedError,
                       ox.NotModifiedError)):  # fmt: skip
         return None
-    if not isinstance(e, ox.BaseError):
+    if not isinstance(e, (ox.BaseError, RawError)):
         return None
     text = str(e)
     m = _STATUS.search(text)
@@ -127,8 +139,13 @@ class Tries:
     counted in ``counts`` and in this process's total."""
 
     def __init__(self, counts: RetryCounts, raise_as: Callable[[BaseException, int], BaseException],
-                 policy: RetryPolicy = POLICY, started: float | None = None) -> None:  # fmt: skip
+                 policy: RetryPolicy = POLICY, started: float | None = None,
+                 answer_limit: float | None = None) -> None:  # fmt: skip
         self.counts, self.raise_as, self.policy = counts, raise_as, policy
+        # A request that timed out is tried again only while the time since the first
+        # attempt is under this (the store's answer limit): a server that never answers
+        # fails once, within the limit, not after a timeout per retry.
+        self.answer_limit = answer_limit
         self.retries = 0
         self._wait = 0.0
         # The deadline counts from the first attempt (``time.monotonic()``; now if not told).
@@ -144,7 +161,10 @@ class Tries:
         if reason is None or self.retries >= self.policy.retries:
             raise self.raise_as(e, self.retries) from None
         wait = self.policy.backoff(self._wait)
-        if time.monotonic() - self._start + wait > self.policy.deadline:
+        spent = time.monotonic() - self._start + wait
+        if spent > self.policy.deadline or (
+            reason == "timeout" and self.answer_limit is not None and spent >= self.answer_limit
+        ):
             raise self.raise_as(e, self.retries) from None
         self._wait = wait
         self.retries += 1

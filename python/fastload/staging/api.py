@@ -13,13 +13,14 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Union
 
 from .. import _core
 from ..errors import stage_error
 from ..sources import is_store_url
+from ..sources.base import scheme_of
 from ..sources.retry import process_retries
 from .columns import FileTable
 from .destination import Destination, stage_into
@@ -154,7 +155,18 @@ def stage(
     retried = process_retries().snapshot()  # the source's listing retries count too
     with named_os_errors():
         source, dest = open_source(src, dst, req)
-        return stage_into(dest, source, retried)
+        return stage_into(dest, source, retried, _fanned(req))
+
+
+def _fanned(req: StageRequest) -> Callable[[Any, Destination], StageResult] | None:
+    """The runner of a stage fanned out over the job's nodes (``fanout=``), else None:
+    fanout/ is imported here, where such a stage is asked for, never by Destination."""
+    if req.fanout is False:
+        return None
+    from .fanout import stage_fanout
+
+    group = None if req.fanout is True else req.fanout
+    return lambda source, dest: stage_fanout(source, dest, group)
 
 
 def open_source(
@@ -173,6 +185,10 @@ def open_source(
         from .remote import open_remote
 
         return open_remote(src, dst, req)
+    if isinstance(src, str) and scheme_of(src) in ("http", "https"):
+        from .web import open_web
+
+        return open_web(src, dst, req, _open_local)
     if isinstance(src, str) and not os.path.lexists(src) and (url := _meant_url(src)):
         raise stage_error(
             errno.ENOENT, f"source '{src}' does not exist; did you mean {url}?", src

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import resource
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -282,9 +282,12 @@ def run_locked(dest: Destination, source: Any, listing: Any = None) -> StageResu
     return result
 
 
-def stage_into(dest: Destination, source: Any,
-               retried: Mapping[str, int] | None = None) -> StageResult:  # fmt: skip
-    """Open the destination, lock, run the source (or fan out over the job's nodes). A
+def stage_into(dest: Destination, source: Any, retried: Mapping[str, int] | None = None,
+               fanned: Callable[[Any, Destination], StageResult] | None = None
+               ) -> StageResult:  # fmt: skip
+    """Open the destination, lock, run the source (or, where ``fanned`` is given, that
+    runner: the stage fanned out over the job's nodes, which takes its own locks; its
+    caller, staging/api.py, imports fanout/: nothing here imports above itself). A
     stage that fails before it wrote anything leaves no empty destination behind. With
     ``stats`` the result says where the time went (:class:`StageStats`): the lock wait,
     CPU time, bytes and files done over time, from the progress callback, and the
@@ -338,13 +341,10 @@ def stage_into(dest: Destination, source: Any,
         ))  # fmt: skip
 
     try:
-        if req.fanout is not False:
-            from .fanout import stage_fanout
-
+        if fanned is not None:
             if req.stats:
                 dest.req = sampled
-            fanout = req.fanout
-            return stats(stage_fanout(source, dest, None if fanout is True else fanout))
+            return stats(fanned(source, dest))
         with dest.locked():
             marks["locked"] = time.monotonic()
             if req.stats:

@@ -7,7 +7,10 @@ write, digests, times and the rename with the GIL released); objects over
 GETs are written piece by piece as they stream in.
 
 Every GET carries ``If-Match`` with the listed ETag and goes through the store's retry
-policy; a body of another size than listed is an error naming its URL.
+policy; a body of another size than listed is an error naming its URL. Each file gets
+the object's identity (its manifest tag) as the xattr :data:`MARK` before it is linked or
+renamed into place: after a kill, a file whole at its name is taken for the listed object
+only with that evidence (:func:`marked`), never on its size and time alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import json
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 from .. import _core
 from .._util import pwrite_all
 from ..errors import stage_error
-from ..sources.objlist import ObjectInfo, ObjectList
+from ..sources.objlist import ObjectInfo, ObjectList, compact_identity
 from ..sources.objstore import ObjectStore
 from .state import Record
 
@@ -47,6 +51,29 @@ BATCH = 32
 WRITERS = 8
 # How long a finished body may wait for others before its batch goes (seconds).
 BATCH_WAIT = 0.005
+# The extended attribute a fetched file carries from before it is in place: the object's
+# identity (as the manifest's tag: an MD5's ETag as its 16 bytes).
+MARK = "user.fastload.object"
+
+
+def mark(path: Path, tag: bytes) -> None:
+    """Records ``tag`` with the file ``path`` (a temporary, before it is renamed into
+    place); nothing where the file system keeps no user attributes (the file is then
+    not trusted after a kill: fetched again)."""
+    with contextlib.suppress(OSError):
+        os.setxattr(path, MARK, tag, follow_symlinks=False)
+
+
+def marked(path: Path, size: int, mtime_ns: int, tag: bytes) -> bool:
+    """Whether ``path`` is a regular file of ``size`` and ``mtime_ns`` that carries the
+    mark ``tag``: one fetched whole for that very object and put in place."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_mtime_ns != mtime_ns:
+            return False
+        return os.getxattr(path, MARK, follow_symlinks=False) == tag
+    except OSError:
+        return False
 
 
 class SmallGets:
@@ -174,10 +201,11 @@ class SmallGets:
                 self._flush()
 
 
-def write_bodies(root: Path, items: list[tuple[str | bytes, Any, int]], stripe: int
+def write_bodies(root: Path, items: list[tuple[str | bytes, Any, int, bytes]], stripe: int
                  ) -> list[bytes | OSError]:  # fmt: skip
-    """``_core.write_objects`` of ``items`` (name under ``root``, body, mtime_ns): per
-    item its raw chunk digests, or the OSError naming its file."""
+    """``_core.write_objects`` of ``items`` (name under ``root``, body, mtime_ns, the
+    mark recorded with the file before it is in place): per item its raw chunk digests,
+    or the OSError naming its file."""
     out: list[bytes | OSError] = _core.write_objects(str(root), items, MODE, stripe)
     return out
 
@@ -213,6 +241,7 @@ class Fetcher:
 
     def _place(self, tmp: Path, final: Path, obj: ObjectInfo) -> None:
         os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
+        mark(tmp, compact_identity(obj.identity))
         os.replace(tmp, final)
 
     def _eio(self, obj: ObjectInfo, what: str) -> OSError:
@@ -243,8 +272,9 @@ class Fetcher:
             have = self._resume(tmp, record, obj)
             flags = os.O_RDWR | os.O_CREAT
         else:
-            tmp = final.with_name(f".{final.name}.fastload-tmp")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            # The native writers' temporary name (".NAME.fl-tmp", hashed where too long)
+            tmp = final.with_name(_core.temp_name(final.name))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         streams: dict[int, Any] = {}
         got: dict[int, int] = {}
         # Per thread, of the part it fetches (its GET, then on_get, on that thread): the

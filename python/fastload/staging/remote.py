@@ -44,8 +44,8 @@ from ..sources.objlist import ObjectList
 from ..sources.objstore import ObjectInfo, ObjectStore
 from .columns import FileTable, Listing
 from .destination import Destination, recorded_kind
-from .fetch import MODE, WHOLE_UP_TO, WRITERS, Fetcher, SmallGets, write_bodies
-from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback
+from .fetch import MODE, WHOLE_UP_TO, WRITERS, Fetcher, SmallGets, marked, write_bodies
+from .job import DIR, FILE, PROGRESS_EVERY, ProgressCallback, digest_local
 from .request import Source, StageRequest
 from .result import StageResult
 from .state import JournalFlusher, Record, Records, mkdir_parent, previous_stage, trusted
@@ -144,7 +144,30 @@ class ObjectPrefix:
         dirs = sorted(map(os.fsdecode, names))
         del names
         folders, files = _listing(dirs, objs, dest.path.name if self.single else None)
-        return plan_against(dest, folders, fp, self._same(dest), files=files)
+        plan = plan_against(dest, folders, fp, self._same(dest), files=files)
+        journal = dest.journal
+        if not plan.complete and plan.todo and journal.found and journal.same_boot:
+            self._found_whole(req, dest, plan)
+        return plan
+
+    def _found_whole(self, req: StageRequest, dest: Destination, plan: TreePlan) -> None:
+        """Files a killed run put in place but had not journalled yet, taken as done: each
+        at its name with the listed size and time and the mark of this very object
+        (fetch.py's ``MARK``, recorded before it was in place); as long as the machine
+        did not reboot since. Their digests are read back locally."""
+        objs, files, root = self.objects, plan.files, dest.root
+        paths, ends = files.paths, files.offsets
+        whole = [i for i in plan.todo
+                 if marked(root / os.fsdecode(paths[ends[i] : ends[i + 1]]), objs.size[i],
+                           objs.mtime_ns[i], objs.tag(i))]  # fmt: skip
+        if not whole:
+            return
+        got = digest_local(root, [files[i] for i in whole], req.engine, req.workers, req.stripe)
+        for i in whole:
+            rec = got.get(files[i].path)
+            if rec is not None:
+                plan.done.set(i, rec)
+        plan.todo = array("q", (i for i in plan.todo if not plan.done.is_done(i)))
 
     def _same(self, dest: Destination) -> Callable[[int, Record], bool]:
         """Whether object ``i`` is the one an earlier stage recorded under its name (its
@@ -238,7 +261,8 @@ class ObjectPrefix:
             rows = [i for i, _ in bodies]
             got = write_bodies(dest.root, list(zip(names(rows), [b for _, b in bodies],
                                                    map(objs.mtime_ns.__getitem__, rows),
-                                                   strict=True)), req.stripe)  # fmt: skip
+                                                   map(objs.tag, rows), strict=True)),
+                               req.stripe)  # fmt: skip
             fetcher.add_times(0.0, time.monotonic() - t0)
             with unjournalled_lock:  # on this thread: no interrupt comes between
                 unjournalled[id(bodies)] = (bodies, got)

@@ -39,6 +39,7 @@ NEEDS_ELSEWHERE = {
     "/network/scratch/me/shards": "a job's nodes (tests/staging/test_fanout.py runs three)",
     "s3://bucket/train-": "shards in a bucket (tests/cache/ reads them from loopback S3)",
     'fastload.to_device(loader, "cuda"': "a CUDA device (tests/gpu/test_gpu.py, where one is)",
+    '"read_timeout": "300s"': "a slow S3 store (tests/sources/test_s3_silent.py: the limit)",
 }
 
 

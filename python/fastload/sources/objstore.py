@@ -32,7 +32,7 @@ from typing import Any
 from .._util import selected
 from ..errors import SourceChangedError, stage_error
 from .base import OBJECT_SCHEMES
-from .credentials import credentials_not_found
+from .credentials import answer_timeout, credentials_not_found, seconds, unreachable
 from .objlist import ObjectInfo, ObjectList
 from .retry import RawError, RetryCounts, Tries
 from .settings import (
@@ -51,10 +51,8 @@ _URL = re.compile(r"^(s3|gs|az)://([^/]+)/?(.*)$")
 # Pieces of a streamed range: small enough for the CPU's cache and for malloc to reuse
 # (1 MiB pieces page-faulted 4x as often), large enough that a GiB is a few thousand.
 STREAM_CHUNK = 256 << 10
-# How long a request may wait for the server's next bytes before it fails, naming the
-# endpoint (seconds; FASTLOAD_STORE_TIMEOUT, or client_options' read_timeout); a server
-# that has not answered the first request for NOT_ANSWERING seconds is said to be so.
-ANSWER_TIMEOUT = 60.0
+# A server that has not answered the first request for this many seconds is said to be
+# not answering (the limit of a wait: credentials.ANSWER_TIMEOUT).
 NOT_ANSWERING = 3.0
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -150,7 +148,7 @@ class ObjectStore:
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))
-            self.timeout = _seconds(client.get("read_timeout"), self.timeout)
+            self.timeout = seconds(client.get("read_timeout"), self.timeout)
             self._raw = _raw_client(self, config, client, anonymous)
             self._store: Any = _client(
                 ("s3", self.bucket, config, client),
@@ -218,7 +216,7 @@ class ObjectStore:
         low = str(e).lower()
         if any(w in low for w in ("connection refused", "error sending request", "dns error",
                                   "tcp connect", "connect error", "timed out")):
-            why = _unreachable(low, retries, self.timeout)
+            why = unreachable(low, retries, self.timeout)
             return stage_error(
                 errno.EHOSTUNREACH, f"cannot reach {self.endpoint} for '{url}': {why}", url
             )
@@ -531,43 +529,6 @@ def _raw_client(store: ObjectStore, config: Mapping[str, Any], client: Mapping[s
     insecure = str(client.get("allow_invalid_certificates", "false")).lower() == "true"
     return RawS3(endpoint, store.bucket, region, keys, virtual=virtual, timeout=store.timeout,
                  verify=not insecure)  # fmt: skip
-
-
-def answer_timeout() -> float:
-    """The seconds a request may wait for the server's next bytes: FASTLOAD_STORE_TIMEOUT,
-    else :data:`ANSWER_TIMEOUT`."""
-    raw = os.environ.get("FASTLOAD_STORE_TIMEOUT", "").strip()
-    if not raw:
-        return ANSWER_TIMEOUT
-    got = _seconds(raw, -1.0)
-    if got <= 0:
-        raise ValueError(f"FASTLOAD_STORE_TIMEOUT must be a number of seconds > 0, not {raw!r}")
-    return got
-
-
-def _seconds(value: Any, default: float) -> float:
-    """``value`` (``60``, ``"60"``, ``"60s"``, ``"500ms"``, ``"2m"``) in seconds, else
-    ``default``."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", str(value)) if value else None
-    if m is None:
-        return default
-    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(2) or "s"]
-
-
-def _unreachable(low: str, retries: int, timeout: float = ANSWER_TIMEOUT) -> str:
-    """Why a request found no server, in a few words (obstore's text runs to a line of
-    retry settings and a nested cause)."""
-    tries = f" (after {retries} retries)" if retries else ""
-    if "connection refused" in low:
-        return "connection refused" + tries
-    if "dns error" in low or "failed to lookup" in low or "name or service" in low:
-        return "the host name does not resolve" + tries
-    if ("timed out" in low or "timeout" in low) and "connect" not in low:
-        return (f"it accepted the connection but did not answer within {timeout:g} s{tries} "
-                "(FASTLOAD_STORE_TIMEOUT sets the limit for a slow store)")
-    if "timed out" in low or "timeout" in low:
-        return "timed out" + tries
-    return "no answer" + tries
 
 
 def _info(rel: str, meta: Mapping[str, Any]) -> ObjectInfo:

@@ -26,7 +26,7 @@ from .destination import Destination, stage_into
 from .job import Patterns, Progress, ProgressCallback, copy_options, progress_callback, run_job
 from .request import Source, StageRequest, is_stream
 from .result import StageResult, VerifyResult
-from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
+from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest, state_dir
 from .tree import LocalTree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
@@ -59,6 +59,7 @@ def stage(
     fanout: bool | Any = False,
     allow_empty: bool = False,
     stats: bool = False,
+    zip_options: Mapping[str, Any] | None = None,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
@@ -101,6 +102,9 @@ def stage(
             :class:`~fastload.staging.result.StageStats`) holds the time waiting for
             the node lock, before the first byte (listing, planning), copying, the CPU
             time, and bytes and files done a few times a second (``stats.rates()``).
+        zip_options: for a zip: ``max_size`` (uncompressed bytes at most), ``max_ratio``
+            (a member's expansion at most, default 10000) and ``encoding`` (of names not
+            flagged UTF-8, default ``"cp437"``); see docs/zip.md.
         repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
             and re-copy whatever differs or is missing (a stage after a failed verify
             does that too).
@@ -144,7 +148,7 @@ def stage(
         engine=engine, progress=progress, workers=workers, on_special=on_special,
         check_source=check_source, unpack=unpack, sync=sync,
         storage_options=storage_options, fanout=fanout, allow_empty=allow_empty,
-        stats=stats,
+        stats=stats, zip_options=zip_options,
     )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
@@ -166,6 +170,12 @@ def open_source(
 
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
+    if isinstance(src, str) and req.unpack is not False:
+        from .zipsource import is_zip_url, open_zip
+
+        if is_zip_url(src):  # read by ranges: by name, no request to look at its head
+            dest = _directory(Path(os.fspath(dst)), req)
+            return open_zip(src, req, state_dir(dest.path)), dest
     if isinstance(src, str) and is_store_url(src):
         from .remote import open_remote
 
@@ -215,6 +225,11 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         if compression is None and suffix_kind(src_abs):
             with open(src_abs, "rb") as f:
                 raise not_an_archive(str(src_path), src_abs.name, f.read(512))
+    if compression is None and is_file and unpack is not False:
+        from .zipsource import is_zip_file, open_zip
+
+        if is_zip_file(src_abs):
+            return open_zip(src_abs, req, Path()), _directory(dst_path, req)
     if unpack in (True, "nested") and compression is None:
         raise stage_error(
             errno.EINVAL,

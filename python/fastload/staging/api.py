@@ -170,7 +170,7 @@ def open_source(
 
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
-    if isinstance(src, str) and req.unpack is not False:
+    if isinstance(src, str) and "://" in src and req.unpack is not False:
         from .zipsource import is_zip_url, open_zip
 
         if is_zip_url(src):  # read by ranges: by name, no request to look at its head
@@ -226,9 +226,11 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
             with open(src_abs, "rb") as f:
                 raise not_an_archive(str(src_path), src_abs.name, f.read(512))
     if compression is None and is_file and unpack is not False:
-        from .zipsource import is_zip_file, open_zip
+        from .zipformat import is_zip_file
 
         if is_zip_file(src_abs):
+            from .zipsource import open_zip
+
             return open_zip(src_abs, req, Path()), _directory(dst_path, req)
     if unpack in (True, "nested") and compression is None:
         raise stage_error(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import posixpath
 import stat
 import struct
@@ -134,7 +135,8 @@ class Directory:
     bias: int  # bytes before the archive proper (a self-extracting stub)
 
 
-ReadAt = Callable[[int, int], bytes]  # (offset, length) -> the bytes there (short at the end)
+# (offset, length) -> the bytes there (fewer at the end)
+ReadAt = Callable[[int, int], "bytes | memoryview"]
 
 
 def is_zip_head(head: bytes) -> bool:
@@ -145,6 +147,17 @@ def is_zip_head(head: bytes) -> bool:
 
 def is_zip_name(name: str) -> bool:
     return name.lower().endswith(".zip")
+
+
+def is_zip_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a local file is a zip: by its name (``.zip``) or its first bytes."""
+    if is_zip_name(os.fspath(path)):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return is_zip_head(f.read(4))
+    except OSError:
+        return False
 
 
 def _find_eocd(name: str, read_at: ReadAt, size: int) -> tuple[int, tuple[Any, ...]]:
@@ -160,7 +173,7 @@ def _find_eocd(name: str, read_at: ReadAt, size: int) -> tuple[int, tuple[Any, .
         at = tail.rfind(_EOCD_SIG, 0, at)
         if at < 0:
             raise zip_error(name, "not a zip archive, or truncated: no end of central "
-                            "directory record")  # fmt: skip
+                            "directory record; pass unpack=False to copy it as a file")  # fmt: skip
         if at + _EOCD.size <= len(tail):
             rec = _EOCD.unpack_from(tail, at)
             if at + _EOCD.size + rec[7] == len(tail):  # its comment ends the file
@@ -242,7 +255,7 @@ def extra_mtime(fields: dict[int, bytes]) -> int | None:
         return int(struct.unpack_from("<i", ux, 4)[0]) * 1_000_000_000
     nt = fields.get(0x000A)
     if nt is not None and len(nt) >= 32 and struct.unpack_from("<HH", nt, 4) == (1, 24):
-        ticks = struct.unpack_from("<Q", nt, 8)[0]
+        ticks = int(struct.unpack_from("<Q", nt, 8)[0])
         return (ticks - 116444736000000000) * 100
     return None
 
@@ -282,8 +295,6 @@ def safe_path(archive: str, name: str) -> str:
 
 
 def _umask() -> int:
-    import os
-
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -392,7 +403,7 @@ def _check_layout(archive: str, members: list[Member], cd_off: int, limits: ZipL
             parent = posixpath.dirname(parent)
 
 
-def data_span(archive: str, m: Member, head: bytes) -> tuple[int, int]:
+def data_span(archive: str, m: Member, head: bytes | memoryview) -> tuple[int, int]:
     """Checks the local header at the start of ``head`` (read from ``m.offset``) against
     the central directory's entry; returns where the member's data starts (relative to
     the header) and ends (its compressed size after that)."""
@@ -415,7 +426,7 @@ def data_span(archive: str, m: Member, head: bytes) -> tuple[int, int]:
         if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
             if len(head) < start:
                 raise zip_error(archive, "truncated local header", m.path)
-            z64 = _extra_fields(head[LOCAL.size + n_name : start]).get(0x0001, b"")
+            z64 = _extra_fields(bytes(head[LOCAL.size + n_name : start])).get(0x0001, b"")
             if len(z64) >= 16:
                 usize, csize = struct.unpack_from("<QQ", z64)
         if (crc, csize, usize) != (m.crc, m.csize, m.usize):

@@ -47,7 +47,6 @@ from .zipformat import (
     Member,
     ZipLimits,
     data_span,
-    is_zip_head,
     is_zip_name,
     read_directory,
     zip_error,
@@ -117,7 +116,7 @@ class ZipSource:
             (m.path, FILE, m.usize, (m.usize + 511) // 512, m.mode, m.mtime_ns, "")
             for m in self.members
         )
-        rest = Listing.of(sorted(others.values(), key=lambda e: os.fsencode(e.path)))
+        rest = Listing.of(sorted(others.values(), key=lambda e: os.fsencode(e[0])))
         return flist, rest
 
     def _link_target(self, m: Member) -> str | None:
@@ -369,7 +368,7 @@ class ZipSource:
         self._timed(t1 - t0, time.monotonic() - t1)
         if failed is not None:
             if out:  # the others are whole: journal them, then fail
-                return _PartialBatch(out, failed)  # type: ignore[return-value]
+                return _PartialBatch(out, failed)
             raise failed
         return out
 
@@ -447,17 +446,6 @@ class _PartialBatch(list):  # type: ignore[type-arg]
     def __init__(self, done: list[tuple[int, bytes]], error: OSError) -> None:
         super().__init__(done)
         self.error = error
-
-
-def is_zip_file(path: Path) -> bool:
-    """Whether a local file is a zip: by its name (``.zip``) or its first bytes."""
-    if is_zip_name(path.name):
-        return True
-    try:
-        with open(path, "rb") as f:
-            return is_zip_head(f.read(4))
-    except OSError:
-        return False
 
 
 def open_zip(src: str | Path, req: StageRequest, spool: Path) -> ZipSource:

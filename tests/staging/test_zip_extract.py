@@ -139,3 +139,16 @@ def test_empty_zip(tmp_path: Path) -> None:
         pass
     res = fastload.stage(tmp_path / "empty.zip", tmp_path / "dst")
     assert res.files == 0 and os.listdir(tmp_path / "dst") == []
+
+
+def test_resolve_extracts_a_zip_with_its_checksum(tree: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    archive = zips.infozip(tree, tmp_path / "mydata.zip")
+    digest = "sha256:" + hashlib.sha256(archive.read_bytes()).hexdigest()
+    path = fastload.resolve(archive, destination=tmp_path / "staged" / "{name}", checksum=digest)
+    assert path == tmp_path / "staged" / "mydata"
+    zips.assert_same_extraction(archive, zips.unzip_ref(archive, tmp_path / "ref"), path)
+    with pytest.raises(fastload.ChecksumMismatchError, match="nothing was extracted"):
+        fastload.stage(archive, tmp_path / "bad", checksum="sha256:" + "0" * 64)
+    assert not (tmp_path / "bad" / "a").exists()

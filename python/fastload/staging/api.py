@@ -171,7 +171,7 @@ def open_source(
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and "://" in src and req.unpack is not False:
-        from .zipsource import is_zip_url, open_zip
+        from .zipopen import is_zip_url, open_zip
 
         if is_zip_url(src):  # read by ranges: by name, no request to look at its head
             dest = _directory(Path(os.fspath(dst)), req)
@@ -229,10 +229,10 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         from .zipformat import is_zip_file
 
         if is_zip_file(src_abs):
-            from .zipsource import open_zip
+            from .zipopen import open_zip
 
             return open_zip(src_abs, req, Path()), _directory(dst_path, req)
-    if unpack in (True, "nested") and compression is None:
+    if (unpack is True or (unpack == "nested" and is_file)) and compression is None:
         raise stage_error(
             errno.EINVAL,
             f"'{src_path}' is not a tar archive (.tar, .tar.gz, .tgz, .tar.zst); "
@@ -256,6 +256,10 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         mkdir_parent(dst_abs.parent)
         return LocalTree(src_abs, req, single=True), Destination(dst_abs, req, single=True)
     dest = _directory(dst_path, req)
+    if compression is None and unpack == "nested":  # a tree whose zips are extracted
+        from .zipnested import NestedZips
+
+        return NestedZips(LocalTree(src_abs, req, single=False), req), dest
     if compression is None:
         return LocalTree(src_abs, req, single=False), dest
     from .archive import Archive

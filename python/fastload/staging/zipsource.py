@@ -72,10 +72,14 @@ class ZipSource:
         self.limits = limits
         self.options: dict[str, Any] = {
             **req.selection(), "on_special": req.on_special, "file": False,
-            "unpack": "zip", "zip": limits.as_json(),
+            "unpack": "nested" if req.nested else "zip", "zip": limits.as_json(),
         }  # fmt: skip
         self.members: list[Member] = []  # the files', in the order of the plan's files
         self.implicit: set[str] = set()  # folders no member names (left as made)
+        # With unpack="nested" (zipnested.py): zip members are left out of the listing,
+        # kept here, and staged into their folders after.
+        self.skip_inner = False
+        self.inner: list[Member] = []
         self.read_seconds = 0.0
         self.write_seconds = 0.0
         self._lock = threading.Lock()
@@ -91,6 +95,9 @@ class ZipSource:
             if not m.path:  # "./": the root itself
                 continue
             if not selected(m.path, req.include, req.exclude):
+                continue
+            if m.kind == FILE and self.skip_inner and is_zip_name(m.path):
+                self.inner.append(m)
                 continue
             if m.kind == FILE:
                 check_method(self.name, m)
@@ -182,7 +189,8 @@ class ZipSource:
         try:
             result = run_plan(self, dataclasses.replace(req, checksum=None), dest, plan)
         finally:
-            self.data.close()
+            if not self.skip_inner:  # (zipnested.py reads the inner zips after)
+                self.data.close()
         return result
 
     def _check_checksum(self, checksum: tuple[str, str]) -> None:
@@ -446,36 +454,6 @@ class _PartialBatch(list):  # type: ignore[type-arg]
     def __init__(self, done: list[tuple[int, bytes]], error: OSError) -> None:
         super().__init__(done)
         self.error = error
-
-
-def open_zip(src: str | Path, req: StageRequest, spool: Path) -> ZipSource:
-    """The zip source of a local path, an object store URL or an http(s):// URL (read by
-    ranges; ``spool``: where an HTTP zip whose server serves no ranges is downloaded)."""
-    from ..sources import is_store_url
-    from .zipio import LocalZip, StoreZip, open_http_zip
-
-    limits = ZipLimits.of(req.zip_options)
-    data: ZipData
-    if isinstance(src, str) and is_store_url(src):
-        from ..sources.base import store_for
-
-        store = store_for(src, req.storage_options)
-        data = StoreZip(store, store.head())
-    elif isinstance(src, str) and src.lower().startswith(("http://", "https://")):
-        data = open_http_zip(src, spool)
-    else:
-        data = LocalZip(Path(src))
-    return ZipSource(data, req, limits)
-
-
-def is_zip_url(src: str) -> bool:
-    """Whether stage() takes the URL ``src`` for a zip read by ranges (by its name)."""
-    from urllib.parse import urlsplit
-
-    low = src.lower()
-    if not low.startswith(("http://", "https://", "s3://", "gs://", "az://")):
-        return False
-    return is_zip_name(urlsplit(src).path)
 
 
 def _umask() -> int:

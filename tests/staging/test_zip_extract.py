@@ -152,3 +152,14 @@ def test_resolve_extracts_a_zip_with_its_checksum(tree: Path, tmp_path: Path) ->
     with pytest.raises(fastload.ChecksumMismatchError, match="nothing was extracted"):
         fastload.stage(archive, tmp_path / "bad", checksum="sha256:" + "0" * 64)
     assert not (tmp_path / "bad" / "a").exists()
+
+
+def test_progress_and_stats(tree: Path, tmp_path: Path) -> None:
+    archive = zips.infozip(tree, tmp_path / "data.zip")
+    calls: list[tuple[int, int, int, int]] = []
+    res = fastload.stage(archive, tmp_path / "dst", progress=lambda *a: calls.append(a),
+                         stats=True)  # fmt: skip
+    assert calls and calls[-1] == (res.bytes, res.bytes, res.files, res.files)
+    assert all(a[0] <= a[1] for a in calls)
+    assert res.stats is not None and res.stats.listing_seconds > 0
+    assert res.stats.read_busy_seconds > 0 and res.stats.write_busy_seconds > 0

@@ -53,14 +53,14 @@ class LocalZip:
 
     def read_at(self, offset: int, length: int) -> bytes | memoryview:
         length = max(0, min(length, self.size - offset))
-        buf = bytearray(length)
-        view, got = memoryview(buf), 0
-        while got < length:
-            n = os.preadv(self._fd, [view[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
-        return view[:got]
+        data = os.pread(self._fd, length, offset)  # (bytes: no zero-filled buffer first)
+        if len(data) < length:  # short (a signal, or the file shrank): the rest, if any
+            parts, got = [data], len(data)
+            while got < length and (more := os.pread(self._fd, length - got, offset + got)):
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
 
     def changed(self) -> bool:
         st = os.stat(self.path)

@@ -163,3 +163,16 @@ def test_progress_and_stats(tree: Path, tmp_path: Path) -> None:
     assert all(a[0] <= a[1] for a in calls)
     assert res.stats is not None and res.stats.listing_seconds > 0
     assert res.stats.read_busy_seconds > 0 and res.stats.write_busy_seconds > 0
+
+
+@pytest.mark.parametrize("adjusted", [False, True], ids=["raw-prefix", "zip-A"])
+def test_bytes_before_the_archive(adjusted: bool, tree: Path, tmp_path: Path) -> None:
+    """A self-extractor's stub before the zip: offsets relative to the zip (found from
+    where the central directory really is) or adjusted to the file (``zip -A``)."""
+    plain = zips.infozip(tree, tmp_path / "plain.zip")
+    archive = tmp_path / "sfx.zip"
+    archive.write_bytes(os.urandom(1000) + plain.read_bytes())
+    if adjusted:
+        zips.run(["zip", "-qA", str(archive)])
+    fastload.stage(archive, tmp_path / "dst")
+    zips.assert_same_extraction(plain, zips.unzip_ref(plain, tmp_path / "ref"), tmp_path / "dst")

@@ -4,11 +4,11 @@ steadier than the medians of separate groups.
 
 Each round runs every tool once, in a rotating order, each into a fresh folder (in a new
 process for fastload too, so every tool pays its start), timed until its output is
-synced; ``--cold`` drops the page cache before each run (root only), else the zip is read
-first. Prints per tool the median wall and CPU seconds, and per peer the median of the
-per-round ratios (peer time / fastload time).
+synced (``--no-sync``: to its return); ``--cold`` drops the page cache before each run
+(root only), else the zip is read first. Prints per tool the median wall and CPU
+seconds, and per peer the median of the per-round ratios (peer time / fastload time).
 
-    python benchmarks/zip_ab.py ZIP --out DIR [--rounds 5] [--cold]
+    python benchmarks/zip_ab.py ZIP --out DIR [--rounds 5] [--cold] [--no-sync]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--no-sync", action="store_true", help="time each tool to its return")
     args = ap.parse_args()
     times: dict[str, list[tuple[float, float]]] = {t: [] for t in TOOLS}
     tools = list(TOOLS)
@@ -67,7 +68,8 @@ def main() -> int:
             before = os.times()
             t0 = time.monotonic()
             subprocess.run(command(tool, args.zip, dst), check=True)
-            syncfs(args.out)
+            if not args.no_sync:
+                syncfs(args.out)
             wall = time.monotonic() - t0
             after = os.times()
             cpu = (after.children_user - before.children_user

@@ -176,3 +176,12 @@ def test_bytes_before_the_archive(adjusted: bool, tree: Path, tmp_path: Path) ->
         zips.run(["zip", "-qA", str(archive)])
     fastload.stage(archive, tmp_path / "dst")
     zips.assert_same_extraction(plain, zips.unzip_ref(plain, tmp_path / "ref"), tmp_path / "dst")
+
+
+def test_fanout_extracts_on_each_node(tree: Path, tmp_path: Path,
+                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """fanout=True does not split a zip: the node extracts it itself, with a warning."""
+    archive = zips.infozip(tree, tmp_path / "data.zip")
+    res = fastload.stage(archive, tmp_path / "dst", fanout=True)
+    assert res.files == len(trees.regular_files(tree)) and res.nodes == 1
+    assert any("not split between nodes" in r.getMessage() for r in caplog.records)

@@ -171,9 +171,10 @@ def open_source(
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and "://" in src and req.unpack is not False:
-        from .zipopen import is_zip_url, open_zip
+        from .zipopen import is_zip_url, open_zip, zip_request
 
         if is_zip_url(src):  # read by ranges: by name, no request to look at its head
+            req = zip_request(req)
             dest = _directory(Path(os.fspath(dst)), req)
             return open_zip(src, req, state_dir(dest.path)), dest
     if isinstance(src, str) and is_store_url(src):
@@ -229,8 +230,9 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         from .zipformat import is_zip_file
 
         if is_zip_file(src_abs):
-            from .zipopen import open_zip
+            from .zipopen import open_zip, zip_request
 
+            req = zip_request(req)
             return open_zip(src_abs, req, Path()), _directory(dst_path, req)
     if (unpack is True or (unpack == "nested" and is_file)) and compression is None:
         raise stage_error(

@@ -62,7 +62,9 @@ def stage(
     zip_options: Mapping[str, Any] | None = None,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
-    or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
+    or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) or a zip
+    (``.zip``, also an ``s3://`` or ``http(s)://`` one, read by ranges: docs/zip.md) into
+    ``dst``.
 
     A directory's contents land in ``dst`` (like ``cp -r src/. dst``). A file lands at
     ``dst``, or inside it if ``dst`` is an existing directory. An archive's members land

@@ -106,7 +106,9 @@ def stage(
             time, and bytes and files done a few times a second (``stats.rates()``).
         zip_options: for a zip: ``max_size`` (uncompressed bytes at most), ``max_ratio``
             (a member's expansion at most, default 10000) and ``encoding`` (of names not
-            flagged UTF-8, default ``"cp437"``); see docs/zip.md.
+            flagged UTF-8; default unzip's rule: CP437 for zips made on DOS or Windows,
+            the bytes as stored for others); see docs/zip.md. ``unpack="nested"`` on a
+            directory extracts each zip in it into a folder of its name without ``.zip``.
         repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
             and re-copy whatever differs or is missing (a stage after a failed verify
             does that too).

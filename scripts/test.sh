@@ -36,7 +36,7 @@ step "system tools: every one the tests and the benchmarks use"
 # start their own slurmctld + slurmd on loopback (scripts/slurm-cluster.sh); the tar tests
 # compare with GNU tar, bsdtar (libarchive), zstd and pigz; rsync and pigz are benchmark
 # peers; chattr makes a directory immutable; cmake and ninja build the sanitized tests.
-TOOLS="tar:tar zstd:zstd pigz:pigz bsdtar:libarchive-tools rsync:rsync chattr:e2fsprogs
+TOOLS="tar:tar unzip:unzip zip:zip zstd:zstd pigz:pigz bsdtar:libarchive-tools rsync:rsync chattr:e2fsprogs
   cc:gcc c++:g++ pkg-config:pkg-config fusermount3:fuse3 cmake:cmake ninja:ninja-build
   slurmctld:slurmctld slurmd:slurmd srun:slurm-client sbatch:slurm-client"
 missing_tools() {

@@ -194,6 +194,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",
     )
+    z = s.add_argument_group("zip archives (docs/zip.md)")
+    z.add_argument("--zip-encoding", default=None, metavar="CODEPAGE",
+                   help="code page of names not flagged UTF-8 (default: cp437 for zips "
+                   "made on DOS/Windows, the bytes as they are for others)")
+    z.add_argument("--zip-max-ratio", type=float, default=None, metavar="N",
+                   help="refuse a member expanding more than N times (default 10000)")
+    z.add_argument("--zip-max-size", type=int, default=None, metavar="BYTES",
+                   help="refuse a zip whose members hold more than BYTES uncompressed")
     store = s.add_argument_group("object stores (SRC = s3://bucket/prefix/ or s3://bucket/key)")
     store.add_argument(
         "--endpoint-url",
@@ -445,6 +453,12 @@ def _unpack(args: argparse.Namespace) -> bool | Literal["auto", "nested"]:
     return True if args.unpack else "auto"
 
 
+def _zip_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    opts = {"encoding": args.zip_encoding, "max_ratio": args.zip_max_ratio,
+            "max_size": args.zip_max_size}  # fmt: skip
+    return {k: v for k, v in opts.items() if v is not None} or None
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     opts: dict[str, Any] = {}
     if args.endpoint_url:
@@ -526,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_source="strict" if args.strict_source else True,
                 fanout=args.fanout_transport or args.fanout,
                 stats=args.stats,
+                zip_options=_zip_options(args),
             )
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")

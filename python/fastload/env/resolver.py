@@ -30,6 +30,7 @@ from ..sources import check_supported, is_store_url, is_url
 from ..sources import download as download_url
 from ..staging import Patterns, Progress, archive_compression, stage
 from ..staging.archive import SUFFIXES
+from ..staging.zipformat import is_zip_file
 from .base import Environment, expand
 from .datasets import DatasetSpec, Source, Unpack, datasets
 from .placement import (
@@ -224,7 +225,7 @@ def _derive_name(location: str) -> str:
         location = urllib.parse.unquote(urllib.parse.urlsplit(location).path)
     base = os.path.basename(location.rstrip("/")) or "data"
     low = base.lower()
-    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+    for suffix in sorted([*SUFFIXES, ".zip"], key=len, reverse=True):
         if low.endswith(suffix) and len(base) > len(suffix):
             return base[: -len(suffix)]
     return base
@@ -286,7 +287,9 @@ def _stage_found(
     where: _Where,
 ) -> Path:
     is_file = found.is_file()
-    as_file = is_file and (unpack is False or archive_compression(found) is None)
+    as_file = is_file and (
+        unpack is False or (archive_compression(found) is None and not is_zip_file(found))
+    )
     target = base / src.into if src.into else base
     if as_file and (registered or src.into):
         target = target / found.name

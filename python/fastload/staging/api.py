@@ -27,7 +27,7 @@ from .destination import Destination, stage_into
 from .job import Patterns, Progress, ProgressCallback, copy_options, progress_callback, run_job
 from .request import Source, StageRequest, is_stream
 from .result import StageResult, VerifyResult
-from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest
+from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest, state_dir
 from .tree import LocalTree
 
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
@@ -60,9 +60,12 @@ def stage(
     fanout: bool | Any = False,
     allow_empty: bool = False,
     stats: bool = False,
+    zip_options: Mapping[str, Any] | None = None,
 ) -> StageResult:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
-    or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) into ``dst``.
+    or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) or a zip
+    (``.zip``, also an ``s3://`` or ``http(s)://`` one, read by ranges: docs/zip.md) into
+    ``dst``.
 
     A directory's contents land in ``dst`` (like ``cp -r src/. dst``). A file lands at
     ``dst``, or inside it if ``dst`` is an existing directory. An archive's members land
@@ -105,6 +108,11 @@ def stage(
             :class:`~fastload.staging.result.StageStats`) holds the time waiting for
             the node lock, before the first byte (listing, planning), copying, the CPU
             time, and bytes and files done a few times a second (``stats.rates()``).
+        zip_options: for a zip: ``max_size`` (uncompressed bytes at most), ``max_ratio``
+            (a member's expansion at most, default 10000) and ``encoding`` (of names not
+            flagged UTF-8; default unzip's rule: CP437 for zips made on DOS or Windows,
+            the bytes as stored for others); see docs/zip.md. ``unpack="nested"`` on a
+            directory extracts each zip in it into a folder of its name without ``.zip``.
         repair: read back what an earlier stage put in ``dst`` first (:func:`verify`),
             and re-copy whatever differs or is missing (a stage after a failed verify
             does that too).
@@ -148,7 +156,7 @@ def stage(
         engine=engine, progress=progress, workers=workers, on_special=on_special,
         check_source=check_source, unpack=unpack, sync=sync,
         storage_options=storage_options, fanout=fanout, allow_empty=allow_empty,
-        stats=stats,
+        stats=stats, zip_options=zip_options,
     )  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
@@ -181,6 +189,13 @@ def open_source(
 
         archive = open_stream(src, dst, req)
         return archive, _directory(Path(os.fspath(dst)), req)
+    if isinstance(src, str) and "://" in src and req.unpack is not False:
+        from .zipopen import is_zip_url, open_zip, zip_request
+
+        if is_zip_url(src):  # read by ranges: by name, no request to look at its head
+            req = zip_request(req)
+            dest = _directory(Path(os.fspath(dst)), req)
+            return open_zip(src, req, state_dir(dest.path)), dest
     if isinstance(src, str) and is_store_url(src):
         from .remote import open_remote
 
@@ -234,7 +249,15 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         if compression is None and suffix_kind(src_abs):
             with open(src_abs, "rb") as f:
                 raise not_an_archive(str(src_path), src_abs.name, f.read(512))
-    if unpack in (True, "nested") and compression is None:
+    if compression is None and is_file and unpack is not False:
+        from .zipformat import is_zip_file
+
+        if is_zip_file(src_abs):
+            from .zipopen import open_zip, zip_request
+
+            req = zip_request(req)
+            return open_zip(src_abs, req, Path()), _directory(dst_path, req)
+    if (unpack is True or (unpack == "nested" and is_file)) and compression is None:
         raise stage_error(
             errno.EINVAL,
             f"'{src_path}' is not a tar archive (.tar, .tar.gz, .tgz, .tar.zst); "
@@ -258,6 +281,10 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         mkdir_parent(dst_abs.parent)
         return LocalTree(src_abs, req, single=True), Destination(dst_abs, req, single=True)
     dest = _directory(dst_path, req)
+    if compression is None and unpack == "nested":  # a tree whose zips are extracted
+        from .zipnested import NestedZips
+
+        return NestedZips(LocalTree(src_abs, req, single=False), req), dest
     if compression is None:
         return LocalTree(src_abs, req, single=False), dest
     from .archive import Archive

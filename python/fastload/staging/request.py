@@ -47,6 +47,7 @@ class StageRequest:
     fanout: Any = False
     allow_empty: bool = False
     stats: bool = False
+    zip_options: Any = None  # zipformat.ZipLimits: a zip's limits and names' code page
     t0: float = dataclasses.field(default_factory=time.monotonic)
 
     @classmethod
@@ -69,6 +70,10 @@ class StageRequest:
             raise ValueError(
                 f"check_source must be True, False or 'strict', not {kw['check_source']!r}"
             )
+        if kw.get("zip_options") is not None:
+            from .zipformat import ZipLimits
+
+            kw["zip_options"] = ZipLimits.of(kw["zip_options"])
         stripe = int(stripe_size or DEFAULT_STRIPE)
         if not 4096 <= stripe <= 1 << 30 or stripe % 4096:
             raise ValueError(

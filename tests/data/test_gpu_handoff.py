@@ -7,7 +7,7 @@ tests/gpu runs the same paths on CUDA.
 Covered: a block read by a plain copy (any API) goes back to its worker only once an
 event recorded after the copy has completed; a lease dropped in a forked child leaves
 the count alone; registration on the target device, its failure remembered, warned
-about once, counted; a failed unregistration keeps the mapping; the README's loop over
+about once, counted; a failed unregistration keeps the mapping; docs/to-device.md's loop over
 ``to_device`` (packed fields stay on the host, every accessor works, a field on a device
 is never read to index it); decode_images' per-image fallback and torchvision gate."""
 
@@ -364,7 +364,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Sample]
 
 
 def test_the_readme_loop_over_to_device(shards: tuple[Path, list[Sample]]) -> None:
-    """README's loop, with "meta" for "cuda" (a device whose tensors cannot be read
+    """docs/to-device.md's loop, with "meta" for "cuda" (a device whose tensors cannot be read
     back: any accessor that reached for one would fail): the packed fields stay on the
     host, every accessor works, and decode_images is handed the payloads' bytes."""
     path, samples = shards

@@ -1,7 +1,7 @@
 """Packed batches to a CUDA device (issues 34 and 48): worker blocks registered in place,
 so pin_memory() copies nothing; a block goes back to its worker only once every copy
 issued from it has completed, whatever issued it (the race probe); to_device's
-side-stream prefetch, packed fields left on the host; README's loop verbatim;
+side-stream prefetch, packed fields left on the host; docs/to-device.md's loop verbatim;
 registration counted over epochs; decode_images with nvJPEG from a worker's block.
 Every test here needs CUDA and is skipped, saying so, where torch has none (the CPU side,
 with a stand-in for CUDA, is tests/data/test_device.py and test_gpu_handoff.py)."""
@@ -201,9 +201,9 @@ def test_to_device_prefetches_on_a_side_stream(shards: tuple[Path, list[Sample]]
 
 
 def test_the_readme_loop(shards: tuple[Path, list[Sample]]) -> None:
-    """README's GPU example, verbatim but for the path, the batch size and the workers."""
+    """docs/to-device.md's GPU example, verbatim but for the path, the batch size and the workers."""
     if _jpeg_encoder() is None:
-        pytest.skip("the README loop decodes JPEGs: needs torchvision or Pillow")
+        pytest.skip("the docs' loop decodes JPEGs: needs torchvision or Pillow")
     path, samples = shards
     ds = fastload.ShardIndexDataset(path, packed=True)
     loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,

@@ -1,6 +1,6 @@
 """Under real sbatch: ``fastload pack`` split over a job array, with the flags or the
 array's own variables (a failed task re-run alone). The IterableDataset's rank x worker
-split under srun is in test_slurm_readme.py (the README's training script)."""
+split under srun is in test_slurm_readme.py (docs/cluster.md's training script)."""
 
 from __future__ import annotations
 

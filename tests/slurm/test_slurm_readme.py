@@ -1,4 +1,4 @@
-"""The README's "On a SLURM cluster" scripts, run as written under real sbatch: the
+"""docs/cluster.md's "On a SLURM cluster" scripts, run as written under real sbatch: the
 paths point into the test cluster's shared folder, ``fastload`` is this interpreter's
 ``-m fastload``, ``train.py`` is slurm_task.py's ``iterate`` and the shards are small."""
 
@@ -15,12 +15,12 @@ import fastload
 from fastload import ShardIndex
 from kit.slurm import NODES, TASK, Cluster
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
 
 
 def scripts() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("### On a SLURM cluster") :]
+    text = PAGE.read_text()
+    section = text[text.index("## On a SLURM cluster") :]
     section = section[: section.index("\n## ")]
     return re.findall(r"^```bash\n(.*?)^```", section, flags=re.S | re.M)
 

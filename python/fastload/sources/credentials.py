@@ -68,7 +68,8 @@ def unreachable(low: str, retries: int, timeout: float = ANSWER_TIMEOUT) -> str:
     tries = f" (after {retries} retries)" if retries else ""
     if "connection refused" in low:
         return "connection refused" + tries
-    if "dns error" in low or "failed to lookup" in low or "name or service" in low:
+    if any(w in low for w in ("dns error", "failed to lookup", "name or service",
+                              "name resolution", "no address associated")):  # fmt: skip
         return "the host name does not resolve" + tries
     if ("timed out" in low or "timeout" in low) and "connect" not in low:
         return (f"it accepted the connection but did not answer within {timeout:g} s{tries} "

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import random
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,18 @@ def put_shards(s3: S3Server, bucket: str, paths: Sequence[Path], prefix: str = "
     """Uploads the shards under ``prefix``; returns their brace pattern's URL."""
     upload(s3, bucket, {f"{prefix}{p.name}": p.read_bytes() for p in paths})
     return f"s3://{bucket}/{prefix}train-{{000000..{len(paths) - 1:06d}}}.tar"
+
+
+def issue_shards(root: Path, seed: int, shards: int = 12, per_shard: int = 310) -> list[Path]:
+    """The cache issues' shape (32, 55): ``shards`` tar shards of ``per_shard`` samples,
+    ``bin`` of 5-11 KB of seeded random bytes and ``cls`` the sample's number."""
+    rng = random.Random(seed)
+    paths = []
+    for s in range(shards):
+        samples = [(f"s{s}/k{i:05d}", {"bin": rng.randbytes(rng.randrange(5000, 11000)),
+                                        "cls": str(i).encode()}) for i in range(per_shard)]
+        paths.append(write_tarfile(root / f"train-{s:06d}.tar", samples))
+    return paths
 
 
 def last_modified(s3: S3Server, bucket: str, prefix: str) -> datetime.datetime:

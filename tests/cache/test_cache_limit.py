@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import fcntl
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,11 @@ from kit.tools import require_module
 
 torch = require_module("torch")
 
-from remote_kit import cache_bytes, cache_peak, plain, put_shards, with_index_only  # noqa: E402
+from remote_kit import cache_bytes, cache_peak, issue_shards, plain, put_shards, with_index_only  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.cache import ShardCache, store  # noqa: E402
-from kit.shards import write_tarfile  # noqa: E402
 
 pytestmark = [
     pytest.mark.native,
@@ -53,12 +51,7 @@ def keep(sample: Any) -> Any:
 @pytest.fixture
 def bucket_shards(tmp_path: Path, s3: Any, bucket: str) -> tuple[list[Path], str]:
     """12 shards of 310 samples of 5-11 KB (the issue's shape, smaller samples)."""
-    rng = random.Random(32)
-    paths = []
-    for s in range(SHARDS):
-        samples = [(f"s{s}/k{i:05d}", {"bin": rng.randbytes(rng.randrange(5000, 11000)),
-                                        "cls": str(i).encode()}) for i in range(PER_SHARD)]
-        paths.append(write_tarfile(tmp_path / "local" / f"train-{s:06d}.tar", samples))
+    paths = issue_shards(tmp_path / "local", seed=32, shards=SHARDS, per_shard=PER_SHARD)
     return paths, put_shards(s3, bucket, paths)
 
 

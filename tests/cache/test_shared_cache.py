@@ -24,14 +24,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from remote_kit import plain, put_shards, with_index_only  # noqa: E402
+from remote_kit import issue_shards, plain, put_shards, with_index_only  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.cache import store  # noqa: E402
 from fastload.errors import StageError  # noqa: E402
 from kit.procs import child_env  # noqa: E402
-from kit.shards import write_tarfile  # noqa: E402
 
 pytestmark = [pytest.mark.native]
 
@@ -49,12 +48,7 @@ def keep(sample: Any) -> Any:
 @pytest.fixture
 def bucket_shards(tmp_path: Path, s3: Any, bucket: str) -> tuple[list[Path], str]:
     """The issue's shape: 12 shards, 3,720 samples (smaller ones: 5-11 KB)."""
-    rng = random.Random(55)
-    paths = []
-    for s in range(SHARDS):
-        samples = [(f"s{s}/k{i:05d}", {"bin": rng.randbytes(rng.randrange(5000, 11000)),
-                                        "cls": str(i).encode()}) for i in range(PER_SHARD)]
-        paths.append(write_tarfile(tmp_path / "local" / f"train-{s:06d}.tar", samples))
+    paths = issue_shards(tmp_path / "local", seed=55, shards=SHARDS, per_shard=PER_SHARD)
     return paths, put_shards(s3, bucket, paths)
 
 

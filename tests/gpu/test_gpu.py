@@ -201,7 +201,8 @@ def test_to_device_prefetches_on_a_side_stream(shards: tuple[Path, list[Sample]]
 
 
 def test_the_readme_loop(shards: tuple[Path, list[Sample]]) -> None:
-    """docs/to-device.md's GPU example, verbatim but for the path, the batch size and the workers."""
+    """docs/to-device.md's GPU example, verbatim but for the path, the batch size and the
+    workers."""
     if _jpeg_encoder() is None:
         pytest.skip("the docs' loop decodes JPEGs: needs torchvision or Pillow")
     path, samples = shards

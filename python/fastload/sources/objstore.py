@@ -239,8 +239,11 @@ class ObjectStore:
         in a log line (the stage is otherwise silent until the timeout)."""
         tries = self._tries(full)
         watch: threading.Timer | None = None
+        # An attempt that failed otherwise than by waiting (refused, a name that does not
+        # resolve) is an answer of a kind: its retries are not a silent server.
+        failed_at_once = [False]
         if not self._answered:
-            watch = threading.Timer(NOT_ANSWERING, self._not_answering)
+            watch = threading.Timer(NOT_ANSWERING, self._not_answering, (failed_at_once,))
             watch.daemon = True
             watch.start()
         try:
@@ -250,13 +253,15 @@ class ObjectStore:
                     self._answered = True
                     return got
                 except Exception as e:
+                    if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                        failed_at_once[0] = True
                     tries.failed(e)
         finally:
             if watch is not None:
                 watch.cancel()
 
-    def _not_answering(self) -> None:
-        if not self._answered:
+    def _not_answering(self, failed_at_once: list[bool]) -> None:
+        if not self._answered and not failed_at_once[0]:
             log.warning(
                 "fastload: %s is not answering (no reply for %g s); giving up after %g s "
                 "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",

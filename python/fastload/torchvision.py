@@ -24,11 +24,14 @@ import importlib
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ._util import node_lock
 from .env import Environment, current, resolve
 from .errors import ChecksumMismatchError
+
+if TYPE_CHECKING:
+    from .staging.background import Staging
 
 __all__ = [
     "CIFAR10",
@@ -163,19 +166,56 @@ class FashionMNIST(CIFAR10):
     _name, _folder, _archive = "fashionmnist", "FashionMNIST", None
 
 
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _read_through(root: Any, wait: bool) -> Staging | None:
+    """The handle to read ``root`` through while it stages: ``root`` itself, or one
+    made by ``resolve(root, wait=False)``; None to stage first (torchvision's class)."""
+    from .staging.background import Staging
+
+    if isinstance(root, Staging):
+        return root
+    return resolve(root, wait=False) if not wait else None
+
+
+def _folder(handle: Staging, loader: Callable[[str], Any] | None, **kwargs: Any) -> Any:
+    from .data.files import FolderDataset
+
+    if loader is None:
+        loader = importlib.import_module("torchvision.datasets.folder").default_loader
+        _datasets()  # without torchvision: an ImportError that says so
+    return FolderDataset(handle, loader, **kwargs)
+
+
 class ImageFolder(_DropIn):
     """``torchvision.datasets.ImageFolder`` on a node-local copy of ``root`` (a path, an
-    archive, a URL or a registry name: anything :func:`fastload.resolve` takes)."""
+    archive, a URL or a registry name: anything :func:`fastload.resolve` takes).
+
+    ``root`` may be a :class:`~fastload.staging.background.Staging` handle
+    (``stage(..., wait=False)``), or ``wait=False`` makes one: the dataset
+    (:class:`~fastload.data.files.FolderDataset`, with ImageFolder's attributes) then
+    reads through it while it stages; its classes and samples come from the source's
+    listing, final from the first batch."""
 
     def __new__(
         cls,
-        root: PathLike,
+        root: PathLike | Staging,
         transform: Transform = None,
         target_transform: Transform = None,
         loader: Callable[[str], Any] | None = None,
         is_valid_file: Callable[[str], bool] | None = None,
         allow_empty: bool = False,
+        wait: bool = True,
     ) -> Any:
+        handle = _read_through(root, wait)
+        if handle is not None:
+            return _folder(
+                handle, loader, extensions=None if is_valid_file else IMG_EXTENSIONS,
+                transform=transform, target_transform=target_transform,
+                is_valid_file=is_valid_file, allow_empty=allow_empty,
+            )  # fmt: skip
         tvd = _datasets()
         kwargs: dict[str, Any] = {}
         if loader is not None:
@@ -183,7 +223,7 @@ class ImageFolder(_DropIn):
         if allow_empty:  # torchvision >= 0.18
             kwargs["allow_empty"] = True
         return tvd.ImageFolder(
-            str(resolve(root)),
+            str(resolve(os.fspath(root))),  # type: ignore[arg-type]  # (not a handle)
             transform=transform,
             target_transform=target_transform,
             is_valid_file=is_valid_file,
@@ -192,22 +232,31 @@ class ImageFolder(_DropIn):
 
 
 class DatasetFolder(_DropIn):
-    """``torchvision.datasets.DatasetFolder`` on a node-local copy of ``root``."""
+    """``torchvision.datasets.DatasetFolder`` on a node-local copy of ``root``; as
+    :class:`ImageFolder`, ``root`` may be a handle, or ``wait=False`` makes one."""
 
     def __new__(
         cls,
-        root: PathLike,
+        root: PathLike | Staging,
         loader: Callable[[str], Any],
         extensions: tuple[str, ...] | None = None,
         transform: Transform = None,
         target_transform: Transform = None,
         is_valid_file: Callable[[str], bool] | None = None,
         allow_empty: bool = False,
+        wait: bool = True,
     ) -> Any:
+        handle = _read_through(root, wait)
+        if handle is not None:
+            return _folder(
+                handle, loader, extensions=extensions, transform=transform,
+                target_transform=target_transform, is_valid_file=is_valid_file,
+                allow_empty=allow_empty,
+            )  # fmt: skip
         tvd = _datasets()
         kwargs: dict[str, Any] = {"allow_empty": True} if allow_empty else {}
         return tvd.DatasetFolder(
-            str(resolve(root)),
+            str(resolve(os.fspath(root))),  # type: ignore[arg-type]  # (not a handle)
             loader,
             extensions=extensions,
             transform=transform,

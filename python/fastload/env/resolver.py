@@ -20,14 +20,15 @@ import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, overload
 
 from .._util import parse_checksum
 from ..errors import ChecksumMismatchError, stage_error
 from ..sources import check_supported, is_store_url, is_url
 from ..sources import download as download_url
-from ..staging import Patterns, Progress, archive_compression, stage
+from ..staging import Patterns, Progress, StageResult, archive_compression, stage
 from ..staging.archive import SUFFIXES
+from ..staging.background import Staging
 from .base import Environment, expand
 from .datasets import DatasetSpec, Source, Unpack, datasets
 from .registry import current
@@ -37,7 +38,17 @@ __all__ = ["resolve"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+@overload
 def resolve(
+    name_or_path: PathLike | None = None, *, wait: Literal[True] = ..., **options: Any
+) -> Path: ...
+@overload
+def resolve(
+    name_or_path: PathLike | None = None, *, wait: Literal[False], **options: Any
+) -> Staging: ...
+
+
+def resolve(  # type: ignore[misc]  # (the overloads say what wait= returns)
     name_or_path: PathLike | None = None,
     *,
     sources: Sequence[PathLike] | None = None,
@@ -52,7 +63,8 @@ def resolve(
     download: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     fanout: bool | Any = False,
-) -> Path:
+    wait: bool = True,
+) -> Path | Staging:
     """Finds a dataset, stages it to node-local disk, and returns the local path.
 
     ``resolve("imagenet", split="train")`` stages ImageNet's training set from where
@@ -85,6 +97,9 @@ def resolve(
         fanout: as in :func:`fastload.stage`, for a dataset found on a file system: the
             job's nodes read it once in total and exchange it (every process of the job
             calls resolve() alike).
+        wait: ``False`` returns at once the :class:`~fastload.staging.background.Staging`
+            handle of the stage (``stage(..., wait=False)``): read the data through it
+            while it stages (docs/read-while-staging.md).
 
     Data already in the environment's ``tmpdir`` is returned where it is (with no
     ``destination``): it is node-local already.
@@ -130,16 +145,18 @@ def resolve(
             tried.append(url)
             if is_store_url(url):  # staged straight from the store, no download
                 try:
-                    result = stage(
+                    result: StageResult | Staging = stage(
                         url, base / src.into if src.into else base, include=include,
                         unpack=src.unpack if unpack == "auto" and src.unpack is not None
                         else unpack,
                         checksum=src_checksum, progress=progress,
-                        storage_options=storage_options,
+                        storage_options=storage_options, wait=wait,
                     )
                 except FileNotFoundError as e:
                     failures.append(e)
                     continue
+                if isinstance(result, Staging):
+                    return result
                 if spec.returns is not None:
                     return base / spec.returns if spec.returns else base
                 return result.path
@@ -160,9 +177,9 @@ def resolve(
             if hit is None:
                 continue
             if destination is None and _within(hit, environment.tmpdir):
-                return hit
+                return hit if wait else Staging.ready(hit)
             found = hit
-        return _stage_found(
+        staged: Path | Staging = _stage_found(
             found,
             src,
             base,
@@ -174,7 +191,9 @@ def resolve(
             progress=progress,
             returns=spec.returns,
             fanout=fanout,
+            wait=wait,
         )
+        return staged
 
     what = f"dataset {name!r}" + (f" (split {split!r})" if split else "")
     lines = [f"{what} not found in environment {environment.name!r}; tried:"]
@@ -263,7 +282,8 @@ def _stage_found(
     progress: Progress,
     returns: str | None,
     fanout: bool | Any,
-) -> Path:
+    wait: bool = True,
+) -> Any:
     is_file = found.is_file()
     as_file = is_file and (unpack is False or archive_compression(found) is None)
     target = base / src.into if src.into else base
@@ -271,7 +291,7 @@ def _stage_found(
         target = target / found.name
     elif as_file and not explicit_destination:
         target = base.parent / found.name  # {tmpdir}/foo.bin, not {tmpdir}/foo.bin/...
-    result = stage(
+    result: Any = stage(
         found,
         target,
         include=include,
@@ -279,7 +299,10 @@ def _stage_found(
         checksum=checksum,
         progress=progress,
         fanout=fanout,
+        wait=wait,
     )
+    if not wait:
+        return result
     if returns is not None:
         return base / returns if returns else base
     return result.path

@@ -50,6 +50,10 @@ def stage(
 def stage(
     src: PathLike | BinaryIO | int, dst: PathLike, *, wait: Literal[False], **options: Any
 ) -> Staging: ...
+@overload
+def stage(
+    src: PathLike | BinaryIO | int, dst: PathLike, *, wait: bool, **options: Any
+) -> StageResult | Staging: ...
 
 
 # The overloads say what comes back (a handle with wait=False); the options are the
@@ -178,7 +182,7 @@ def stage(  # type: ignore[misc]
             engine=engine, progress=progress, workers=workers, on_special=on_special,
             check_source=check_source, unpack=unpack, sync=sync,
             storage_options=storage_options, allow_empty=allow_empty, stats=stats,
-        ))  # fmt: skip
+        ), open_source)  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
     retried = process_retries().snapshot()  # the source's listing retries count too

@@ -21,7 +21,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,6 +38,9 @@ __all__ = ["READ_WAITS", "StageProgress", "Staging", "stage_in_background"]
 
 LOCK_POLL = 0.05  # seconds between a participant's tries of the node lock
 RETRY = 0.02  # seconds between a reader's tries of a channel not (yet) served
+
+# api.open_source: a source and its destination for a path, a URL, and a request.
+Opener = Callable[[Any, Path, StageRequest], tuple[Any, Any]]
 
 # Reads of this process that waited on the stage, and for how long (fastload.monitor).
 READ_WAITS = {"waits": 0, "wait_s": 0.0}
@@ -83,8 +86,9 @@ class _Participant:
     """This process's part in the stage of ``dst``: a thread that waits for the node
     lock (or holds ``fd``, taken by the caller), then stages and serves readers."""
 
-    def __init__(self, src: Any, dst: Path, options: dict[str, Any], fd: int | None) -> None:
-        self.src, self.dst, self.options = src, dst, options
+    def __init__(self, src: Any, dst: Path, options: dict[str, Any], fd: int | None,
+                 opener: Opener) -> None:  # fmt: skip
+        self.src, self.dst, self.options, self.opener = src, dst, options, opener
         self.made = time.time()
         self.fd = fd
         self.stop = threading.Event()
@@ -115,7 +119,6 @@ class _Participant:
             self.finished.set()
 
     def _stage(self) -> StageResult:
-        from .api import open_source
         from .destination import stage_into
 
         schedule = self.schedule = Schedule(self.dst)
@@ -131,7 +134,7 @@ class _Participant:
             req = StageRequest.make(**options)
             retried = process_retries().snapshot()
             with named_os_errors():
-                source, dest = open_source(self.src, self.dst, req)
+                source, dest = self.opener(self.src, self.dst, req)
                 dest.lock_held = True
                 dest.scheduler = schedule
                 result = stage_into(dest, source, retried)
@@ -185,27 +188,30 @@ def _stop_all() -> None:
         p.thread.join(timeout=60)
 
 
-def _participant(src: Any, dst: Path, options: dict[str, Any], fd: int | None) -> _Participant:
+def _participant(src: Any, dst: Path, options: dict[str, Any], fd: int | None,
+                 opener: Opener) -> _Participant:  # fmt: skip
     with _registry_lock:
         p = _participants.get(dst)
         if p is None or p.finished.is_set():
-            p = _participants[dst] = _Participant(src, dst, options, fd)
+            p = _participants[dst] = _Participant(src, dst, options, fd, opener)
         elif fd is not None:
             os.close(fd)
         return p
 
 
-def stage_in_background(src: Any, dst: Any, options: dict[str, Any]) -> Staging:
+def stage_in_background(src: Any, dst: Any, options: dict[str, Any], opener: Opener
+                        ) -> Staging:  # fmt: skip
     """stage(wait=False): the handle, this process's participant started (holding the
-    node lock already where it was free)."""
+    node lock already where it was free); ``opener`` is api.open_source (which
+    imports this module: passed, not imported)."""
     if not isinstance(src, (str, os.PathLike)) or src == "-":
         raise ValueError("stage(wait=False) takes a path or a URL, not a stream")
     StageRequest.make(**options)  # bad options raise here, in the caller
     dst_abs = Path(os.path.abspath(os.fspath(dst)))
     mkdir_parent(dst_abs.parent)
     src = src if isinstance(src, str) else os.fspath(src)
-    handle = Staging(src, dst_abs, options)
-    _participant(src, dst_abs, options, _try_lock(dst_abs))
+    handle = Staging(src, dst_abs, options, opener)
+    _participant(src, dst_abs, options, _try_lock(dst_abs), opener)
     return handle
 
 
@@ -216,11 +222,20 @@ class Staging:
     not yet. Picklable: a DataLoader worker (forked or spawned) reads through its copy.
     """
 
-    def __init__(self, src: str, path: Path, options: dict[str, Any]) -> None:
+    def __init__(self, src: str, path: Path, options: dict[str, Any],
+                 opener: Opener | None) -> None:  # fmt: skip
         self.path = path
         """The staged tree (the destination)."""
-        self._src, self._options = src, options
+        self._src, self._options, self._opener = src, options, opener
         self._init()
+
+    @classmethod
+    def ready(cls, path: Path) -> Staging:
+        """A handle on a tree already in place (node-local data resolve() uses where
+        it is): every read is at once."""
+        handle = cls(str(path), Path(os.path.abspath(path)), {}, None)
+        handle._final = ("done", StageResult(handle.path, 0, 0, 0.0, "none", True))
+        return handle
 
     def _init(self) -> None:
         self._name = channel_name(self.path)
@@ -230,10 +245,12 @@ class Staging:
     def __getstate__(self) -> dict[str, Any]:
         options = {k: v for k, v in self._options.items() if k != "progress"}
         final = self._final if self._final is not None and self._final[0] == "done" else None
-        return {"path": self.path, "src": self._src, "options": options, "final": final}
+        return {"path": self.path, "src": self._src, "options": options, "final": final,
+                "opener": self._opener}  # fmt: skip
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path, self._src, self._options = state["path"], state["src"], state["options"]
+        self._opener = state["opener"]
         self._init()
         self._final = state["final"]
 
@@ -269,8 +286,7 @@ class Staging:
                 elif p.result is not None:
                     self._final = ("done", p.result)
                 else:  # stopped before it staged: another stager's end was seen
-                    self._from_manifest() or _participant(self._src, self.path,
-                                                          self._options, None)  # fmt: skip
+                    self._from_manifest() or self._take_over()
                 return
             time.sleep(RETRY)
             return
@@ -283,7 +299,14 @@ class Staging:
                 return
         finally:
             os.close(fd)
-        _participant(self._src, self.path, self._options, None)
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """Nobody stages and nothing is complete: this process stages."""
+        if self._opener is None:
+            raise stage_error(errno.ENOENT, f"'{self.path}' holds no complete stage",
+                              str(self.path))  # fmt: skip
+        _participant(self._src, self.path, self._options, None, self._opener)
 
     def _from_manifest(self) -> bool:
         m = read_manifest(self.path)
@@ -391,6 +414,24 @@ class Staging:
                     errno.ECANCELED, f"staging '{self.path}' was cancelled here", str(self.path)
                 ),
             )
+
+    def files(self) -> list[str]:
+        """The paths of the source's files (relative, sorted): from the stager's
+        listing as soon as it is made (the stage need not be done), else from the
+        complete copy's manifest."""
+        if self._final is None:
+            reply = self._ask({"op": "list"})
+            if reply is not None and "files" in reply:
+                return list(reply["files"])
+        self._raise_final()
+        m = read_manifest(self.path)
+        if m is not None and m.get("complete"):
+            return sorted(os.fsdecode(p) for p in m["files"].path_bytes())
+        out: list[str] = []  # a tree not staged by fastload (Staging.ready)
+        for d, _dirs, names in os.walk(self.path):
+            rel = os.path.relpath(d, self.path)
+            out.extend(n if rel == "." else f"{rel}/{n}" for n in names)
+        return sorted(out)
 
     def local(self, relpath: str | os.PathLike[str]) -> Path:
         """The staged copy of ``relpath`` (relative to the tree), once it is whole:

@@ -4,7 +4,7 @@
 fetching files readers asked for, and the channel's threads answering readers. A
 tree-shaped source (a tree, an object prefix) runs its plan through
 :meth:`Schedule.transfer` (the hook of tree.run_plan where ``dest.scheduler`` is set):
-the files to do go in chunks of up to CHUNK_FILES files (or CHUNK_BYTES), each a
+the files to do go in chunks (8 times the files in flight, CHUNK_BYTES at most), each a
 ``source.transfer`` at the engine's depth; beside them, a second thread fetches the
 files readers asked for that no chunk has taken yet, a job for all those asked at once,
 through the same ``transfer`` (same engine, digests, journal). A file is taken once,
@@ -36,7 +36,10 @@ from .state import JournalFlusher
 
 __all__ = ["CHUNK_BYTES", "CHUNK_FILES", "Schedule", "inside"]
 
-CHUNK_FILES = 1024  # files per chunk of the plan: a reader's file in a chunk waits for it
+# Files per chunk of the plan (a reader's file taken by a chunk waits for it): 8 times
+# the files in flight (``workers``), at least CHUNK_MIN, at most CHUNK_FILES.
+CHUNK_FILES = 1024
+CHUNK_MIN = 256
 CHUNK_BYTES = 256 << 20
 READERS_IN_FLIGHT = 64  # files in flight of a readers' job at most
 
@@ -167,6 +170,7 @@ class Schedule:
                 counts[2] += nbytes
             progress()
 
+        chunk = min(CHUNK_FILES, max(CHUNK_MIN, 8 * (req.workers or CHUNK_FILES)))
         try:
             todo, k = plan.todo, 0
             while True:
@@ -174,7 +178,7 @@ class Schedule:
                 with self.cond:
                     self._check_cancelled()
                     size, nbytes = files.size, 0
-                    while k < len(todo) and len(rows) < CHUNK_FILES and nbytes < CHUNK_BYTES:
+                    while k < len(todo) and len(rows) < chunk and nbytes < CHUNK_BYTES:
                         i = todo[k]
                         k += 1
                         if not self._claimed[i]:
@@ -193,9 +197,9 @@ class Schedule:
         # was left when it stopped: the stage's own, whose errors fail it.
         with self.cond:
             left = [i for i in plan.todo if not done.is_done(i)]
-        for start in range(0, len(left), CHUNK_FILES):
+        for start in range(0, len(left), chunk):
             self._check_cancelled()
-            run(left[start : start + CHUNK_FILES])
+            run(left[start : start + chunk])
         return str(counts[0]), counts[1], counts[2]
 
     def _serve_readers(self, source: Any, req: StageRequest, dest: Any, plan: Any,
@@ -249,7 +253,8 @@ class Schedule:
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A reader's request: ``want`` (``paths``: wait until each is whole here),
-        ``wait`` (until the stage ends), ``progress``."""
+        ``wait`` (until the stage ends), ``progress``, ``list`` (the source's files,
+        once listed)."""
         op = msg.get("op")
         if op == "want":
             return {"results": self.want([str(p) for p in msg["paths"]]),
@@ -261,6 +266,15 @@ class Schedule:
             return self._final()
         if op == "progress":
             return {"progress": self.progress(), **self._final()}
+        if op == "list":
+            with self.cond:
+                while self.state == "starting":
+                    self.cond.wait()
+                files = self._files
+                if self.state == "copying" and files is not None:
+                    return {"files": sorted(files.path(i) for i in range(len(files))),
+                            **self._final()}  # fmt: skip
+            return self._final()
         raise ValueError(f"unknown request {op!r}")
 
     def _final(self) -> dict[str, Any]:

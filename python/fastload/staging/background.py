@@ -285,8 +285,8 @@ class Staging:
                     self._final = ("failed", p.error)
                 elif p.result is not None:
                     self._final = ("done", p.result)
-                else:  # stopped before it staged: another stager's end was seen
-                    self._from_manifest() or self._take_over()
+                elif not self._from_manifest():  # stopped before it staged
+                    self._take_over()
                 return
             time.sleep(RETRY)
             return

@@ -144,3 +144,39 @@ def test_the_handle_pickles(tree: Path, tmp_path: Path) -> None:
     assert back.local(rel).read_bytes() == (tree / rel).read_bytes()
     assert back.wait().files == N
     assert os.path.samefile(back.path, h.path)
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
+def test_an_archives_members_come_in_its_order(tree: Path, tmp_path: Path, suffix: str
+                                               ) -> None:  # fmt: skip
+    """A member is read as soon as the extraction passed it (the first ones long before
+    the archive's end); one further on waits for it; progress() says how far the stream
+    is."""
+    import subprocess
+
+    names = _names(tree)
+    store = tmp_path / "store"
+    store.mkdir()
+    archive = store / f"data{suffix}"
+    flag = ["--zstd"] if suffix == ".tar.zst" else []
+    pad = tmp_path / "pad"  # a big last member: the stream goes on well after the first
+    trees.write_file(pad / "zz-pad.bin", os.urandom(24 << 20))
+    subprocess.run(["tar", "-cf", str(archive), *flag, "-C", str(tree), *names,
+                    "-C", str(pad), "zz-pad.bin"], check=True)  # fmt: skip
+    with mounts(tmp_path) as mount:
+        m = mount(store, 2000, 30000)  # 30 ms per read: the archive streams for seconds
+        dst = tmp_path / "dst"
+        h = fastload.stage(m.path / archive.name, dst, wait=False)
+        first = h.local(names[0]).read_bytes()
+        seen = h.progress()
+        assert first == (tree / names[0]).read_bytes()
+        assert seen.state == "copying" and seen.bytes_total == archive.stat().st_size
+        assert seen.bytes_done < archive.stat().st_size  # read before the stream's end
+        assert h.local(names[-1]).read_bytes() == (tree / names[-1]).read_bytes()
+        with pytest.raises(FileNotFoundError):
+            h.local("dir000/nope.dat")  # known once the whole archive is read
+        assert h.wait().files == N + 1
+        m.unmount()
+    assert (dst / "zz-pad.bin").read_bytes() == (pad / "zz-pad.bin").read_bytes()
+    (dst / "zz-pad.bin").unlink()
+    trees.assert_same_tree(tree, dst, mtimes=False)

@@ -107,6 +107,9 @@ class Schedule:
         self._claimed = bytearray()
         self._asked: list[int] = []  # rows readers wait for that no job has taken
         self._failed: dict[int, BaseException] = {}  # a readers' job's error, by row
+        # An archive's: the members whole here, and [bytes read of it, its size].
+        self._members: set[str] | None = None
+        self._stream = [0, 0]
 
     # --- the stage's side --------------------------------------------------------------
 
@@ -249,6 +252,26 @@ class Schedule:
                 self._asked.extend(i for i in left if i not in named)
             self.cond.notify_all()
 
+    # --- an archive's extraction (archive.py's hooks) ----------------------------------
+
+    def extracting(self, done: list[str], size: int) -> None:
+        """An archive's extraction begins; ``done``: members already whole here."""
+        with self.cond:
+            self._members = set(done)
+            self._stream = [0, size]
+            self.state = "copying"
+            self.cond.notify_all()
+
+    def extracted(self, paths: list[str]) -> None:
+        with self.cond:
+            self._members.update(paths)
+            self.cond.notify_all()
+
+    def streamed(self, fed: int) -> None:
+        """How far the extraction is in the archive (bytes read of it)."""
+        with self.cond:
+            self._stream[0] = fed
+
     # --- the readers' side (the channel's threads) -------------------------------------
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -271,6 +294,9 @@ class Schedule:
                 while self.state == "starting":
                     self.cond.wait()
                 files = self._files
+                if self._members is not None:
+                    while self.state == "copying":  # an archive's members: known at its end
+                        self.cond.wait()
                 if self.state == "copying" and files is not None:
                     return {"files": sorted(files.path(i) for i in range(len(files))),
                             **self._final()}  # fmt: skip
@@ -294,6 +320,9 @@ class Schedule:
     def progress(self) -> dict[str, Any]:
         with self.cond:
             out: dict[str, Any] = {"state": self.state}
+            if self._members is not None:  # an archive: files known as they come
+                out.update(files_done=len(self._members), bytes_done=self._stream[0],
+                           bytes_total=self._stream[1] or None)  # fmt: skip
             if self._files is not None and self._done is not None:
                 out.update(files_done=len(self._done), files_total=len(self._files),
                            bytes_done=self._done.total_bytes,
@@ -360,6 +389,8 @@ class Schedule:
             return {"error": encode_error(_missing(self.dst, rel))}
         if self.state == "starting":
             return None
+        if self._members is not None:  # an archive: in its order, nothing to ask for
+            return {"ok": True} if rel in self._members else None
         row = self._row(rel)
         if row is None:
             if rel in self._others:

@@ -264,6 +264,7 @@ class Schedule:
 
     def extracted(self, paths: list[str]) -> None:
         with self.cond:
+            assert self._members is not None  # extracting() came first
             self._members.update(paths)
             self.cond.notify_all()
 

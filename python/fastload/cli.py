@@ -11,7 +11,7 @@ from typing import Any, Literal, Sequence
 
 from ._util import human, version
 from .errors import FastloadError
-from .staging import stage, verify
+from .staging import StageResult, stage, verify
 
 
 def _progress_flags(p: argparse.ArgumentParser) -> None:
@@ -154,6 +154,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="then say where the time went: waiting for the lock, listing and planning, "
         "copying, CPU time, and bytes and files per second over time",
+    )
+    s.add_argument(
+        "--background",
+        action="store_true",
+        help="return once the stage is under way, run by a process of its own that serves "
+        "readers (fastload.stage(SRC, DST, wait=False) reads through it: "
+        "docs/read-while-staging.md)",
+    )
+    s.add_argument(
+        "--serve",
+        action="store_true",
+        help="stage as with --background, in this process (what --background runs): "
+        "readers read through it while it stages; returns at the stage's end",
     )
     s.add_argument(
         "--skip-special",
@@ -462,8 +475,14 @@ def _print_stage_stats(st: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "stage" and args.background:
+            from .staging.background import stage_detached
+
+            argv = list(sys.argv[1:] if argv is None else argv)
+            return stage_detached(args.src, args.dst, [a if a != "--background" else "--serve"
+                                                       for a in argv])  # fmt: skip
         if args.command == "stage":
-            r = stage(
+            staged = stage(
                 args.src,
                 args.dst,
                 include=args.include,
@@ -482,7 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_source="strict" if args.strict_source else True,
                 fanout=args.fanout_transport or args.fanout,
                 stats=args.stats,
+                wait=not args.serve,  # --serve: the process --background started
             )
+            r = staged if isinstance(staged, StageResult) else staged.wait()
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
             else:

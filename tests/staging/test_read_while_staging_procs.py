@@ -230,3 +230,66 @@ def test_an_object_prefix_serves_the_keys_asked_for_first(
     proxy.latency = 0.0
     assert tree_of(dst) == files
     assert proxy.gets() == len(files)  # the keys read first were not fetched again
+
+
+_CTRL_C = r"""
+import json, signal, sys, time
+import fastload
+signal.signal(signal.SIGINT, signal.default_int_handler)
+h = fastload.stage(sys.argv[1], sys.argv[2], wait=False, workers=2)
+while h.progress().files_done < 100:
+    time.sleep(0.01)
+print("COPYING", flush=True)
+h.wait()
+"""
+
+
+def test_ctrl_c_stops_the_stage_cleanly_and_the_next_call_resumes(tree: Path, tmp_path: Path
+                                                                  ) -> None:  # fmt: skip
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        dst = tmp_path / "dst"
+        child = subprocess.Popen([sys.executable, "-c", _CTRL_C, str(m.path), str(dst)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=procs.child_env())  # fmt: skip
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "COPYING"
+            child.send_signal(signal.SIGINT)
+            _out, err = child.communicate(timeout=120)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+        assert err.rstrip().endswith("KeyboardInterrupt"), err  # and nothing after it
+        kept = trees.assert_no_partial_files(tree, dst)
+        assert 100 <= kept < N
+        r = fastload.stage(m.path, dst)  # resumes: what the stopped stage finished stays
+        m.unmount()
+    assert r.files == N and r.copied_files < N - 99
+    trees.assert_same_tree(tree, dst)
+
+
+def test_the_cli_stages_in_the_background(tree: Path, tmp_path: Path) -> None:
+    """``fastload stage --background`` returns once the stage is under way; a script's
+    handle reads through the process it left running; a missing source is its error."""
+    names = _names(tree)
+    cli = [sys.executable, "-m", "fastload", "stage", "--background", "--workers", "2"]
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        dst = tmp_path / "dst"
+        r = subprocess.run([*cli, str(m.path), str(dst)], capture_output=True, text=True,
+                           env=procs.child_env(), timeout=120, check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "staging in the background" in r.stdout
+        h = fastload.stage(m.path, dst, wait=False, workers=2)
+        assert h.local(names[-1]).read_bytes() == (tree / names[-1]).read_bytes()
+        assert h.progress().files_done < N
+        assert h.wait().files == N
+        counts = m.unmount()
+    assert counts["opens"] == N  # the background process staged; this one only read
+    trees.assert_same_tree(tree, dst)
+    r = subprocess.run([*cli, str(tmp_path / "absent"), str(tmp_path / "dst2")],
+                       capture_output=True, text=True, env=procs.child_env(), timeout=120,
+                       check=False)  # fmt: skip
+    assert r.returncode != 0 and "absent" in r.stderr

@@ -471,3 +471,36 @@ class Staging:
         if any(c in mode for c in "wax+"):
             raise ValueError(f"a staged file opens for reading only, not mode {mode!r}")
         return open(self.local(relpath), mode)
+
+
+def stage_detached(src: str, dst: str, argv: list[str]) -> int:
+    """``fastload stage --background``: runs ``fastload <argv>`` (``--serve``: it stages
+    with wait=False and waits) in a process of its own session, and returns once that
+    stage is under way (it serves readers), or with the process's error where it ended
+    first. The process ends with the stage; in a job, with the job."""
+    import subprocess
+    import sys
+
+    dst_abs = Path(os.path.abspath(dst))
+    mkdir_parent(dst_abs.parent)
+    log = dst_abs.parent / f".{dst_abs.name}.fastload-background.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fastload", *argv], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
+    reader = Staging(src, dst_abs, {}, None)  # asks, never stages
+    while proc.poll() is None:
+        state = reader.progress().state
+        if state in ("starting", "copying"):
+            print(f"{dst_abs}: staging in the background (process {proc.pid}; its errors "
+                  f"in {log})")  # fmt: skip
+            return 0
+        if state != "waiting":
+            break  # ended already
+        time.sleep(RETRY)
+    code = proc.wait()
+    sys.stderr.write(log.read_text(errors="replace"))
+    if code == 0:
+        print(f"{dst_abs}: staged")
+    return code

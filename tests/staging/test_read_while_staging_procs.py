@@ -2,7 +2,9 @@
 one stage (the store serves each file once); a stager killed with SIGKILL mid-stage is
 taken over by the next caller, whose reads go on; a DataLoader's two workers (forked or
 spawned) iterate a shuffled ImageFolder through the handle and see exactly the tree's
-samples; an object prefix on the loopback S3 server serves the keys asked for first.
+samples (fastload.monitor counts the reads that waited on the stage); an object prefix
+on the loopback S3 server serves the keys asked for first; Ctrl-C stops a stage in the
+background cleanly and the next call resumes; ``fastload stage --background``.
 
 Sources are on a netsim mount (2 ms per request) with 2 files in flight for the
 background order, so a stage takes seconds and reads overlap it."""
@@ -48,6 +50,8 @@ for k, rel in enumerate(spec["read"]):
     print("READ", k, flush=True)
 r = h.wait()
 p = bg._participants.get(h.path)
+if p is not None:
+    p.finished.wait()  # (its reply to wait() comes just before its own end)
 staged = p is not None and p.result is not None and not p.result.skipped
 print("RESULT", json.dumps({"files": r.files, "staged": staged,
                             "copied": p.result.copied_files if staged else 0}), flush=True)
@@ -200,10 +204,17 @@ def test_a_dataloader_reads_a_shuffled_imagefolder_through_the_handle(
             ds, batch_size=16, shuffle=True, num_workers=2, multiprocessing_context=context,
             collate_fn=_as_list,
         )  # fmt: skip
-        seen = [(_digest(x), t) for batch in loader for x, t in batch]
+        with fastload.monitor(loader) as mon:
+            seen = [(_digest(x), t) for batch in mon for x, t in batch]
+            stats, line = mon.stats(), mon.summary()
         h.wait()
         m.unmount()
     assert sorted(seen) == sorted(expected)
+    if context == "fork":
+        # Forked workers ask for the first batches at once, before their files are
+        # staged: those reads waited. (Spawned ones start after the stage's end here.)
+        assert stats["stage/waits"] >= 1 and stats["stage/wait_s"] > 0
+        assert "reads waited on the stage" in line
 
 
 def test_an_object_prefix_serves_the_keys_asked_for_first(

@@ -33,18 +33,15 @@ from .request import StageRequest
 from .result import StageResult
 from .schedule import Schedule, inside
 from .state import mkdir_parent, named_os_errors, read_manifest
+from .waits import note_wait
 
-__all__ = ["READ_WAITS", "StageProgress", "Staging", "stage_in_background"]
+__all__ = ["StageProgress", "Staging", "stage_detached", "stage_in_background"]
 
 LOCK_POLL = 0.05  # seconds between a participant's tries of the node lock
 RETRY = 0.02  # seconds between a reader's tries of a channel not (yet) served
 
 # api.open_source: a source and its destination for a path, a URL, and a request.
 Opener = Callable[[Any, Path, StageRequest], tuple[Any, Any]]
-
-# Reads of this process that waited on the stage, and for how long (fastload.monitor).
-READ_WAITS = {"waits": 0, "wait_s": 0.0}
-_waits_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,9 +449,7 @@ class Staging:
                         raise decode_error(ans["error"], self.path / rel)
                     waited = max(waited, float(ans.get("waited", 0.0)))
                 if waited:
-                    with _waits_lock:
-                        READ_WAITS["waits"] += 1
-                        READ_WAITS["wait_s"] += waited
+                    note_wait(waited)
                 return [self.path / rel for rel in rels]
         self._raise_final()
         out = []

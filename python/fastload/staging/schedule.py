@@ -4,9 +4,10 @@
 fetching files readers asked for, and the channel's threads answering readers. A
 tree-shaped source (a tree, an object prefix) runs its plan through
 :meth:`Schedule.transfer` (the hook of tree.run_plan where ``dest.scheduler`` is set):
-the files to do go in chunks (8 times the files in flight, CHUNK_BYTES at most), each a
-``source.transfer`` at the engine's depth; beside them, a second thread fetches the
-files readers asked for that no chunk has taken yet, a job for all those asked at once,
+the files to do go in small chunks (twice the files in flight, CHUNK_BYTES at most),
+each a ``source.transfer``, two at once at half the engine's depth each (a reader's file
+taken by a chunk waits for it: a few round trips); beside them, a second thread fetches
+the files readers asked for that no chunk has taken yet, a job for all those asked at once,
 through the same ``transfer`` (same engine, digests, journal). A file is taken once,
 by a chunk or by the readers' job (``claimed``), so the store serves it once; a file a
 readers' job could not fetch goes back to the plan, and whatever is still not done when
@@ -22,6 +23,7 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +31,32 @@ from ..errors import stage_error
 from .channel import encode_error
 from .columns import Listing
 from .done import Done
-from .job import ProgressCallback
+from .job import ProgressCallback, in_flight
 from .request import StageRequest
 from .result import StageResult
 from .state import JournalFlusher
 
-__all__ = ["CHUNK_BYTES", "CHUNK_FILES", "Schedule", "inside"]
+__all__ = ["CHUNKS_AT_ONCE", "CHUNK_BYTES", "CHUNK_MIN", "Schedule", "inside"]
 
-# Files per chunk of the plan (a reader's file taken by a chunk waits for it): 8 times
-# the files in flight (``workers``), at least CHUNK_MIN, at most CHUNK_FILES.
-CHUNK_FILES = 1024
-CHUNK_MIN = 256
+# Files per chunk of the plan: twice the files in flight of a plain stage (its depth:
+# job.in_flight), at least CHUNK_MIN; CHUNKS_AT_ONCE run at once, each at half the depth.
+CHUNK_MIN = 32
+CHUNKS_AT_ONCE = 2
 CHUNK_BYTES = 256 << 20
 READERS_IN_FLIGHT = 64  # files in flight of a readers' job at most
+
+
+def _depth(source: Any, req: StageRequest) -> int:
+    """The files in flight a plain stage of ``source`` keeps (``workers``, else the
+    rule's: job.in_flight for a tree, remote's default for objects)."""
+    if req.workers:
+        return int(req.workers)
+    src = getattr(source, "src", None)
+    if src is not None:
+        return in_flight(None, src, latency_s=source.latency(req)).files
+    from .remote import DEFAULT_OBJECTS_IN_FLIGHT
+
+    return DEFAULT_OBJECTS_IN_FLIGHT
 
 
 def inside(relpath: str) -> str:
@@ -164,33 +179,46 @@ class Schedule:
                 with self.cond:
                     on_progress(done.total_bytes, files.total_bytes, len(done), len(files))
 
-        def run(rows: list[int]) -> None:
+        depth = _depth(source, req)
+        # Small chunks (a reader's file taken by one waits for it: a few round trips),
+        # two at once, each at half the depth: the engine's depth is kept between them.
+        chunk = max(CHUNK_MIN, 2 * depth)
+        half = dataclasses.replace(req, workers=max(1, depth // 2))
+
+        def run(rows: list[int], sub: StageRequest = half) -> None:
             part = dataclasses.replace(shared, todo=array("q", rows))
-            used, n, nbytes = source.transfer(req, dest, part, shared.done, flusher, None)
+            used, n, nbytes = source.transfer(sub, dest, part, shared.done, flusher, None)
             with self.cond:
                 counts[0] = used if used != "none" else counts[0]
                 counts[1] += n
                 counts[2] += nbytes
             progress()
 
-        chunk = min(CHUNK_FILES, max(CHUNK_MIN, 8 * (req.workers or CHUNK_FILES)))
         try:
-            todo, k = plan.todo, 0
-            while True:
-                rows: list[int] = []
-                with self.cond:
-                    self._check_cancelled()
-                    size, nbytes = files.size, 0
-                    while k < len(todo) and len(rows) < chunk and nbytes < CHUNK_BYTES:
-                        i = todo[k]
-                        k += 1
-                        if not self._claimed[i]:
-                            self._claimed[i] = 1
-                            rows.append(i)
-                            nbytes += size[i]
-                if not rows:
-                    break
-                run(rows)
+            with ThreadPoolExecutor(CHUNKS_AT_ONCE, thread_name_prefix="fastload-chunk") as pool:
+                running: set[Future[None]] = set()
+                todo, k = plan.todo, 0
+                while True:
+                    rows: list[int] = []
+                    with self.cond:
+                        self._check_cancelled()
+                        size, nbytes = files.size, 0
+                        while k < len(todo) and len(rows) < chunk and nbytes < CHUNK_BYTES:
+                            i = todo[k]
+                            k += 1
+                            if not self._claimed[i]:
+                                self._claimed[i] = 1
+                                rows.append(i)
+                                nbytes += size[i]
+                    if not rows:
+                        break
+                    if len(running) >= CHUNKS_AT_ONCE:
+                        finished, running = wait(running, return_when=FIRST_COMPLETED)
+                        for f in finished:
+                            f.result()  # a chunk's error: the stage's (the other ends first)
+                    running.add(pool.submit(run, rows))
+                for f in running:
+                    f.result()
         finally:
             with self.cond:
                 stop[0] = True
@@ -202,7 +230,7 @@ class Schedule:
             left = [i for i in plan.todo if not done.is_done(i)]
         for start in range(0, len(left), chunk):
             self._check_cancelled()
-            run(left[start : start + chunk])
+            run(left[start : start + chunk], req)
         return str(counts[0]), counts[1], counts[2]
 
     def _serve_readers(self, source: Any, req: StageRequest, dest: Any, plan: Any,

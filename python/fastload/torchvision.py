@@ -278,11 +278,18 @@ class ImageNet(_DropIn):
     class directories, or its archive: the training tar of tars is extracted in one
     pass) and the devkit (or ``meta.bin``) are staged to ``{tmpdir}/imagenet``, from
     ``root`` or else from the registry. torchvision then reads it; what it still has to
-    prepare (``meta.bin``, sorting the validation images) it does once per node."""
+    prepare (``meta.bin``, sorting the validation images) it does once per node.
+
+    ``root`` may be a Staging handle on a split's class folders, or ``wait=False``
+    stages the split folder of ``root`` in the background: the dataset then reads
+    through it (:meth:`_read_through`)."""
 
     def __new__(
-        cls, root: PathLike | None = None, split: str = "train", **kwargs: Any
-    ) -> Any:
+        cls, root: PathLike | Staging | None = None, split: str = "train", wait: bool = True,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if not wait or not isinstance(root, (str, os.PathLike, type(None))):
+            return cls._read_through(root, split, **kwargs)
         tvd = _datasets()
         env = current()
         local = env.tmpdir / "imagenet"
@@ -299,6 +306,41 @@ class ImageNet(_DropIn):
         local.mkdir(parents=True, exist_ok=True)
         with node_lock(local / f"{split}-prepare"):
             return tvd.ImageNet(str(local), split=split, **kwargs)
+
+    @classmethod
+    def _read_through(cls, root: Any, split: str, loader: Callable[[str], Any] | None = None,
+                      transform: Transform = None, target_transform: Transform = None,
+                      ) -> Any:  # fmt: skip
+        """ImageNet's split read while it stages: ``root`` a handle on the split's class
+        folders (its ``meta.bin`` beside them, or none), or the root holding ``split``
+        (a directory) and ``meta.bin`` or the devkit, staged with wait=False (the meta
+        data first: it is small). A FolderDataset with ImageNet's attributes: ``wnids``,
+        ``wnid_to_idx``, ``classes`` (names from meta.bin where there is one)."""
+        from .staging.background import Staging
+
+        env = current()
+        local = env.tmpdir / "imagenet"
+        if isinstance(root, Staging):
+            handle, meta = root, root.path.parent / "meta.bin"
+        else:
+            src = Path(os.fspath(root)) if root is not None else None
+            if src is None or not (src / split).is_dir():
+                raise FileNotFoundError(f"ImageNet(wait=False) reads a split folder "
+                                        f"'{split}' of root, not found in {root}")  # fmt: skip
+            cls._stage_meta(src, env)
+            handle = resolve("imagenet", sources=[src / split],
+                             destination=local / split, env=env, wait=False)  # fmt: skip
+            meta = local / "meta.bin"
+        ds = _folder(handle, loader, extensions=IMG_EXTENSIONS, transform=transform,
+                     target_transform=target_transform)  # fmt: skip
+        ds.wnids, ds.wnid_to_idx, ds.split = ds.classes, ds.class_to_idx, split
+        if meta.is_file():
+            import torch
+
+            wnid_to_classes = torch.load(meta)[0]
+            ds.classes = [wnid_to_classes[w] for w in ds.wnids]
+            ds.class_to_idx = {c: i for i, names in enumerate(ds.classes) for c in names}
+        return ds
 
     @staticmethod
     def _stage_split(src: Path | None, split: str, env: Environment) -> None:

@@ -180,3 +180,39 @@ def test_an_archives_members_come_in_its_order(tree: Path, tmp_path: Path, suffi
     assert (dst / "zz-pad.bin").read_bytes() == (pad / "zz-pad.bin").read_bytes()
     (dst / "zz-pad.bin").unlink()
     trees.assert_same_tree(tree, dst, mtimes=False)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_imagenet_reads_its_split_while_it_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fastload.torchvision.ImageNet(root, wait=False): the split's class folders are
+    read through the handle; meta.bin (staged first) names the classes."""
+    torch = pytest.importorskip("torch")
+    import fastload.torchvision as ftv
+
+    monkeypatch.setenv("FASTLOAD_ENV", "local")
+    monkeypatch.setenv("FASTLOAD_TMPDIR", str(tmp_path / "node"))
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))
+    src = tmp_path / "imagenet"
+    wnids = ["n01440764", "n01443537"]
+    for w in wnids:
+        for i in range(3):
+            trees.write_file(src / "train" / w / f"{w}_{i}.JPEG", f"{w}{i}".encode() * 50)
+    torch.save(({wnids[0]: ("tench", "Tinca tinca"), wnids[1]: ("goldfish",)}, []),
+               src / "meta.bin")  # fmt: skip
+    ds = ftv.ImageNet(src, split="train", wait=False, loader=_read)
+    assert ds.wnids == wnids and ds.classes == [("tench", "Tinca tinca"), ("goldfish",)]
+    assert ds.class_to_idx == {"tench": 0, "Tinca tinca": 0, "goldfish": 1}
+    assert len(ds) == 6 and ds.targets == [0, 0, 0, 1, 1, 1]
+    assert ds[4] == ((src / "train" / wnids[1] / f"{wnids[1]}_1.JPEG").read_bytes(), 1)
+    assert ds.staging.wait().files == 6
+    assert ds.staging.path == tmp_path / "node" / "imagenet" / "train"
+    # A handle of the split itself (no meta.bin beside its copy): the classes are wnids.
+    h = fastload.stage(src / "train", tmp_path / "other" / "train", wait=False)
+    assert ftv.ImageNet(h, loader=_read).classes == wnids

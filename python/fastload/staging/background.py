@@ -156,9 +156,7 @@ class _Participant:
                 os.close(self.fd)
             self.fd = None
         if self.server is not None:
-            for fd in self.server.fds():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self.server.forget()
         self.finished.set()
 
 

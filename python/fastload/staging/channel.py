@@ -92,10 +92,14 @@ class Server:
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def fds(self) -> list[int]:
-        """The descriptors this server holds (closed in a forked child)."""
-        with self._lock:
-            return [s.fileno() for s in [self._sock, *self._conns] if s.fileno() >= 0]
+    def forget(self) -> None:
+        """In a forked child: closes this process's copies of the server's sockets (the
+        parent's stay open and served), without shutting them down."""
+        for s in [self._sock, *self._conns]:
+            with contextlib.suppress(OSError):
+                fd = s.detach()
+                if fd >= 0:
+                    os.close(fd)
 
     def _accept(self) -> None:
         while True:

@@ -41,6 +41,7 @@ __all__ = ["CHUNKS_AT_ONCE", "CHUNK_BYTES", "CHUNK_MIN", "Schedule", "inside"]
 # Files per chunk of the plan: twice the files in flight of a plain stage (its depth:
 # job.in_flight), at least CHUNK_MIN; CHUNKS_AT_ONCE run at once, each at half the depth.
 CHUNK_MIN = 32
+CHUNK_DEPTHS = 2
 CHUNKS_AT_ONCE = 2
 CHUNK_BYTES = 256 << 20
 READERS_IN_FLIGHT = 64  # files in flight of a readers' job at most
@@ -182,7 +183,7 @@ class Schedule:
         depth = _depth(source, req)
         # Small chunks (a reader's file taken by one waits for it: a few round trips),
         # two at once, each at half the depth: the engine's depth is kept between them.
-        chunk = max(CHUNK_MIN, 2 * depth)
+        chunk = max(CHUNK_MIN, int(CHUNK_DEPTHS * depth))
         half = dataclasses.replace(req, workers=max(1, depth // 2))
 
         def run(rows: list[int], sub: StageRequest = half) -> None:
@@ -327,7 +328,8 @@ class Schedule:
                     while self.state == "copying":  # an archive's members: known at its end
                         self.cond.wait()
                 if self.state == "copying" and files is not None:
-                    return {"files": sorted(files.path(i) for i in range(len(files))),
+                    paths = list(map(os.fsdecode, files.path_bytes()))
+                    return {"files": paths if files.is_sorted() else sorted(paths),
                             **self._final()}  # fmt: skip
             return self._final()
         raise ValueError(f"unknown request {op!r}")
@@ -363,8 +365,21 @@ class Schedule:
             return out
 
     def _row(self, rel: str) -> int | None:
+        """``rel``'s row in the listing: a binary search of a sorted one (a walk's, a
+        prefix's), else a dictionary made at the first request."""
         files = self._files
         assert files is not None
+        if files.is_sorted():
+            key, paths, ends = os.fsencode(rel), files.paths, files.offsets
+            lo, hi = 0, len(files)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if bytes(paths[ends[mid] : ends[mid + 1]]) < key:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            found = lo < len(files) and bytes(paths[ends[lo] : ends[lo + 1]]) == key
+            return lo if found else None
         if self._rows is None:
             self._rows = {files.path(i): i for i in range(len(files))}
         return self._rows.get(rel)

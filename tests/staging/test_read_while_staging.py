@@ -216,3 +216,20 @@ def test_imagenet_reads_its_split_while_it_stages(
     # A handle of the split itself (no meta.bin beside its copy): the classes are wnids.
     h = fastload.stage(src / "train", tmp_path / "other" / "train", wait=False)
     assert ftv.ImageNet(h, loader=_read).classes == wnids
+
+
+def test_resolve_returns_the_handle(tree: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FASTLOAD_ENV", "local")
+    monkeypatch.setenv("FASTLOAD_TMPDIR", str(tmp_path / "node"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))
+    dst = tmp_path / "node" / "pets"
+    h = fastload.resolve(str(tree), destination=dst, wait=False)
+    assert isinstance(h, Staging) and h.path == dst
+    rel = _names(tree)[-1]
+    assert h.local(rel).read_bytes() == (tree / rel).read_bytes()
+    assert h.wait().files == N
+    # Data already on the node is read where it is, through a handle all the same.
+    here = fastload.resolve(str(dst), wait=False)
+    assert here.done and here.local(rel) == dst / rel
+    assert len(here.files()) == N

@@ -304,3 +304,77 @@ def test_the_cli_stages_in_the_background(tree: Path, tmp_path: Path) -> None:
                        capture_output=True, text=True, env=procs.child_env(), timeout=120,
                        check=False)  # fmt: skip
     assert r.returncode != 0 and "absent" in r.stderr
+
+
+_OTHER_USER = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+name = "\0" + sys.argv[1]  # the abstract name (argv holds no NUL)
+if sys.argv[2] == "ask":
+    s.connect(name)
+    try:
+        s.sendall(b'{"op": "want", "paths": ["dir000/f00000.dat"]}\n')
+        s.settimeout(60)
+        got = s.recv(100)
+    except (BrokenPipeError, ConnectionResetError):
+        got = b""  # closed before the request was read
+    print(repr(got), flush=True)
+else:  # squat the name, and hold it until told
+    s.bind(name)
+    s.listen(8)
+    print("BOUND", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _as_nobody() -> dict[str, Any]:
+    """subprocess keywords running a child as the user nobody."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run a child as another user")
+    return {"user": 65534, "group": 65534, "extra_groups": []}
+
+
+# The other user's child needs only the standard library: the system's interpreter
+# (the user nobody may not reach the test's virtual environment).
+_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
+
+def test_another_user_cannot_ask_the_stager(tree: Path, tmp_path: Path) -> None:
+    """The channel is the user's alone: a request of another user's process is not
+    answered (the connection is closed), and the stage goes on."""
+    from fastload.staging.channel import channel_name
+
+    names = _names(tree)
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        dst = tmp_path / "dst"
+        h = fastload.stage(m.path, dst, wait=False, workers=2)
+        h.local(names[0])  # the stager serves
+        r = subprocess.run([_PYTHON, "-c", _OTHER_USER, channel_name(dst)[1:], "ask"],
+                           capture_output=True, text=True, timeout=120, check=False,
+                           cwd="/", **_as_nobody())  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "b''"  # closed unanswered
+        assert not h.done
+        assert h.wait().files == N
+        m.unmount()
+
+
+def test_a_channel_squatted_by_another_user_is_refused(tree: Path, tmp_path: Path) -> None:
+    """Another user's process holding the channel's name first: the stage fails saying
+    so, and no reader takes that process for the stager."""
+    from fastload.staging.channel import channel_name
+
+    dst = tmp_path / "dst"
+    squat = subprocess.Popen([_PYTHON, "-c", _OTHER_USER, channel_name(dst)[1:], "bind"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd="/", **_as_nobody())  # fmt: skip
+    try:
+        assert squat.stdout is not None and squat.stdout.readline().strip() == "BOUND"
+        h = fastload.stage(tree, dst, wait=False)
+        with pytest.raises(fastload.StageError, match="another"):
+            h.local(_names(tree)[0])
+        with pytest.raises(fastload.StageError, match="another"):
+            h.wait()
+    finally:
+        squat.communicate("\n", timeout=60)

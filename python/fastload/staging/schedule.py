@@ -204,6 +204,11 @@ class Schedule:
                 running: set[Future[None]] = set()
                 todo, k = plan.todo, 0
                 while True:
+                    if len(running) >= CHUNKS_AT_ONCE:  # a slot first, then the rows:
+                        # rows taken early would wait, unreachable by the readers' job
+                        finished, running = wait(running, return_when=FIRST_COMPLETED)
+                        for f in finished:
+                            f.result()  # a chunk's error: the stage's (the other ends first)
                     rows: list[int] = []
                     with self.cond:
                         self._check_cancelled()
@@ -217,10 +222,6 @@ class Schedule:
                                 nbytes += size[i]
                     if not rows:
                         break
-                    if len(running) >= CHUNKS_AT_ONCE:
-                        finished, running = wait(running, return_when=FIRST_COMPLETED)
-                        for f in finished:
-                            f.result()  # a chunk's error: the stage's (the other ends first)
                     running.add(pool.submit(run, rows))
                 for f in running:
                     f.result()

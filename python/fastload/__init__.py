@@ -32,12 +32,14 @@ if TYPE_CHECKING:  # at run time, __getattr__ below imports them on first use
     from .data import Mix, PackedBatch, ShardIndexDataset, ShardIterableDataset, Stream
     from .data.collate import collate
     from .data.device import decode_images, to_device
+    from .data.files import FileDataset
     from .data.monitor import Monitor, monitor
     from .env import resolve
     from .index import ShardIndex
     from .packing import PackResult, ShardWriter, pack, pack_dataset, register_encoder
     from .probing import ProbeResult, probe
     from .staging import StageResult, VerifyResult, available_engines, stage, verify
+    from .staging.background import Staging
 
 _LAYERS = """
 fastload.__main__
@@ -64,6 +66,8 @@ _LAZY = {
     **dict.fromkeys(("StageResult", "VerifyResult", "available_engines", "stage",
                      "verify"), ".staging"),
     "ShardIndex": ".index",
+    "FileDataset": ".data.files",
+    "Staging": ".staging.background",
     "resolve": ".env",
 }  # fmt: skip
 # The parts, as attributes once imported (an `import fastload` used to import these).
@@ -74,6 +78,7 @@ __version__: str  # __getattr__ below: importlib.metadata costs an import ~25 ms
 __all__ = [
     "ChecksumMismatchError",
     "FastloadError",
+    "FileDataset",
     "IndexFormatError",
     "Mix",
     "Monitor",
@@ -88,6 +93,7 @@ __all__ = [
     "SourceChangedError",
     "StageError",
     "StageResult",
+    "Staging",
     "Stream",
     "TarFormatError",
     "UnsafeArchiveError",

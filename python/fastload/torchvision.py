@@ -24,11 +24,14 @@ import importlib
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ._util import node_lock
 from .env import Environment, current, datasets, resolve
 from .errors import ChecksumMismatchError
+
+if TYPE_CHECKING:
+    from .staging.background import Staging
 
 __all__ = [
     "CIFAR10",
@@ -186,19 +189,56 @@ class FashionMNIST(CIFAR10):
     _name, _folder, _archive = "fashionmnist", "FashionMNIST", None
 
 
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _read_through(root: Any, wait: bool) -> Staging | None:
+    """The handle to read ``root`` through while it stages: ``root`` itself, or one
+    made by ``resolve(root, wait=False)``; None to stage first (torchvision's class)."""
+    from .staging.background import Staging
+
+    if isinstance(root, Staging):
+        return root
+    return resolve(root, wait=False) if not wait else None
+
+
+def _folder(handle: Staging, loader: Callable[[str], Any] | None, **kwargs: Any) -> Any:
+    from .data.files import FolderDataset
+
+    if loader is None:
+        loader = importlib.import_module("torchvision.datasets.folder").default_loader
+        _datasets()  # without torchvision: an ImportError that says so
+    return FolderDataset(handle, loader, **kwargs)
+
+
 class ImageFolder(_DropIn):
     """``torchvision.datasets.ImageFolder`` on a node-local copy of ``root`` (a path, an
-    archive, a URL or a registry name: anything :func:`fastload.resolve` takes)."""
+    archive, a URL or a registry name: anything :func:`fastload.resolve` takes).
+
+    ``root`` may be a :class:`~fastload.staging.background.Staging` handle
+    (``stage(..., wait=False)``), or ``wait=False`` makes one: the dataset
+    (:class:`~fastload.data.files.FolderDataset`, with ImageFolder's attributes) then
+    reads through it while it stages; its classes and samples come from the source's
+    listing, final from the first batch."""
 
     def __new__(
         cls,
-        root: PathLike,
+        root: PathLike | Staging,
         transform: Transform = None,
         target_transform: Transform = None,
         loader: Callable[[str], Any] | None = None,
         is_valid_file: Callable[[str], bool] | None = None,
         allow_empty: bool = False,
+        wait: bool = True,
     ) -> Any:
+        handle = _read_through(root, wait)
+        if handle is not None:
+            return _folder(
+                handle, loader, extensions=None if is_valid_file else IMG_EXTENSIONS,
+                transform=transform, target_transform=target_transform,
+                is_valid_file=is_valid_file, allow_empty=allow_empty,
+            )  # fmt: skip
         tvd = _datasets()
         kwargs: dict[str, Any] = {}
         if loader is not None:
@@ -206,7 +246,7 @@ class ImageFolder(_DropIn):
         if allow_empty:  # torchvision >= 0.18
             kwargs["allow_empty"] = True
         return tvd.ImageFolder(
-            str(resolve(root)),
+            str(resolve(os.fspath(root))),  # type: ignore[arg-type]  # (not a handle)
             transform=transform,
             target_transform=target_transform,
             is_valid_file=is_valid_file,
@@ -215,22 +255,31 @@ class ImageFolder(_DropIn):
 
 
 class DatasetFolder(_DropIn):
-    """``torchvision.datasets.DatasetFolder`` on a node-local copy of ``root``."""
+    """``torchvision.datasets.DatasetFolder`` on a node-local copy of ``root``; as
+    :class:`ImageFolder`, ``root`` may be a handle, or ``wait=False`` makes one."""
 
     def __new__(
         cls,
-        root: PathLike,
+        root: PathLike | Staging,
         loader: Callable[[str], Any],
         extensions: tuple[str, ...] | None = None,
         transform: Transform = None,
         target_transform: Transform = None,
         is_valid_file: Callable[[str], bool] | None = None,
         allow_empty: bool = False,
+        wait: bool = True,
     ) -> Any:
+        handle = _read_through(root, wait)
+        if handle is not None:
+            return _folder(
+                handle, loader, extensions=extensions, transform=transform,
+                target_transform=target_transform, is_valid_file=is_valid_file,
+                allow_empty=allow_empty,
+            )  # fmt: skip
         tvd = _datasets()
         kwargs: dict[str, Any] = {"allow_empty": True} if allow_empty else {}
         return tvd.DatasetFolder(
-            str(resolve(root)),
+            str(resolve(os.fspath(root))),  # type: ignore[arg-type]  # (not a handle)
             loader,
             extensions=extensions,
             transform=transform,
@@ -252,11 +301,18 @@ class ImageNet(_DropIn):
     class directories, or its archive: the training tar of tars is extracted in one
     pass) and the devkit (or ``meta.bin``) are staged to ``{tmpdir}/imagenet``, from
     ``root`` or else from the registry. torchvision then reads it; what it still has to
-    prepare (``meta.bin``, sorting the validation images) it does once per node."""
+    prepare (``meta.bin``, sorting the validation images) it does once per node.
+
+    ``root`` may be a Staging handle on a split's class folders, or ``wait=False``
+    stages the split folder of ``root`` in the background: the dataset then reads
+    through it (:meth:`_read_through`)."""
 
     def __new__(
-        cls, root: PathLike | None = None, split: str = "train", **kwargs: Any
-    ) -> Any:
+        cls, root: PathLike | Staging | None = None, split: str = "train", wait: bool = True,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if not wait or not isinstance(root, (str, os.PathLike, type(None))):
+            return cls._read_through(root, split, **kwargs)
         tvd = _datasets()
         env = current()
         local = env.tmpdir / "imagenet"
@@ -273,6 +329,41 @@ class ImageNet(_DropIn):
         local.mkdir(parents=True, exist_ok=True)
         with node_lock(local / f"{split}-prepare"):
             return tvd.ImageNet(str(local), split=split, **kwargs)
+
+    @classmethod
+    def _read_through(cls, root: Any, split: str, loader: Callable[[str], Any] | None = None,
+                      transform: Transform = None, target_transform: Transform = None,
+                      ) -> Any:  # fmt: skip
+        """ImageNet's split read while it stages: ``root`` a handle on the split's class
+        folders (its ``meta.bin`` beside them, or none), or the root holding ``split``
+        (a directory) and ``meta.bin`` or the devkit, staged with wait=False (the meta
+        data first: it is small). A FolderDataset with ImageNet's attributes: ``wnids``,
+        ``wnid_to_idx``, ``classes`` (names from meta.bin where there is one)."""
+        from .staging.background import Staging
+
+        env = current()
+        local = env.tmpdir / "imagenet"
+        if isinstance(root, Staging):
+            handle, meta = root, root.path.parent / "meta.bin"
+        else:
+            src = Path(os.fspath(root)) if root is not None else None
+            if src is None or not (src / split).is_dir():
+                raise FileNotFoundError(f"ImageNet(wait=False) reads a split folder "
+                                        f"'{split}' of root, not found in {root}")  # fmt: skip
+            cls._stage_meta(src, env)
+            handle = resolve("imagenet", sources=[src / split],
+                             destination=local / split, env=env, wait=False)  # fmt: skip
+            meta = local / "meta.bin"
+        ds = _folder(handle, loader, extensions=IMG_EXTENSIONS, transform=transform,
+                     target_transform=target_transform)  # fmt: skip
+        ds.wnids, ds.wnid_to_idx, ds.split = ds.classes, ds.class_to_idx, split
+        if meta.is_file():
+            import torch
+
+            wnid_to_classes = torch.load(meta)[0]
+            ds.classes = [wnid_to_classes[w] for w in ds.wnids]
+            ds.class_to_idx = {c: i for i, names in enumerate(ds.classes) for c in names}
+        return ds
 
     @staticmethod
     def _stage_split(src: Path | None, split: str, env: Environment) -> None:

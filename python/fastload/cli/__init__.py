@@ -11,7 +11,7 @@ from typing import Any, Literal, Sequence
 
 from .._util import human
 from ..errors import FastloadError
-from ..staging import stage, verify
+from ..staging import StageResult, stage, verify
 from .parser import _parser, _want_progress
 
 
@@ -205,8 +205,14 @@ def _print_stage_stats(st: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "stage" and args.background:
+            from ..staging.background import stage_detached
+
+            argv = list(sys.argv[1:] if argv is None else argv)
+            return stage_detached(args.src, args.dst, [a if a != "--background" else "--serve"
+                                                       for a in argv])  # fmt: skip
         if args.command == "stage":
-            r = stage(
+            staged = stage(
                 args.src,
                 args.dst,
                 include=args.include,
@@ -226,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fanout=args.fanout_transport or args.fanout,
                 stats=args.stats,
                 zip_options=_zip_options(args),
+                wait=not args.serve,  # --serve: the process --background started
             )
+            r = staged if isinstance(staged, StageResult) else staged.wait()
             if r.skipped:
                 print(f"{r.path}: already staged ({r.files} files, {human(r.bytes)})")
             else:

@@ -186,6 +186,19 @@ def _parser() -> argparse.ArgumentParser:
         "copying, CPU time, and bytes and files per second over time",
     )
     s.add_argument(
+        "--background",
+        action="store_true",
+        help="return once the stage is under way, run by a process of its own that serves "
+        "readers (fastload.stage(SRC, DST, wait=False) reads through it: "
+        "docs/read-while-staging.md)",
+    )
+    s.add_argument(
+        "--serve",
+        action="store_true",
+        help="stage as with --background, in this process (what --background runs): "
+        "readers read through it while it stages; returns at the stage's end",
+    )
+    s.add_argument(
         "--skip-special",
         action="store_true",
         help="skip devices, FIFOs, sockets and symlinks leaving the tree",

@@ -26,20 +26,25 @@ import numpy as np
 
 from .. import _core
 from ..cache import store
+from ..staging import waits
 from .collate import PackedBatch
 
 __all__ = ["ACTIVE", "FIELDS", "Probe", "timed"]
+
+#: Reads that waited on a stage in the background, and their seconds (staging/waits.py).
+STAGE_WAITS = ("stage_waits", "stage_wait_s")
 
 #: The fields of a row. Stage times are exclusive (a read's time leaves out the shard
 #: fetches inside it).
 FIELDS = (
     "batches", "samples", "bytes", "read_s", "fetch_s", "transform_s", "collate_s",
-    *store.Counters.FIELDS, "pid",
+    *store.Counters.FIELDS, *STAGE_WAITS, "pid",
 )  # fmt: skip
 F = {name: i for i, name in enumerate(FIELDS)}
 BATCHES, SAMPLES, BYTES, READ, FETCH, TRANSFORM, COLLATE = range(7)
 PID = F["pid"]
 _CACHE = [(F[name], name) for name in store.Counters.FIELDS]
+_WAITS = [(F[name], name) for name in STAGE_WAITS]
 #: The header (row 0): the monitor's clock origin, and whether workers trace (1) or not.
 T0, TRACING = 0, 1
 #: Trace spans of one name closer than this (seconds) are drawn as one (a transform
@@ -79,6 +84,7 @@ class Probe:
         self.header = self.block[0]
         self.row[PID] = os.getpid()
         self._base = store.COUNTERS.snapshot()
+        self._waits = waits.snapshot()
         self._inner = 0.0
         self._batches = 0
         self._walked = [0, 0]  # bytes and samples of the batches walked
@@ -139,6 +145,9 @@ class Probe:
         now = store.COUNTERS.snapshot()
         for i, name in _CACHE:
             row[i] = now[name] - self._base[name]
+        waited = waits.snapshot()
+        for i, name in _WAITS:
+            row[i] = waited[name] - self._waits[name]
         if self._fd >= 0:
             self.flush()
 

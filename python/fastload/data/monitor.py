@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..cache import store
+from ..staging import waits
 from . import _gpu, _probe
 from ._probe import FIELDS, Probe
 
@@ -127,6 +128,7 @@ class Monitor(Generic[T]):
         self._main: Probe | None = None
         self._cache_base = store.COUNTERS.snapshot()
         self._gpu_base = _gpu.COUNTERS.snapshot()
+        self._waits_base = waits.snapshot()
         # the loop's counters
         self.steps = 0
         self.samples = 0
@@ -136,6 +138,7 @@ class Monitor(Generic[T]):
         self._first_wait = 0.0  # the waits for each epoch's first batch (start-up)
         self._last_log = self._t0
         self._window: dict[str, float] | None = None
+        self._staged = False  # the stage read through (if any) has ended
         self._store = self._store_label()
         self._install()
 
@@ -265,6 +268,9 @@ class Monitor(Generic[T]):
         rows = {"main": block[_MAIN].copy()}
         for name in store.Counters.FIELDS:
             rows["main"][_probe.F[name]] = cache_now[name] - self._cache_base[name]
+        waits_now = waits.snapshot()
+        for name in _probe.STAGE_WAITS:
+            rows["main"][_probe.F[name]] = waits_now[name] - self._waits_base[name]
         for w in range(self.workers):
             rows[str(w)] = block[_MAIN + 1 + w]
         total = sum(rows.values())
@@ -289,7 +295,23 @@ class Monitor(Generic[T]):
         out["store/gets_in_flight"] = out["store/get_s"] / busy if busy > 0 else 0.0
         for name, v in _gpu.COUNTERS.snapshot().items():
             out[f"gpu/{name}"] = v - self._gpu_base.get(name, 0.0)
+        out["stage/waits"] = out["workers/stage_waits"]  # reads that waited on the stage
+        out["stage/wait_s"] = out["workers/stage_wait_s"]
         return out
+
+    def _stage_progress(self) -> str | None:
+        """The stage the dataset reads through, while it runs (stage(wait=False))."""
+        handle = getattr(getattr(self.loader, "dataset", None), "staging", None)
+        if handle is None or not hasattr(handle, "progress") or self._staged:
+            return None
+        p = handle.progress()
+        if p.state in ("done", "failed"):
+            self._staged = True
+            return None
+        if p.files_total is None:
+            return f"staging: {p.files_done} files"
+        share = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
+        return f"staging {share:.0%} ({p.files_done}/{p.files_total} files)"
 
     def summary(self) -> str:
         """One line on the whole run so far, the figures of :meth:`stats`: the share of
@@ -321,6 +343,12 @@ class Monitor(Generic[T]):
             parts.append(f"cache {d['cache/hits'] / pins:.0%} hit")
         if d["cache/download_bytes"] and wall > 0:
             parts.append(f"{self._store} {_rate(d['cache/download_bytes'] / wall, 'B')}/s")
+        if d["stage/waits"]:
+            parts.append(f"{d['stage/waits']:.0f} reads waited on the stage "
+                         f"{d['stage/wait_s']:.1f} s")  # fmt: skip
+        staging = self._stage_progress()
+        if staging is not None:
+            parts.append(staging)
         if share > self.stall_threshold:
             parts.append("stall: " + self._explain(d))
         return " | ".join(parts)

@@ -22,14 +22,15 @@ import urllib.parse
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union, overload
 
 from .._util import parse_checksum
 from ..errors import ChecksumMismatchError, NotEnoughSpaceError, stage_error
 from ..sources import check_supported, is_store_url, is_url
 from ..sources import download as download_url
-from ..staging import Patterns, Progress, archive_compression, stage
+from ..staging import Patterns, Progress, StageResult, archive_compression, stage
 from ..staging.archive import SUFFIXES
+from ..staging.background import Staging
 from ..staging.zipformat import is_zip_file
 from .base import Environment, expand
 from .datasets import DatasetSpec, Source, Unpack, datasets
@@ -49,7 +50,17 @@ __all__ = ["resolve"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+@overload
 def resolve(
+    name_or_path: PathLike | None = None, *, wait: Literal[True] = ..., **options: Any
+) -> Path: ...
+@overload
+def resolve(
+    name_or_path: PathLike | None = None, *, wait: Literal[False], **options: Any
+) -> Staging: ...
+
+
+def resolve(  # type: ignore[misc]  # (the overloads say what wait= returns)
     name_or_path: PathLike | None = None,
     *,
     sources: Sequence[PathLike] | None = None,
@@ -65,7 +76,8 @@ def resolve(
     storage_options: Mapping[str, Any] | None = None,
     fanout: bool | Any = False,
     on_full: OnFull | None = None,
-) -> Path:
+    wait: bool = True,
+) -> Path | Staging:
     """Finds a dataset, stages it to node-local disk, and returns the local path.
 
     ``resolve("imagenet", split="train")`` stages ImageNet's training set from where
@@ -105,6 +117,11 @@ def resolve(
             place, an archive, a bucket's objects or a URL's download is extracted or
             downloaded once into the ``cache``; ``"error"`` raises
             :class:`NotEnoughSpaceError`. See docs/on-full.md.
+        wait: ``False`` returns at once the :class:`~fastload.staging.background.Staging`
+            handle of the stage (``stage(..., wait=False)``): read the data through it
+            while it stages (docs/read-while-staging.md). Where the data does not fit
+            (``on_full``), the decision is made first, from the data's measured size, and
+            the handle is the stage into the cache, or one of the source read in place.
 
     Data already in the environment's ``tmpdir`` is returned where it is (with no
     ``destination``): it is node-local already.
@@ -160,7 +177,7 @@ def resolve(
                         unpack=src.unpack if unpack == "auto" and src.unpack is not None
                         else unpack,
                         checksum=src_checksum, progress=progress,
-                        storage_options=storage_options,
+                        storage_options=storage_options, wait=wait,
                     )  # fmt: skip
                 except FileNotFoundError as e:
                     failures.append(e)
@@ -182,7 +199,7 @@ def resolve(
             if hit is None:
                 continue
             if destination is None and _within(hit, environment.tmpdir):
-                return hit
+                return hit if wait else Staging.ready(hit)
             found = hit
         return _stage_found(
             found,
@@ -196,6 +213,7 @@ def resolve(
             progress=progress,
             fanout=fanout,
             where=_Where(full, cache_dir, f"{name!r} ({found})", spec.returns),
+            wait=wait,
         )
 
     what = f"dataset {name!r}" + (f" (split {split!r})" if split else "")
@@ -285,7 +303,8 @@ def _stage_found(
     progress: Progress,
     fanout: bool | Any,
     where: _Where,
-) -> Path:
+    wait: bool = True,
+) -> Path | Staging:
     is_file = found.is_file()
     as_file = is_file and (
         unpack is False or (archive_compression(found) is None and not is_zip_file(found))
@@ -305,6 +324,7 @@ def _stage_found(
         checksum=checksum,
         progress=progress,
         fanout=fanout,
+        wait=wait,
     )
 
 
@@ -317,39 +337,43 @@ class _Where(NamedTuple):
     returns: str | None
 
 
-def _placed(source: str, target: Path, base: Path, where: _Where, **kw: Any) -> Path:
+def _placed(source: str, target: Path, base: Path, where: _Where, wait: bool = True,
+            **kw: Any) -> Path | Staging:  # fmt: skip
     """stage() of ``source`` into ``target`` (inside ``base``, or beside it for a file),
     or, where it does not fit and ``on_full`` allows, where placement.choose() says; the
-    path resolve() returns."""
+    path resolve() returns, or with ``wait=False`` the stage's handle."""
 
-    def returned(result: Path, top: Path) -> Path:
-        return result if where.returns is None else top / where.returns
+    def returned(result: StageResult | Staging, top: Path) -> Path | Staging:
+        if isinstance(result, Staging):
+            return result
+        return result.path if where.returns is None else top / where.returns
 
     if where.on_full == "error":
-        return returned(stage(source, target, **kw).path, base)
+        return returned(stage(source, target, wait=wait, **kw), base)
     options = {k: kw.get(k) for k in ("include", "unpack")}
     top = where.cache / "staged" / cache_key(source, options) / base.name
     cached = top / target.relative_to(base) if base in target.parents else top.parent / target.name
-    # Fanned out, every node must enter the stage or none: measured first, so that no
-    # node finds itself short of room inside the group's stage.
+    # Fanned out, every node must enter the stage or none; in the background, a stage
+    # that found no room would fail after resolve() returned: measured first.
     place, _ = choose(
         source, target, cached, label=where.label, include=kw.get("include"),
         unpack=kw.get("unpack", "auto"), storage_options=kw.get("storage_options"),
-        measure=True if kw.get("fanout") else None,
+        measure=True if kw.get("fanout") or not wait else None,
     )  # fmt: skip
     if place.where == "local":
         if target.is_symlink() and os.readlink(target) in (source, str(cached)):
             target.unlink()  # the view of an earlier fallback: a stage would write through it
         try:
-            return returned(stage(source, target, **kw).path, base)
+            return returned(stage(source, target, wait=wait, **kw), base)
         except NotEnoughSpaceError as e:
             place = refit(place, cached, e, where.label,
                           storage_options=kw.get("storage_options"))
     warnings.warn(place.why, OnFullWarning, stacklevel=_outside())
     if place.where == "in_place":
-        return _in_place(Path(source), target, base, where.returns, kw.get("checksum"))
+        here = _in_place(Path(source), target, base, where.returns, kw.get("checksum"))
+        return here if wait else Staging.ready(here)
     kw.pop("fanout", None)  # the cache is one copy for every node
-    return returned(stage(source, cached, **kw).path, top)
+    return returned(stage(source, cached, wait=wait, **kw), top)
 
 
 def _outside() -> int:

@@ -15,7 +15,7 @@ import re
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Union, overload
 
 from .. import _core
 from ..errors import stage_error
@@ -30,6 +30,9 @@ from .result import StageResult, VerifyResult
 from .state import mark_damaged, mkdir_parent, named_os_errors, read_manifest, state_dir
 from .tree import LocalTree
 
+if TYPE_CHECKING:
+    from .background import Staging
+
 __all__ = ["StageResult", "VerifyResult", "available_engines", "stage", "verify"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -40,7 +43,23 @@ def available_engines() -> list[str]:
     return ["uring", "pread"] if _core.uring_available() else ["pread"]
 
 
+@overload
 def stage(
+    src: PathLike | BinaryIO | int, dst: PathLike, *, wait: Literal[True] = ..., **options: Any
+) -> StageResult: ...
+@overload
+def stage(
+    src: PathLike | BinaryIO | int, dst: PathLike, *, wait: Literal[False], **options: Any
+) -> Staging: ...
+@overload
+def stage(
+    src: PathLike | BinaryIO | int, dst: PathLike, *, wait: bool, **options: Any
+) -> StageResult | Staging: ...
+
+
+# The overloads say what comes back (a handle with wait=False); the options are the
+# implementation's keywords, checked by StageRequest.make.
+def stage(  # type: ignore[misc]
     src: PathLike | BinaryIO | int,
     dst: PathLike,
     *,
@@ -61,7 +80,8 @@ def stage(
     allow_empty: bool = False,
     stats: bool = False,
     zip_options: Mapping[str, Any] | None = None,
-) -> StageResult:
+    wait: bool = True,
+) -> StageResult | Staging:
     """Copies a file or a directory tree to ``dst`` (node-local disk), fast and resumably,
     or extracts a tar archive (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``) or a zip
     (``.zip``, also an ``s3://`` or ``http(s)://`` one, read by ranges: docs/zip.md) into
@@ -141,8 +161,14 @@ def stage(
             ``FASTLOAD_FANOUT_TIMEOUT`` seconds (default 300) with an error naming it; a
             rerun fetches only what each node lacks.
 
+        wait: ``False`` returns at once a :class:`~fastload.staging.background.Staging`
+            handle on the stage, run in the background by the node's first caller (the
+            others' handles share it); files are read through it while it stages
+            (``handle.open(relpath)``), see docs/read-while-staging.md.
+
     Returns:
-        A :class:`StageResult`; ``skipped`` is True when nothing had to be copied.
+        A :class:`StageResult`; ``skipped`` is True when nothing had to be copied
+        (``wait=False``: the handle).
 
     Raises:
         FileNotFoundError: the source is missing (also a :class:`StageError`).
@@ -158,6 +184,18 @@ def stage(
         storage_options=storage_options, fanout=fanout, allow_empty=allow_empty,
         stats=stats, zip_options=zip_options,
     )  # fmt: skip
+    if not wait:
+        if repair or fanout is not False:
+            raise ValueError("stage(wait=False) stages on one node: no repair= or fanout=")
+        from .background import stage_in_background
+
+        return stage_in_background(src, dst, dict(
+            include=include, exclude=exclude, checksum=checksum, stripe_size=stripe_size,
+            engine=engine, progress=progress, workers=workers, on_special=on_special,
+            check_source=check_source, unpack=unpack, sync=sync,
+            storage_options=storage_options, allow_empty=allow_empty, stats=stats,
+            zip_options=zip_options,
+        ), open_source)  # fmt: skip
     if repair and read_manifest(Path(os.path.abspath(os.fspath(dst)))) is not None:
         verify(dst, engine=engine, workers=workers, progress=progress)
     retried = process_retries().snapshot()  # the source's listing retries count too

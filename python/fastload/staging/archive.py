@@ -258,6 +258,8 @@ class _Extraction:
                 self.copied_files += 1
                 self.copied_bytes += size
         flusher.add(batch)
+        if self.dest.scheduler is not None and batch:  # in the background: readers wait
+            self.dest.scheduler.extracted([b[0] for b in batch])
 
     def run(self) -> StageResult:
         archive, req, dest = self.archive, self.req, self.dest
@@ -272,6 +274,8 @@ class _Extraction:
                 e.errno or errno.EIO, f"cannot create '{dest.path}': {e.strerror}", str(dest.path)
             ) from None
         flusher = dest.begin(self.done)
+        if dest.scheduler is not None:  # in the background: members come in archive order
+            dest.scheduler.extracting(list(self.done), data.size)
         new_pydecomp = python_decompressor(compression)
         pydecomp = PyDecoder(new_pydecomp, compression, data.name) if new_pydecomp else None
         hasher = hashlib.new(req.checksum[0]) if req.checksum else None
@@ -341,6 +345,8 @@ class _Extraction:
             the job is its output, larger), when they moved."""
             nonlocal last_report, last_fed
             self._collect(job, flusher)
+            if self.dest.scheduler is not None:
+                self.dest.scheduler.streamed(fed)
             now = time.monotonic()
             if (self.on_progress is not None and fed > last_fed
                     and now - last_report >= PROGRESS_EVERY):

@@ -128,6 +128,10 @@ class Destination:
         self.timings: dict[str, float] = {}
         self.old: dict[str, Any] | None = None
         self.journal = Journal(path, req.stripe, durable=req.sync)
+        # A stage in the background (background.py): the caller holds the node lock
+        # already, and the tree pipeline copies through its schedule (schedule.py).
+        self.lock_held = False
+        self.scheduler: Any = None
 
     # --- the lock and the earlier stage -----------------------------------------------
 
@@ -135,7 +139,9 @@ class Destination:
     def locked(self) -> Iterator[Destination]:
         """The node lock (other processes of the node wait, saying so when progress is
         shown); :attr:`old` is the earlier manifest as a stage may use it."""
-        with node_lock(self.path, on_wait=say_waiting if self.req.progress else None):
+        held = contextlib.nullcontext() if self.lock_held else node_lock(
+            self.path, on_wait=say_waiting if self.req.progress else None)  # fmt: skip
+        with held:
             self.reload()
             yield self
 
@@ -251,7 +257,7 @@ class Destination:
     def remove_if_empty(self) -> None:
         """Removes the destination directory this stage created if nothing is in it, and
         its state beside it unless a journal records finished files (a resume's)."""
-        with node_lock(self.path):
+        with contextlib.nullcontext() if self.lock_held else node_lock(self.path):
             with contextlib.suppress(OSError):
                 if not self.single and self.path.is_dir() and not any(self.path.iterdir()):
                     self.path.rmdir()

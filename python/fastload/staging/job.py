@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,14 @@ MAX_NETWORK_PER_CORE = NETWORK_PER_CORE
 MAX_SUBMITTERS = 8
 MAX_NETWORK_FILES = MAX_NETWORK_PER_CORE * MAX_SUBMITTERS
 POLL_MS = 100
+# A thread's own poll where set (schedule.py's chunks: a reader waits for the files a
+# chunk finished until they are taken from it).
+_poll = threading.local()
+
+
+def set_poll_ms(ms: int) -> None:
+    """How often run_job takes finished files on this thread (default POLL_MS)."""
+    _poll.ms = ms
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
 
@@ -112,8 +121,9 @@ def run_job(
                 base_bytes + job.bytes_done, total_bytes, base_files + job.files_done, total_files
             )
 
+    poll = getattr(_poll, "ms", POLL_MS)
     try:
-        while not job.wait(POLL_MS):
+        while not job.wait(poll):
             now = time.monotonic()
             on_done(job.take_done(), False)
             if now - last >= PROGRESS_EVERY:

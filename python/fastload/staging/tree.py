@@ -194,11 +194,16 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
         # A source with a ``batch`` transfers that many files at a time: what the copier
         # holds per file (and the lists it is made from) stays bounded on huge trees.
         step = getattr(source, "batch", 0) or max(1, len(plan.todo))
-        for k in range(0, max(1, len(plan.todo)), step):
-            part = dataclasses.replace(plan, todo=plan.todo[k : k + step])
-            used, files, nbytes = source.transfer(req, dest, part, done, flusher, on_progress)
-            engine = used if used != "none" else engine
-            copied_files, copied_bytes = copied_files + files, copied_bytes + nbytes
+        if dest.scheduler is not None:  # a stage in the background: readers' files first
+            engine, copied_files, copied_bytes = dest.scheduler.transfer(
+                source, req, dest, plan, done, flusher, on_progress)  # fmt: skip
+        else:
+            for k in range(0, max(1, len(plan.todo)), step):
+                part = dataclasses.replace(plan, todo=plan.todo[k : k + step])
+                used, files, nbytes = source.transfer(req, dest, part, done, flusher,
+                                                      on_progress)  # fmt: skip
+                engine = used if used != "none" else engine
+                copied_files, copied_bytes = copied_files + files, copied_bytes + nbytes
         flusher.close()
         source.finish(plan, dest)
     finally:

@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 OWN_RUNNER = {
     "on-full.md": "tests/env/test_on_full_doc.py (a 1 MiB tmpfs as the node-local disk)",
     "zip.md": "tests/staging/test_zip_doc.py (its blocks in order, making their own zips)",
-    "read-while-staging.md": "tests/staging/test_read_while_staging_doc.py (a latency mount)",
+    "read-while-staging.md": "tests/staging/test_read_while_staging_doc.py (its blocks in order)",
 }
 PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md")
                          if p.name != "DESIGN.md" and p.name not in OWN_RUNNER)]  # fmt: skip

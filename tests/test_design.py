@@ -66,7 +66,8 @@ def test_torch_is_imported_where_the_map_says() -> None:
                for name, _ in imports(path, module, path.name == "__init__.py")):  # fmt: skip
             found.add(str(path.relative_to(PACKAGE)))
     outside = {p for p in found if not p.startswith("data/")}
-    assert outside == {"staging/fanout/run.py", "staging/fanout/over_torch.py"}, outside
+    assert outside == {"staging/fanout/run.py", "staging/fanout/over_torch.py",
+                       "torchvision.py"}, outside  # fmt: skip
     start = DESIGN.index("torch is imported only in")
     claim = " ".join(DESIGN[start: DESIGN.index("\n- ", start)].split())
     assert "`fastload.data`" in claim and all(p in claim for p in sorted(outside)), claim

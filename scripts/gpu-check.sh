@@ -46,4 +46,5 @@ if [ "$BUILD" = 1 ]; then
 elif compgen -G "python/fastload/_core*.so" >/dev/null; then
   export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec "$PY" scripts/gpu_check.py --work "$WORK" ${args[@]+"${args[@]}"}
+# Not exec: the EXIT trap must run to remove $WORK.
+"$PY" scripts/gpu_check.py --work "$WORK" ${args[@]+"${args[@]}"}

@@ -29,6 +29,12 @@ PYTEST_OPTS=(-p no:cacheprovider)
 JUNIT=build/junit
 # Nothing may leave this machine: s3:// clients must not ask a cloud metadata service.
 export AWS_EC2_METADATA_DISABLED=true
+# Every temporary file of the run (pytest's folders, multiprocessing's of processes the
+# tests kill, torchrun's, the servers') goes into one folder of the system's, removed
+# when the run passes (kept to look at when it fails): a run that passes leaves nothing
+# in the system temporary folder (.ci/run checks).
+RUN_TMP=$(mktemp -d "${TMPDIR:-/tmp}/fastload-tests.XXXXXX")
+export TMPDIR=$RUN_TMP
 
 step "system tools: every one the tests and the benchmarks use"
 # command:Debian package. tests/kit/netsim.c (the latency-adding FUSE file system) is
@@ -82,8 +88,10 @@ export FASTLOAD_WHEEL=$PWD/$WHEEL
 VPY=$(cd "$VENV/bin" && pwd)/python
 if [ "$#" -gt 0 ]; then
   step "pytest $* (a part of the suite, in tests/)"
-  cd tests
-  exec "$VPY" -m pytest -q "${PYTEST_OPTS[@]}" "$@"
+  rc=0
+  (cd tests && "$VPY" -m pytest -q "${PYTEST_OPTS[@]}" "$@") || rc=$?
+  [ "$rc" != 0 ] || rm -rf --one-file-system "$RUN_TMP"
+  exit "$rc"
 fi
 
 step "ruff, mypy and the user guide (mkdocs build --strict: warnings are errors)"
@@ -264,6 +272,6 @@ OUT=$PWD/build/node-out NODE_BUILD=0 PYTHON=$VPY SCALE_FILES=60 SCALE_KB=4 SCALE
 
 step "skips: every one, with its reason (with CI set, one not on tests/allowed-skips.txt fails)"
 "$VPY" tests/kit/skips.py "$JUNIT"/*.xml
-rmdir "${TMPDIR:-/tmp}/pytest-of-$(id -un)" 2>/dev/null || true
+rm -rf --one-file-system "$RUN_TMP"
 
 step "all tests passed"

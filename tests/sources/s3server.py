@@ -101,6 +101,14 @@ def _tail(root: Path) -> str:
     return (root / "server.log").read_text(errors="replace")[-2000:]
 
 
+def _remove_sockets(ports: tuple[int, ...]) -> None:
+    """The sockets ``weed`` left in /tmp for ``ports`` (a gRPC port is its port + 10000)."""
+    numbers = {str(n) for p in ports for n in (p, p + 10000)}
+    for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+        if sock.stem.rsplit("-", 1)[-1] in numbers:
+            sock.unlink(missing_ok=True)
+
+
 def _start(weed: str, root: Path, stack: contextlib.ExitStack) -> S3Server | None:
     """The server on free ports, answering; None where a port was taken meanwhile."""
     s3, master, volume, filer, admin = _ports()
@@ -120,6 +128,9 @@ def _start(weed: str, root: Path, stack: contextlib.ExitStack) -> S3Server | Non
            "TMPDIR": str(root)}  # fmt: skip
     log = open(root / "server.log", "wb")  # noqa: SIM115 - closed by the ExitStack
     stack.callback(log.close)
+    # weed puts its local gRPC sockets at fixed paths in /tmp (not under TMPDIR), named
+    # by port: removed once the server has stopped (callbacks run last-in first-out).
+    stack.callback(_remove_sockets, (s3, master, volume, filer, admin))
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = S3Server(f"http://127.0.0.1:{s3}", root, proc)
     stack.callback(server.stop)

@@ -1,18 +1,23 @@
 """unpack="nested" with zips (issue 53): a tree holding zips (ScanNet's layout,
-``scans/scene0000_00/*.zip``) and a zip holding zips (stored and deflated) are staged
-with each inner zip extracted into a folder of its name without ``.zip``; a re-stage
-finds every part done by its own manifest; a changed inner zip is extracted again."""
+``scans/scene0000_00/*.zip``), a zip holding zips (stored and deflated), a tar holding
+zips and a zip holding tars are staged with each inner archive extracted into a folder
+of its name without its suffix, as ``tar -x`` and ``unzip`` give level by level; a
+re-stage finds every part done by its own manifest; a changed inner zip is extracted
+again; a hostile inner zip is refused naming the outer archive, the inner one and the
+member."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import fastload
-from kit import trees, zips
+from fastload.staging.zipformat import ZipFormatError
+from kit import tars, trees, zips
 
 
 def staged(dst: Path) -> dict[str, bytes]:
@@ -79,3 +84,107 @@ def test_a_zip_of_zips(method: int, tmp_path: Path) -> None:
     flat = fastload.stage(outer, tmp_path / "flat")
     assert flat.files == 2 + 4  # the txt files and the four inner zips, as files
     zips.assert_same_extraction(outer, zips.unzip_ref(outer, tmp_path / "ref"), tmp_path / "flat")
+
+
+def _inner_sources(base: Path) -> tuple[Path, Path]:
+    """A folder of files to pack, and a folder ``outer`` where the inner archives made
+    of it are put (by Info-ZIP ``zip``, Python's zipfile, GNU tar, GNU tar -z)."""
+    files = base / "files"
+    for i in range(6):
+        trees.write_file(files / "frames" / f"{i}.png", os.urandom(300) + bytes([i]) * 700,
+                         mtime_index=i)  # fmt: skip
+    trees.write_file(files / "meta.txt", b"six frames\n", mtime_index=9)
+    return files, base / "outer"
+
+
+def _unpack_level(ref: Path, suffixes: tuple[str, ...], keep: bool) -> None:
+    """Each archive in ``ref`` named with one of ``suffixes`` extracted by ``unzip`` or
+    GNU tar into the folder of its name without the suffix (the archive removed unless
+    ``keep``)."""
+    for p in sorted(ref.rglob("*")):
+        suffix = next((s for s in suffixes if p.name.endswith(s)), None)
+        if suffix is None or not p.is_file():
+            continue
+        folder = p.with_name(p.name[: -len(suffix)])
+        if suffix == ".zip":
+            shutil.copytree(zips.unzip_ref(p, ref.parent / "unzip-tmp"), folder,
+                            dirs_exist_ok=True)  # fmt: skip
+            shutil.rmtree(ref.parent / "unzip-tmp")
+        else:
+            tars.gnu_extract(p, folder)
+        if not keep:
+            p.unlink()
+
+
+@pytest.mark.parametrize("outer_kind", ["tar", "tar.gz"])
+def test_zips_in_a_tar(outer_kind: str, tmp_path: Path) -> None:
+    """A tar (GNU tar, plain or gzip) holding zips: the tar's members are extracted,
+    and each zip into its folder (the zip not kept, as an inner tar is not)."""
+    files, outer = _inner_sources(tmp_path)
+    (outer / "scans").mkdir(parents=True)
+    zips.infozip(files, (outer / "scans" / "a_2d-label.zip").resolve())
+    zips.py_zip(files, outer / "scans" / "b_2d-instance.zip")
+    trees.write_file(outer / "scans" / "a.txt", b"axis\n", mtime_index=20)
+    archive = tars.gnu_create(outer, tmp_path / f"scans.{outer_kind}", "posix",
+                              extra=["-z"] if outer_kind == "tar.gz" else [])  # fmt: skip
+    ref = tars.gnu_extract(archive, tmp_path / "ref")
+    _unpack_level(ref, (".zip",), keep=False)
+    want = staged(ref)
+    assert "scans/a_2d-label/frames/5.png" in want and "scans/b_2d-instance/meta.txt" in want
+    dst = tmp_path / "dst"
+    res = fastload.stage(archive, dst, unpack="nested")
+    assert staged(dst) == want and res.files == len(want)
+    assert not list(tmp_path.glob("dst/**/*.zip")) and not list(tmp_path.rglob("zips/*"))
+    assert all(fastload.verify(d).ok for d in (dst, dst / "scans" / "a_2d-label"))
+    again = fastload.stage(archive, dst, unpack="nested")
+    assert again.skipped and again.copied_files == 0 and again.files == len(want)
+    # A zip's folder deleted: the next stage puts it back (from the tar: the zip is gone).
+    shutil.rmtree(dst / "scans" / "a_2d-label")
+    res = fastload.stage(archive, dst, unpack="nested")
+    assert staged(dst) == want and not res.skipped and res.files == len(want)
+
+
+@pytest.mark.parametrize("outer_maker", ["infozip", "zipfile-stored"])
+def test_tars_in_a_zip(outer_maker: str, tmp_path: Path) -> None:
+    """A zip (Info-ZIP deflated, or Python's zipfile stored) holding tars (GNU tar,
+    plain and gzip, one a folder down): each tar is extracted into its folder, none
+    is left as a file, and a re-stage decodes nothing."""
+    files, outer = _inner_sources(tmp_path)
+    tars.gnu_create(files, outer / "n0001.tar", "gnu")
+    tars.gnu_create(files, outer / "train" / "n0002.tar.gz", "posix", extra=["-z"])
+    trees.write_file(outer / "README.txt", b"two tars\n", mtime_index=30)
+    archive = tmp_path / "train.zip"
+    if outer_maker == "infozip":
+        zips.infozip(outer, archive)
+    else:
+        zips.py_zip(outer, archive, method=zipfile.ZIP_STORED)
+    ref = zips.unzip_ref(archive, tmp_path / "ref")
+    _unpack_level(ref, (".tar.gz", ".tar"), keep=False)
+    want = staged(ref)
+    assert "n0001/frames/3.png" in want and "train/n0002/meta.txt" in want
+    dst = tmp_path / "dst"
+    res = fastload.stage(archive, dst, unpack="nested")
+    assert staged(dst) == want and res.files == len(want)
+    assert not list(dst.rglob("*.tar*")), "an inner tar was left as a file"
+    assert fastload.verify(dst / "train" / "n0002").ok
+    again = fastload.stage(archive, dst, unpack="nested")
+    assert again.skipped and again.copied_files == 0
+    assert not [p for p in (tmp_path / ".dst.fastload").iterdir() if p.name.startswith(".inner")]
+
+
+def test_a_hostile_zip_in_a_tar(tmp_path: Path) -> None:
+    """A zip inside a tar with a member climbing out: refused naming the tar, the zip and
+    the member; nothing of it is written, inside the destination or above it; a
+    re-stage refuses it again (the tar's stage is complete, the zip's is not)."""
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    with zipfile.ZipFile(outer / "bad.zip", "w") as zf:
+        zf.writestr("ok.txt", b"fine")
+        zf.writestr("../evil.txt", b"evil")
+    archive = tars.gnu_create(outer, tmp_path / "outer.tar", "posix", dot=False)
+    dst = tmp_path / "dst"
+    for _ in range(2):
+        with pytest.raises(ZipFormatError,
+                           match=r"outer\.tar!/bad\.zip', member '\.\./evil\.txt'"):
+            fastload.stage(archive, dst, unpack="nested")
+        assert not list(tmp_path.rglob("evil*"))

@@ -332,7 +332,12 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         **req.selection(), "on_special": req.on_special, "file": True,
         "unpack": req.unpack_option,
     }  # fmt: skip
-    return Archive(LocalArchive(src_abs), compression, options), dest
+    archive = Archive(LocalArchive(src_abs), compression, options)
+    if req.nested and req.fanout is False:  # its zips extracted too (not yet fanned out)
+        from .zipnested import NestedZips
+
+        return NestedZips(archive, req), dest
+    return archive, dest
 
 
 def verify(

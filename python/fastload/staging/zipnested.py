@@ -1,15 +1,18 @@
-"""``unpack="nested"`` for zips: a tree holding zips (ScanNet's
-``scans/scene0000_00/*.zip``), or a zip holding zips, staged with each inner zip
-extracted into a folder of its name without ``.zip`` (:class:`NestedZips`).
+"""``unpack="nested"`` with zips: a tree holding zips (ScanNet's
+``scans/scene0000_00/*.zip``), a zip holding zips or tars, or a tar holding zips, staged
+with each inner archive extracted into a folder of its name without its suffix
+(:class:`NestedZips`).
 
 The outer source is staged as usual, its zips left out (``*.zip`` excluded from a tree;
-a zip's zip members left out of its listing); then each inner zip is staged as a source
-of its own into its folder, with its own destination state beside that folder
+a zip's zip and tar members left out of its listing; a tar's zips extracted as files,
+its tars by the native extractor); then each inner archive is staged as a source of its
+own into its folder, with its own destination state beside that folder
 (``.NAME.fastload``: manifest, journal, lock). A re-stage knows each part is done by its
 own manifest: the outer one's fingerprint, and each inner zip's (its central directory,
-read again: a few small reads). An inner zip that is stored in its outer zip (the usual
-case) is read in place, by ranges; a compressed one is decoded to a temporary file
-beside the outer destination's state first.
+read again: a few small reads) or inner tar's (its member's size and CRC-32 in the
+outer zip: nothing read). An inner zip that is stored in its outer zip (the usual
+case) is read in place, by ranges; a compressed one, and an inner tar, is decoded to a
+temporary file beside the outer destination's state first.
 """
 
 from __future__ import annotations
@@ -20,23 +23,41 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .._util import selected
+from .archive import SUFFIXES, Archive, detect_compression, not_an_archive
 from .destination import Destination
+from .readers import LocalArchive
 from .request import StageRequest
 from .result import StageResult
-from .state import state_dir
+from .state import named_os_errors, read_manifest, state_dir, write_manifest
 from .zipformat import Member, ZipLimits, data_span, is_zip_name, zip_error
 from .zipio import Decoder, LocalZip, ZipData
 from .zipsource import ZipSource
 
 INNER_GLOB = "*.zip"
+_STRIPPED = (".zip", *sorted(SUFFIXES, key=len, reverse=True))
 
 
 def folder_of(rel: str) -> str:
-    """``scans/a/x_2d-label.zip`` -> ``scans/a/x_2d-label``."""
-    return rel[: -len(".zip")] if is_zip_name(rel) and len(rel) > 4 else rel + ".d"
+    """``scans/a/x_2d-label.zip`` -> ``scans/a/x_2d-label``; ``a/n01.tar.gz`` ->
+    ``a/n01``."""
+    low = rel.lower()
+    for suffix in _STRIPPED:
+        if low.endswith(suffix) and len(rel) > len(suffix):
+            return rel[: -len(suffix)]
+    return rel + ".d"
+
+
+class _Known:
+    """An inner tar's name and identity only: whether its stage is complete is known
+    without decoding it (:meth:`Archive.is_complete`)."""
+
+    stream = False
+
+    def __init__(self, name: str, size: int, identity: tuple[Any, ...]) -> None:
+        self.name, self.size, self.identity = name, size, identity
 
 
 class _Slice:
@@ -66,11 +87,15 @@ class NestedZips:
         self.outer = outer
         self.name, self.label, self.options = outer.name, outer.label, outer.options
         self.req = req
+        self.spooled: list[str] = []  # a tar's zips staged by this run
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
         t0 = time.monotonic()
         if isinstance(self.outer, ZipSource):
             self.outer.skip_inner = True
+            result = self.outer.run(req, dest, listing)
+        elif isinstance(self.outer, Archive):  # a tar: its zips extracted as files
+            _check_tar_zips(dest)
             result = self.outer.run(req, dest, listing)
         else:  # a tree: its zips left out
             result = self.outer.run(nested_tree_request(req), dest, listing)
@@ -78,18 +103,52 @@ class NestedZips:
         inner_req = dataclasses.replace(req, include=(), exclude=(), checksum=None,
                                         unpack="auto", fanout=False)  # fmt: skip
         limits = req.zip_options or ZipLimits()
-        try:
-            for rel, data in self._inner(dest):
-                sub = Destination(dest.root / folder_of(rel), inner_req)
+        tar_req = dataclasses.replace(inner_req, unpack="nested")
+
+        def zip_stage(data: ZipData, spent: Path | None) -> Callable[[Destination], StageResult]:
+            def run(sub: Destination) -> StageResult:
                 try:
-                    sub.path.mkdir(exist_ok=True)
-                    with sub.locked():
-                        parts.append(ZipSource(data, inner_req, limits).run(inner_req, sub))
+                    got = ZipSource(data, inner_req, limits).run(inner_req, sub)
                 finally:
                     data.close()
+                if spent is not None:  # a tar's zip, extracted: no longer needed
+                    spent.unlink()
+                return got
+
+            return run
+
+        try:
+            for rel, kind, opened in self._inner(dest):
+                sub_req = tar_req if kind == "tar" else inner_req
+                sub = Destination(dest.root / folder_of(rel), sub_req)
+                if kind == "tar":
+                    stage_one = opened
+                else:
+                    data = opened()
+                    stage_one = zip_stage(data, data.path if kind == "spooled" else None)
+                with sub.locked():
+                    if not sub.path.is_dir():  # (deleted: its earlier stage is gone)
+                        sub.old = None
+                    sub.path.mkdir(exist_ok=True)
+                    parts.append(stage_one(sub))
         finally:
             if isinstance(self.outer, ZipSource):
                 self.outer.data.close()
+        if isinstance(self.outer, Archive) and dest.old is not None:  # its zips moved out
+            spool = _tar_spool(dest)
+            for d in [*sorted(spool.rglob("*"), reverse=True), spool]:  # the empty folders
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            parts[0] = dataclasses.replace(result, files=int(dest.old["files_count"]),
+                                           bytes=int(dest.old["bytes"]))  # fmt: skip
+            staged_now = {folder_of(rel) for rel in self.spooled}
+            for rel in dest.old.get("nested_zips", []):  # those done before: their counts
+                if folder_of(rel) not in staged_now:
+                    old = read_manifest(dest.root / folder_of(rel)) or {}
+                    parts.append(dataclasses.replace(
+                        result, files=int(old.get("files_count", 0)),
+                        bytes=int(old.get("bytes", 0)), copied_files=0, copied_bytes=0,
+                        skipped=True))  # fmt: skip
         return dataclasses.replace(
             result,
             files=sum(p.files for p in parts), bytes=sum(p.bytes for p in parts),
@@ -98,12 +157,25 @@ class NestedZips:
             skipped=all(p.skipped for p in parts), seconds=time.monotonic() - t0,
         )  # fmt: skip
 
-    def _inner(self, dest: Destination) -> Iterator[tuple[str, ZipData]]:
-        """Each inner zip: its path in the source and its bytes."""
+    def _inner(self, dest: Destination) -> Iterator[tuple[str, str, Any]]:
+        """Each inner archive: its path in the source, "zip" or "tar", and what opens
+        its bytes (a zip's) or stages it into a destination (a tar's)."""
         outer, req = self.outer, self.req
+        spool = state_dir(dest.path)
         if isinstance(outer, ZipSource):
             for m in outer.inner:
-                yield m.path, self._member_zip(outer, m, state_dir(dest.path))
+                if is_zip_name(m.path):
+                    yield m.path, "zip", lambda m=m: self._member_zip(outer, m, spool)
+                else:
+                    yield m.path, "tar", lambda sub, m=m: self._member_tar(outer, m, spool, sub)
+            return
+        if isinstance(outer, Archive):
+            spool = _spool_tar_zips(dest)
+            pending = sorted(q.relative_to(spool).as_posix() for q in spool.rglob("*")
+                             if q.is_file()) if spool.is_dir() else []  # fmt: skip
+            self.spooled = pending
+            for rel in pending:
+                yield rel, "spooled", lambda rel=rel: self._spooled_zip(spool, rel)
             return
         root = Path(outer.name)
         for dirpath, dirnames, filenames in os.walk(root):
@@ -113,7 +185,7 @@ class NestedZips:
                 rel = p.relative_to(root).as_posix()
                 if is_zip_name(f) and p.is_file() and selected(rel, list(req.include),
                                                                 list(req.exclude)):  # fmt: skip
-                    yield rel, LocalZip(p)
+                    yield rel, "zip", lambda p=p: LocalZip(p)
 
     def _member_zip(self, outer: ZipSource, m: Member, spool: Path) -> ZipData:
         name = f"{outer.name}!/{m.path}"
@@ -121,27 +193,118 @@ class NestedZips:
         start, _end = data_span(outer.name, m, head)
         if m.method == 0:
             return _Slice(outer.data, m.offset + start, m.csize, name, m.crc)
-        spool.mkdir(parents=True, exist_ok=True)
-        tmp = spool / f".inner-{os.getpid()}-{m.index}.zip.fl-tmp"
-        dec = Decoder(outer.name, m)
-        try:
-            with open(tmp, "wb") as out:
-                pos, left = m.offset + start, m.csize
-                while left:
-                    piece = outer.data.read_at(pos, min(4 << 20, left))
-                    if not len(piece):
-                        raise zip_error(outer.name, "truncated data", m.path)
-                    out.write(dec.feed(piece))
-                    pos, left = pos + len(piece), left - len(piece)
-                dec.end()
-            data = LocalZip(tmp, temporary=True)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        data = LocalZip(_spooled(outer, m, start, spool), temporary=True)
         data.name = name
         data.identity = (name, m.usize, f"{outer.data.identity[2]}:{m.crc:08x}")
         return data
+
+    def _member_tar(self, outer: ZipSource, m: Member, spool: Path, sub: Destination
+                    ) -> StageResult:  # fmt: skip
+        """A tar in the outer zip staged into ``sub`` (under its lock): known complete
+        by its member's size and CRC-32, else decoded to a temporary file and
+        extracted as a nested tar."""
+        name = f"{outer.name}!/{m.path}"
+        identity = (name, m.usize, f"{outer.data.identity[2]}:{m.crc:08x}")
+        options = {**sub.req.selection(), "on_special": sub.req.on_special, "file": True,
+                   "unpack": sub.req.unpack_option}  # fmt: skip
+        known = Archive(_Known(name, m.usize, identity), "none", options)
+        if known.is_complete(sub.req, sub):
+            assert sub.old is not None
+            return sub.skipped(int(sub.old["files_count"]), int(sub.old["bytes"]))
+        head = outer.data.read_at(m.offset, 30 + len(m.raw_name) + 1024)
+        start, _end = data_span(outer.name, m, head)
+        tmp = _spooled(outer, m, start, spool)
+        try:
+            with open(tmp, "rb") as f:
+                head = f.read(512)
+            compression = detect_compression(head, m.path)
+            if compression is None:
+                raise not_an_archive(name, m.path, head)
+            data = LocalArchive(tmp)
+            data.name, data.identity = name, identity
+            return Archive(data, compression, options).run(sub.req, sub)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def _spooled_zip(self, spool: Path, rel: str) -> LocalZip:
+        """A zip of the outer tar, moved to ``spool``, named inside the tar."""
+        data = LocalZip(spool / rel)
+        data.name = f"{self.outer.name}!/{rel}"
+        data.identity = (data.name, *data.identity[1:])
+        return data
+
+
+def _tar_spool(dest: Destination) -> Path:
+    return state_dir(dest.path) / "zips"
+
+
+def _spool_tar_zips(dest: Destination) -> Path:
+    """The zips a tar's stage wrote into ``dest`` moved into its state folder (the
+    spool returned), and out of its manifest: they are extracted into their folders,
+    not kept. Each is deleted from the spool once its stage is complete; a run killed
+    before leaves it there, and the next one goes on from it."""
+    spool = _tar_spool(dest)
+    dest.reload()
+    old = dest.old
+    if old is None or not old.get("complete"):
+        return spool
+    table = old["files"]
+    zips = [os.fsdecode(b) for b in table.path_bytes() if b[-4:].lower() == b".zip"]
+    if not zips:
+        return spool
+    with named_os_errors("cannot set a tar's zips aside: "):
+        for rel in zips:
+            if os.path.lexists(dest.root / rel):  # (else set aside by a killed run)
+                (spool / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dest.root / rel, spool / rel)
+        rest = table.without(zips)
+        inner = sorted({*old.get("nested_zips", []), *zips})
+        write_manifest(dest.path, {**old, "files_count": len(rest), "bytes": rest.total_bytes,
+                                   "nested_zips": inner}, rest)  # fmt: skip
+    dest.reload()
+    return spool
+
+
+def _check_tar_zips(dest: Destination) -> None:
+    """A tar's stage whose zips were set aside (its manifest's ``nested_zips``) is
+    complete only while each of them is still to stage (in the spool) or staged (its
+    folder's manifest complete): where one is neither (its folder deleted), the tar's
+    manifest is marked incomplete, and its stage puts what is missing back."""
+    old = dest.old
+    if old is None or not old.get("complete"):
+        return
+    spool = _tar_spool(dest)
+    for rel in old.get("nested_zips", []):
+        folder = dest.root / folder_of(rel)
+        done = read_manifest(folder) if folder.is_dir() else None
+        if not (spool / rel).is_file() and not (done and done.get("complete")):
+            write_manifest(dest.path, {**old, "fingerprint": None}, old["files"])
+            dest.reload()
+            return
+
+
+def _spooled(outer: ZipSource, m: Member, start: int, spool: Path) -> Path:
+    """The member ``m`` of ``outer`` (its data at ``start`` past its local header),
+    decoded to a temporary file in ``spool``; checked by its CRC-32 and size."""
+    spool.mkdir(parents=True, exist_ok=True)
+    tmp = spool / f".inner-{os.getpid()}-{m.index}.fl-tmp"
+    dec = Decoder(outer.name, m)
+    try:
+        with open(tmp, "wb") as out:
+            pos, left = m.offset + start, m.csize
+            while left:
+                piece = outer.data.read_at(pos, min(4 << 20, left))
+                if not len(piece):
+                    raise zip_error(outer.name, "truncated data", m.path)
+                out.write(dec.feed(piece))
+                pos, left = pos + len(piece), left - len(piece)
+            dec.end()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return tmp
 
 
 def nested_tree_request(req: StageRequest) -> StageRequest:

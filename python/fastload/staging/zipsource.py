@@ -32,6 +32,7 @@ from typing import Any
 from .. import _core
 from .._util import selected, usable_cores
 from ..errors import ChecksumMismatchError, SourceChangedError, UnsupportedFileError
+from .archive import suffix_kind
 from .columns import DIR, FILE, LINK, Entry, Listing
 from .destination import Destination
 from .done import Done
@@ -76,7 +77,7 @@ class ZipSource:
         }  # fmt: skip
         self.members: list[Member] = []  # the files', in the order of the plan's files
         self.implicit: set[str] = set()  # folders no member names (left as made)
-        # With unpack="nested" (zipnested.py): zip members are left out of the listing,
+        # With unpack="nested" (zipnested.py): zip and tar members are left out of the listing,
         # kept here, and staged into their folders after.
         self.skip_inner = False
         self.inner: list[Member] = []
@@ -96,7 +97,8 @@ class ZipSource:
                 continue
             if not selected(m.path, req.include, req.exclude):
                 continue
-            if m.kind == FILE and self.skip_inner and is_zip_name(m.path):
+            if m.kind == FILE and self.skip_inner and (is_zip_name(m.path)
+                                                       or suffix_kind(m.path) is not None):
                 self.inner.append(m)
                 continue
             if m.kind == FILE:

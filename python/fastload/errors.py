@@ -41,7 +41,8 @@ class StageError(OSError, FastloadError):
         # Pickled by the class this module names (the one stage_error() combines with a
         # built-in is made at run time), so that an error raised in a DataLoader worker
         # or a pool process reaches the caller as itself.
-        base = next(c for c in type(self).__mro__ if globals().get(c.__name__) is c)
+        base = next(c for c in type(self).__mro__
+                    if globals().get(c.__name__) is c and c not in _combined.values())
         return (_rebuilt, (base, self.errno, str(self), self.filename), self.__dict__ or None)
 
 
@@ -96,13 +97,29 @@ _combined: dict[tuple[type[StageError], type[OSError]], type[StageError]] = {}
 
 def _class_for(base: type[StageError], err: int) -> type[StageError]:
     builtin = _BUILTIN_FOR_ERRNO.get(err)
-    if builtin is None:
-        return base
+    return base if builtin is None else _combine(base, builtin)
+
+
+def _combine(base: type[StageError], builtin: type[OSError]) -> type[StageError]:
+    """``base`` and ``builtin`` in one class, made once, named in this module: the class
+    itself pickles by name (a DataLoader worker sends its exception's type), and a
+    process that has not made it yet makes it on that name's look-up (``__getattr__``)."""
     key = (base, builtin)
     if key not in _combined:
         name = builtin.__name__.replace("Error", "") + base.__name__
-        _combined[key] = type(name, (base, builtin), {"__module__": __name__})
+        cls = type(name, (base, builtin), {"__module__": __name__, "__qualname__": name})
+        _combined[key] = globals()[name] = cls
     return _combined[key]
+
+
+def __getattr__(name: str) -> type[StageError]:
+    for builtin in set(_BUILTIN_FOR_ERRNO.values()):
+        prefix = builtin.__name__.replace("Error", "")
+        base = globals().get(name[len(prefix):]) if name.startswith(prefix) else None
+        if isinstance(base, type) and issubclass(base, StageError) \
+                and base not in _combined.values():  # fmt: skip
+            return _combine(base, builtin)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stage_error(

@@ -271,3 +271,22 @@ def test_errors_cross_process_boundaries_as_themselves(tmp_path: Path) -> None:
     back = pickle.loads(pickle.dumps(full))
     assert type(back) is fastload.errors.NotEnoughSpaceError and str(back) == "no room in /x"
     assert (back.filename, back.needed, back.free, back.errno) == ("/x", 10, 3, errno.ENOSPC)
+
+
+def test_a_combined_error_class_pickles_by_name_into_a_fresh_process() -> None:
+    """A DataLoader worker sends its exception's type by name: a class stage_error()
+    combines with a built-in (FileNotFoundStageError) must be found by that name in a
+    process that has not made it yet (a CI run lost a worker's error to a PicklingError)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from fastload.errors import SourceChangedError, stage_error
+
+    exc = stage_error(errno.EACCES, "denied", "/p", SourceChangedError)
+    blob = pickle.dumps((type(exc), exc))
+    code = ("import pickle, sys; t, e = pickle.loads(sys.stdin.buffer.read()); "
+            "print(t.__name__, isinstance(e, t), isinstance(e, PermissionError), e.filename)")
+    r = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True,
+                       check=True)  # fmt: skip
+    assert r.stdout.decode().split() == ["PermissionSourceChangedError", "True", "True", "/p"]

@@ -30,12 +30,8 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _names(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
 def test_reads_come_first_and_are_the_sources_bytes(tree: Path, tmp_path: Path) -> None:
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
         dst = tmp_path / "dst"
@@ -100,7 +96,7 @@ def test_a_file_changed_at_the_source_fails_its_reader(tmp_path: Path) -> None:
     SourceChangedError; the stage fails with it too (as a plain stage would)."""
     src = tmp_path / "src"
     trees.build_small_files(src, N, per_dir=100, seed=7)
-    names = _names(src)
+    names = sorted(trees.regular_files(src))
     victim = next(n for n in reversed(names) if (src / n).stat().st_size > 100)
     with mounts(tmp_path) as mount:
         m = mount(src, 2000, 2000)
@@ -130,7 +126,7 @@ def test_a_second_call_resumes_and_a_handle_of_a_complete_stage_reads_at_once(
     trees.assert_same_tree(tree, dst)
     third = fastload.stage(tree, dst, wait=False)
     assert third.wait().skipped
-    rel = _names(tree)[3]
+    rel = sorted(trees.regular_files(tree))[3]
     assert third.local(rel) == dst / rel
     assert third.progress().state == "done"
 
@@ -140,7 +136,7 @@ def test_the_handle_pickles(tree: Path, tmp_path: Path) -> None:
 
     h = fastload.stage(tree, tmp_path / "dst", wait=False, progress=lambda *a: None)
     back = pickle.loads(pickle.dumps(h))
-    rel = _names(tree)[-1]
+    rel = sorted(trees.regular_files(tree))[-1]
     assert back.local(rel).read_bytes() == (tree / rel).read_bytes()
     assert back.wait().files == N
     assert os.path.samefile(back.path, h.path)
@@ -154,7 +150,7 @@ def test_an_archives_members_come_in_its_order(tree: Path, tmp_path: Path, suffi
     is."""
     import subprocess
 
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     store = tmp_path / "store"
     store.mkdir()
     archive = store / f"data{suffix}"
@@ -226,7 +222,7 @@ def test_resolve_returns_the_handle(tree: Path, tmp_path: Path,
     dst = tmp_path / "node" / "pets"
     h = fastload.resolve(str(tree), destination=dst, wait=False)
     assert isinstance(h, Staging) and h.path == dst
-    rel = _names(tree)[-1]
+    rel = sorted(trees.regular_files(tree))[-1]
     assert h.local(rel).read_bytes() == (tree / rel).read_bytes()
     assert h.wait().files == N
     # Data already on the node is read where it is, through a handle all the same.

@@ -110,12 +110,8 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _names(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
 def test_four_processes_share_one_stage(tree: Path, tmp_path: Path) -> None:
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     picked = random.Random(4).sample(names, 160)
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
@@ -139,7 +135,7 @@ def test_four_processes_share_one_stage(tree: Path, tmp_path: Path) -> None:
 
 
 def test_a_killed_stager_is_taken_over_and_reads_go_on(tree: Path, tmp_path: Path) -> None:
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
         dst = tmp_path / "dst"
@@ -284,7 +280,7 @@ def test_ctrl_c_stops_the_stage_cleanly_and_the_next_call_resumes(tree: Path, tm
 def test_the_cli_stages_in_the_background(tree: Path, tmp_path: Path) -> None:
     """``fastload stage --background`` returns once the stage is under way; a script's
     handle reads through the process it left running; a missing source is its error."""
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     cli = [sys.executable, "-m", "fastload", "stage", "--background", "--workers", "2"]
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
@@ -344,7 +340,7 @@ def test_another_user_cannot_ask_the_stager(tree: Path, tmp_path: Path) -> None:
     answered (the connection is closed), and the stage goes on."""
     from fastload.staging.channel import channel_name
 
-    names = _names(tree)
+    names = sorted(trees.regular_files(tree))
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
         dst = tmp_path / "dst"
@@ -373,7 +369,7 @@ def test_a_channel_squatted_by_another_user_is_refused(tree: Path, tmp_path: Pat
         assert squat.stdout is not None and squat.stdout.readline().strip() == "BOUND"
         h = fastload.stage(tree, dst, wait=False)
         with pytest.raises(fastload.StageError, match="another"):
-            h.local(_names(tree)[0])
+            h.local(sorted(trees.regular_files(tree))[0])
         with pytest.raises(fastload.StageError, match="another"):
             h.wait()
     finally:

@@ -8,7 +8,10 @@
 # against torchvision's CPU decode. Each loader cell first checks every byte it copied
 # (each copy queued behind GPU work, its batch dropped at once: a block handed back too
 # early shows as wrong bytes, and fails the run) and says whether its batches came in
-# registered blocks. Where torch has no CUDA it says "no CUDA" and exits 0.
+# registered blocks. Then, over 3 epochs with the first worker count, persistent workers
+# on and off, pin_memory on and off: blocks registered (of them on the registrar thread)
+# and unregistered per epoch, ms in cudaHostRegister, and the main thread's ms in
+# registration. Where torch has no CUDA it says "no CUDA" and exits 0.
 #
 #   scripts/gpu-check.sh                 build into a temporary folder, then measure
 #   scripts/gpu-check.sh --no-build      measure the package already importable (or the

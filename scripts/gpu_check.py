@@ -2,7 +2,9 @@
 DataLoader workers to the host and to the GPU, the machine's ceilings, and decode. Each
 loader cell first runs an untimed epoch that checks the bytes (on the GPU: each copy
 queued behind work and its batch dropped at once, compared after a synchronize) and
-says whether the batches came in registered blocks; a wrong byte fails the run."""
+says whether the batches came in registered blocks; a wrong byte fails the run. Then
+registrations per epoch and the main thread's milliseconds in them, persistent workers
+on and off, pin_memory on and off."""
 
 from __future__ import annotations
 
@@ -75,10 +77,10 @@ def write_shards(root: Path, shards: int, per: int, kb: int) -> tuple[Path, list
     return index, images
 
 
-def loader(index: Path, workers: int, pin: bool) -> DataLoader[Any]:
+def loader(index: Path, workers: int, pin: bool, persistent: bool = True) -> DataLoader[Any]:
     ds = fastload.ShardIndexDataset(index, packed=True)
     return DataLoader(ds, batch_size=BATCH, shuffle=True, collate_fn=fastload.collate,
-                      num_workers=workers, pin_memory=pin, persistent_workers=True,
+                      num_workers=workers, pin_memory=pin, persistent_workers=persistent,
                       multiprocessing_context=multiprocessing.get_context("fork"))
 
 
@@ -196,6 +198,46 @@ def table(index: Path, workers: list[int], count: int, cuda: bool, expect: Expec
             del dl
         print(f"| {w} | " + " | ".join(cells) + " |", flush=True)
     return good
+
+
+def churn(index: Path, workers: int, count: int) -> None:
+    """Registrations per epoch, with persistent workers and without, pin_memory on and
+    off, each batch moved by ``b.to("cuda", non_blocking=True)`` (to_device leaves the
+    packed JPEG field on the host: nothing there would ask for a registration): blocks
+    registered (of them on the registrar thread) and unregistered, the milliseconds in
+    cudaHostRegister (any thread), the main thread's milliseconds registering,
+    unregistering or waiting for either, and tensors copied before their block's
+    registration completed (copied from pageable memory)."""
+    from fastload.data import _gpu, _shm
+
+    print(f"\nregistration per epoch ({workers} workers, {count} epochs; +registered "
+          "(on the registrar) / -unregistered, ms in cudaHostRegister, main-thread ms, "
+          "copies before registration):")
+    print("\n| pin_memory | persistent_workers | " + " | ".join(
+        f"epoch {e}" for e in range(count)) + " |")
+    print("|---|---|" + "---|" * count)
+    for pin in (False, True):
+        for persistent in (True, False):
+            _gpu.drain()
+            _shm.forget_views()
+            _gpu.drain()
+            dl = loader(index, workers, pin, persistent)
+            cells = []
+            for _ in range(count):
+                before = _gpu.COUNTERS.snapshot()
+                for b in dl:
+                    b.to("cuda", non_blocking=True)
+                    del b
+                torch.cuda.synchronize()
+                _gpu.drain()
+                now = _gpu.COUNTERS.snapshot()
+                d = {k: now[k] - before[k] for k in now}
+                main_ms = d["register_main_ms"] + d["unregister_main_ms"]
+                cells.append(f"+{d['registered']:.0f} ({d['registered_behind']:.0f}) / "
+                             f"-{d['unregistered']:.0f}, {d['register_ms']:.1f} ms, main "
+                             f"{main_ms:.1f} ms, {d['pending_copies']:.0f} early")
+            del dl
+            print(f"| {pin} | {persistent} | " + " | ".join(cells) + " |", flush=True)
 
 
 def h2d_ceiling() -> None:
@@ -320,7 +362,9 @@ def main() -> None:
         print(f"\nregistration: {c.registered} blocks in {c.register_ms:.0f} ms "
               f"({c.register_failed} failed), {c.unregistered} unregistered in "
               f"{c.unregister_ms:.0f} ms ({c.unregister_failed} failed); {c.retired} lease "
-              f"counts held back for copies, {c.fence_waits} waits")
+              f"counts held back for copies, {c.fence_waits} waits; the main thread "
+              f"{c.register_main_ms + c.unregister_main_ms:.1f} ms in them")
+        churn(index, workers[0], 3)
         print()
         h2d_ceiling()
         torch_path(a.samples, [w for w in workers if w in (4, 8)] or workers[:1], a.epochs)

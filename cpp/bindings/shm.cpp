@@ -25,6 +25,10 @@ void register_shm(py::module_& m) {
            "A lease taking over the count the sending process retained for it.")
       .def_property_readonly("length", &shm::View::length)
       .def_property_readonly("users", &shm::View::users)
+      .def_property_readonly("owner", &shm::View::owner,
+                             "The pid writing batches into the block (0: free to claim).")
+      .def("disown", &shm::View::disown,
+           "Frees the block for ShmBlock.claim (its owner has exited or let it go).")
       .def_property("held", &shm::View::held, &shm::View::hold,
                     "Leases on a held mapping retire their counts when destroyed "
                     "(shm_take_retired) instead of giving them back.");
@@ -40,6 +44,9 @@ void register_shm(py::module_& m) {
   py::class_<shm::Block>(m, "ShmBlock",
                          "A reusable shared-memory (memfd) block for packed batches.")
       .def(py::init<size_t>(), py::arg("capacity"))
+      .def_static("claim", &shm::Block::claim, py::arg("fd"),
+                  "The free block behind fd (an inherited descriptor, kept by the caller), "
+                  "owned by this process from now on; None if another process owns it.")
       .def_property_readonly("users", &shm::Block::users)
       .def_property_readonly("fd", &shm::Block::fd)
       .def_property_readonly("inode", &shm::Block::inode)

@@ -1,5 +1,6 @@
 #include "shm/block.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,6 +21,7 @@ constexpr const char* kName = "fastload batch block";
 struct Header {
   uint64_t magic;
   uint32_t users;
+  uint32_t owner;  // the pid writing batches into the block; 0: free to claim
 };
 static_assert(sizeof(Header) <= kHeaderBytes);
 
@@ -42,6 +44,9 @@ class Mapping {
   Header* header() const noexcept { return reinterpret_cast<Header*>(base_); }
   std::atomic_ref<uint32_t> users() const noexcept {
     return std::atomic_ref<uint32_t>(header()->users);
+  }
+  std::atomic_ref<uint32_t> owner() const noexcept {
+    return std::atomic_ref<uint32_t>(header()->owner);
   }
   // Set by the receiver before it lets a copy read the block (registration); read by
   // each lease as it is destroyed.
@@ -131,10 +136,32 @@ Block::Block(size_t capacity) {
   if (::ftruncate(fd_.get(), off_t(length)) != 0) throw Error::os(errno, "size", kName);
   map_ = Mapping::map(fd_.get(), length);
   map_->header()->magic = kMagic;
+  map_->owner().store(uint32_t(::getpid()), std::memory_order_relaxed);
   map_->users().store(0, std::memory_order_release);
   struct stat st;
   if (::fstat(fd_.get(), &st) != 0) throw Error::os(errno, "stat", kName);
   inode_ = uint64_t(st.st_ino);
+}
+
+std::unique_ptr<Block> Block::claim(int fd) {
+  std::unique_ptr<Block> b(new Block());
+  b->fd_.reset(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!b->fd_) throw Error::os(errno, "claim", kName);
+  struct stat st;
+  if (::fstat(b->fd_.get(), &st) != 0) throw Error::os(errno, "stat", kName);
+  if (size_t(st.st_size) <= kHeaderBytes)
+    throw Error(ErrorKind::kOs, EINVAL, "claim", kName, "not a fastload batch block");
+  b->map_ = Mapping::map(b->fd_.get(), size_t(st.st_size));
+  if (b->map_->header()->magic != kMagic)
+    throw Error(ErrorKind::kOs, EINVAL, "claim", kName, "not a fastload batch block");
+  uint32_t unowned = 0;
+  // acq_rel: the claim orders after the previous owner's last writes and the count's
+  // last release, both published before the block was disowned.
+  if (!b->map_->owner().compare_exchange_strong(unowned, uint32_t(::getpid()),
+                                                std::memory_order_acq_rel))
+    return nullptr;
+  b->inode_ = uint64_t(st.st_ino);
+  return b;
 }
 
 Block::~Block() = default;
@@ -174,5 +201,7 @@ size_t View::length() const noexcept { return map_->length(); }
 void View::hold(bool on) noexcept { map_->hold(on); }
 bool View::held() const noexcept { return map_->held(); }
 uint32_t View::users() const noexcept { return map_->users().load(std::memory_order_acquire); }
+uint32_t View::owner() const noexcept { return map_->owner().load(std::memory_order_acquire); }
+void View::disown() noexcept { map_->owner().store(0, std::memory_order_release); }
 
 }  // namespace fastload::shm

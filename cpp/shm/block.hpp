@@ -30,6 +30,14 @@
 //    count moves to this process's list of retired counts, which the receiver takes
 //    (Retired::take), and gives back once every copy issued before has completed.
 //
+// Blocks outlive their worker (the main process keeps the mappings of an exited
+// worker's blocks, and hands them to workers it forks later): the header also holds the
+// block's owner, the process that writes batches into it (its creator, else 0: free). A
+// worker claims a free block (Block::claim: compare-and-swap 0 -> its pid, so of several
+// workers forked from one state one gets it); the main process frees a block
+// (View::disown) once its owner has exited or named the block let go of. The lease
+// count still says when the owner may write into it.
+//
 // Errors: constructors throw Error(kOs) naming "fastload batch block"; nothing else
 // throws. Every member is safe to call from any thread; the count is the only state the
 // two processes share.
@@ -96,8 +104,13 @@ class Retired {
 class Block {
  public:
   // A block whose payload holds at least `capacity` bytes (the whole mapping is rounded
-  // up to pages, so capacity() may be larger), with no leases.
+  // up to pages, so capacity() may be larger), with no leases, owned by this process.
   explicit Block(size_t capacity);
+  // The existing block behind fd (a descriptor of it this process inherited; duplicated
+  // here, fd stays the caller's), owned by this process from now on if it was free;
+  // nullptr if another process owns it. Its lease count is left as it is. Throws
+  // Error(kOs) when fd is not a batch block.
+  static std::unique_ptr<Block> claim(int fd);
   ~Block();
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
@@ -115,6 +128,7 @@ class Block {
   uint64_t inode() const noexcept { return inode_; }  // the memfd's, for the receiver's cache
 
  private:
+  Block() = default;
   UniqueFd fd_;
   uint64_t inode_ = 0;
   std::shared_ptr<Mapping> map_;
@@ -140,6 +154,10 @@ class View {
   bool held() const noexcept;
   // Leases on the block, in every process.
   uint32_t users() const noexcept;
+  // The process that writes batches into the block (0: none; Block::claim may take it).
+  uint32_t owner() const noexcept;
+  // Frees the block for a claim: call only once its owner has exited or let it go.
+  void disown() noexcept;
 
  private:
   std::shared_ptr<Mapping> map_;

@@ -1,8 +1,10 @@
 // The shared-memory batch blocks: sizes, the lease count through lease/retain/adopt and
 // back to zero, the payload seen by a second mapping and by another process, counts
 // kept exact under concurrent leases, the refusals of View (short file, no payload,
-// not a block), a forked child's copies of leases giving nothing back, and the counts
-// of a held mapping retired, then given back by Retired.
+// not a block), a forked child's copies of leases giving nothing back, the counts
+// of a held mapping retired, then given back by Retired, and an exited owner's block
+// claimed by one of two children.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -195,6 +197,53 @@ void test_held_mapping_retires() {
   CHECK_EQ(shm::Retired::take().size(), size_t(0));
 }
 
+void test_claim_an_exited_owners_block() {
+  // A worker's block outlives it: the main process (the View) frees it once the worker
+  // is gone; of two children forked with its descriptor, one claims it; the count stays.
+  auto b = std::make_unique<shm::Block>(4096);
+  shm::View v(::dup(b->fd()), b->length());
+  CHECK_EQ(v.owner(), uint32_t(::getpid()));  // its creator
+  CHECK(shm::Block::claim(b->fd()) == nullptr);  // owned
+  b->retain();
+  auto lease = v.adopt();  // a batch still read here
+  const int fd = ::dup(b->fd());
+  b.reset();  // the worker is gone
+  v.disown();
+  CHECK_EQ(v.owner(), 0u);
+  int wins = 0;
+  for (int i = 0; i < 2; ++i) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      auto mine = shm::Block::claim(fd);
+      // the claimed block keeps the count: the batch in it is still read elsewhere
+      ::_exit(mine == nullptr ? 1 : (mine->users() == 1u && mine->inode() != 0) ? 0 : 3);
+    }
+    CHECK(pid > 0);
+    int status = 0;
+    CHECK_EQ(::waitpid(pid, &status, 0), pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) != 3);
+    wins += WEXITSTATUS(status) == 0;
+  }
+  CHECK_EQ(wins, 1);  // the second child found it owned by the first
+  CHECK(v.owner() != 0u);
+  v.disown();
+  auto again = shm::Block::claim(fd);
+  CHECK(again != nullptr && again->users() == 1u && again->length() == v.length());
+  CHECK_EQ(v.owner(), uint32_t(::getpid()));
+  lease.reset();
+  CHECK_EQ(again->users(), 0u);
+  ::close(fd);
+  const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  bool threw = false;
+  try {
+    shm::Block::claim(null);
+  } catch (const Error& e) {
+    threw = e.kind() == ErrorKind::kOs && e.err() == EINVAL;
+  }
+  CHECK(threw);  // not a block
+  ::close(null);
+}
+
 }  // namespace
 
 int main() {
@@ -206,5 +255,6 @@ int main() {
   test_refusals();
   test_forked_child_gives_nothing_back();
   test_held_mapping_retires();
+  test_claim_an_exited_owners_block();
   return test::exit_code();
 }

@@ -1,7 +1,8 @@
 """The GPU hand-off without a GPU (issue 48). Every CUDA call of data/_gpu.py goes through
-``_gpu.CUDA``, replaced here by a recording stand-in (registration that succeeds or fails
-on request, a current device, events that complete when the test says so); torch, the
-shared-memory blocks, their lease counts, DataLoader workers and fork are real.
+``_gpu.CUDA``, replaced here by a recording stand-in (cuda_standin.py: registration that
+succeeds or fails on request, a current device, events that complete when the test says
+so); torch, the shared-memory blocks, their lease counts, DataLoader workers and fork are
+real.
 tests/gpu runs the same paths on CUDA.
 
 Covered: a block read by a plain copy (any API) goes back to its worker only once an
@@ -13,16 +14,11 @@ is never read to index it); decode_images' per-image fallback and torchvision ga
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
 import multiprocessing
 import os
-import pickle
 import sys
 import types
-from collections.abc import Iterator
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -30,119 +26,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cuda_standin import StandInCuda, StandInEvent, received, standin_cuda  # noqa: E402, F401
 from torch.utils.data import DataLoader  # noqa: E402
 
 import fastload  # noqa: E402
-from fastload import PackedBatch  # noqa: E402
 from fastload.data import PackedField, _gpu, _shm, device  # noqa: E402
 from kit.shards import Sample, make_samples, write_tarfile  # noqa: E402
 
 pytestmark = pytest.mark.native
-
-
-class StandInEvent:
-    """An event recorded on ``streams``: done when the test says so (or waited for)."""
-
-    def __init__(self, streams: list[Any]) -> None:
-        self.streams = streams
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
-class StandInCuda:
-    """``_gpu.Cuda``'s calls, recorded with the device current at each."""
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.calls: list[tuple[Any, ...]] = []
-        self.events: list[StandInEvent] = []
-        self.register_rc = 0
-        self.unregister_rc = 0
-        self.cleared = 0
-
-    def available(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        self.calls.append(("current_device",))
-        return self.current
-
-    @contextlib.contextmanager
-    def device(self, index: int) -> Iterator[None]:
-        before, self.current = self.current, index
-        try:
-            yield
-        finally:
-            self.current = before
-
-    def host_register(self, base: int, length: int) -> int:
-        self.calls.append(("register", base, length, self.current))
-        return self.register_rc
-
-    def host_unregister(self, base: int) -> int:
-        self.calls.append(("unregister", base, self.current))
-        return self.unregister_rc
-
-    def clear_error(self) -> int:
-        self.cleared += 1
-        return 0
-
-    def error_name(self, rc: int) -> str:
-        return f"cudaErrorStandIn ({rc})"
-
-    stream = 0  # the id of this thread's current stream, as the test sets it
-
-    def current_stream(self, device: int) -> tuple[int, int, int]:
-        return (device, self.stream, 1)
-
-    def stream_key(self, stream: Any) -> tuple[int, int, int]:
-        return tuple(stream)
-
-    def record(self, streams: Any) -> StandInEvent:
-        ev = StandInEvent(list(streams))
-        self.events.append(ev)
-        return ev
-
-    def named(self, name: str) -> list[tuple[Any, ...]]:
-        return [c for c in self.calls if c[0] == name]
-
-
-@pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInCuda]:
-    """The stand-in in ``_gpu.CUDA``, this process's hand-off state fresh, and collate
-    allocating in a block pool as in a DataLoader worker (this process receives its own
-    batches, mapping its blocks by (pid, inode))."""
-    stand = StandInCuda()
-    monkeypatch.setattr(_gpu, "CUDA", stand)
-    monkeypatch.setattr(_gpu, "COUNTERS", _gpu.Counters())
-    monkeypatch.setattr(importlib.import_module("fastload.data.collate"), "_in_worker",
-                        lambda: True)
-    _gpu.STATE.__init__()  # type: ignore[misc]
-    _shm.forget_views()
-    yield stand
-    for ev in stand.events:
-        ev.done = True
-    _shm.forget_views()
-    _gpu.drain()
-    _gpu.STATE.__init__()  # type: ignore[misc]
-
-
-def _received(n: int = 8, size: int = 20_000, seed: int = 1) -> tuple[PackedBatch, Any]:
-    """A batch sent and received through the pickler DataLoader uses, and its block."""
-    samples = [{"__key__": f"k{i}", "npy": bytes([seed + i]) * size, "cls": str(i).encode()}
-               for i in range(n)]
-    sent = fastload.collate(samples)
-    block = _shm._worker_pool().block_of(sent["npy"].data.untyped_storage())
-    assert block is not None
-    back = pickle.loads(ForkingPickler.dumps(sent))
-    del sent
-    gc.collect()
-    return back, block
 
 
 def test_a_plain_copy_keeps_the_block_until_its_event(cuda: StandInCuda) -> None:
@@ -150,7 +41,7 @@ def test_a_plain_copy_keeps_the_block_until_its_event(cuda: StandInCuda) -> None
     (registered) batch, the batch dropped at the next step while the copy still waits.
     Whatever issued the copy, the block's count stays until an event recorded after
     the batch was dropped has completed; the worker's pool writes elsewhere meanwhile."""
-    back, block = _received()
+    back, block = received()
     pinned = back.pin_memory()  # what DataLoader(pin_memory=True) calls
     m = _shm.mapped_of(pinned["npy"].data)
     assert m is not None and m.registered and m.view.held
@@ -180,7 +71,7 @@ def test_the_event_covers_every_stream_a_field_was_taken_on(cuda: StandInCuda) -
     """A loop that runs on a stream of its own (``torch.cuda.stream(s)`` around the
     step) takes the field there and copies there; the batch is dropped, and polled,
     outside it: the event is recorded on that stream too, and on to_device's."""
-    back, block = _received(seed=11)
+    back, block = received(seed=11)
     assert _shm.registered(back["npy"].data)
     _gpu.use_stream((0, 5, 1))  # as to_device does with its side stream
     cuda.stream = 9
@@ -199,7 +90,7 @@ def test_the_event_covers_every_stream_a_field_was_taken_on(cuda: StandInCuda) -
 def test_a_view_kept_past_the_batch_retires_when_it_goes(cuda: StandInCuda) -> None:
     """A view taken from a registered batch keeps the block while it lives, and its
     count, when it goes, waits for an event like the batch's."""
-    back, block = _received(seed=5)
+    back, block = received(seed=5)
     assert _shm.registered(back["npy"].data)
     view = back["npy"][3]
     del back
@@ -219,8 +110,8 @@ def test_a_lease_dropped_in_a_forked_child(cuda: StandInCuda) -> None:
     """Workers forked while the main process holds batches inherit them; a child that
     drops one (here: all it inherited, and its copy of the hand-off state) gives no
     block back. Registered or not."""
-    plain, plain_block = _received(seed=2)
-    held, held_block = _received(seed=3)
+    plain, plain_block = received(seed=2)
+    held, held_block = received(seed=3)
     assert _shm.registered(held["npy"].data)
     assert (plain_block.users, held_block.users) == (1, 1)
     pid = os.fork()
@@ -248,7 +139,7 @@ def test_registration_on_the_target_device(cuda: StandInCuda) -> None:
     """``pin_memory("cuda:3")`` with device 0 current registers under device 3 and
     puts 0 back; nothing is asked of the current device. Unregistration runs on the
     block's device too."""
-    back, _ = _received(seed=4)
+    back, _ = received(seed=4)
     pinned = back.pin_memory("cuda:3")
     m = _shm.mapped_of(pinned["npy"].data)
     assert m is not None and m.registered and m.device == 3
@@ -262,6 +153,7 @@ def test_registration_on_the_target_device(cuda: StandInCuda) -> None:
     for ev in cuda.events:
         ev.done = True
     _gpu.poll()
+    _gpu.REGISTRAR.wait_idle()  # unregistrations run on the registrar thread
     assert cuda.named("unregister") == [("unregister", m.base, 3)] and cuda.current == 0
 
 
@@ -271,13 +163,13 @@ def test_a_failed_registration_is_remembered_warned_and_counted(cuda: StandInCud
     its leases give their counts straight back (no copy can be reading it in place)."""
     cuda.register_rc = 2
     mon = fastload.monitor([1])
-    back, block = _received(seed=6)
+    back, block = received(seed=6)
     with pytest.warns(RuntimeWarning, match=r"cudaErrorStandIn \(2\).*ulimit -l"):
         assert not _shm.registered(back["npy"].data)
     for _ in range(3):  # every tensor of every batch asks: no new attempt, no warning
         assert not _shm.registered(back["npy"].data)
         assert not _shm.registered(back["cls"].offsets)
-    other, _ = _received(seed=7)  # another block: tried once, not warned again
+    other, _ = received(seed=7)  # another block: tried once, not warned again
     assert not _shm.registered(other["npy"].data)
     assert len(cuda.named("register")) == 2 and cuda.cleared == 2
     assert _gpu.COUNTERS.register_failed == 2 and _gpu.COUNTERS.registered == 0
@@ -297,7 +189,7 @@ def test_unregistration_waits_for_copies_and_a_failure_keeps_the_mapping(
     it was let go of has completed (polled, not waited for) and no tensor is left over
     it; a failed cudaHostUnregister leaves it registered and mapped, warned about and
     counted, and is not tried again."""
-    back, _ = _received(seed=8)
+    back, _ = received(seed=8)
     assert _shm.registered(back["npy"].data)
     m = _shm.mapped_of(back["npy"].data)
     assert m is not None
@@ -317,12 +209,13 @@ def test_unregistration_waits_for_copies_and_a_failure_keeps_the_mapping(
     _gpu.poll()  # its count retired behind a new event
     assert m.registered and m.view.users == 1
     cuda.events[-1].done = True
-    _gpu.poll()
+    _gpu.poll()  # due: unregistered on the registrar thread
+    _gpu.REGISTRAR.wait_idle()
     assert not m.registered and not m.view.held and len(cuda.named("unregister")) == 1
     assert _gpu.COUNTERS.unregistered == 1 and m.view.users == 0
 
     cuda.unregister_rc = 1
-    stuck_batch, _ = _received(seed=9)
+    stuck_batch, _ = received(seed=9)
     assert _shm.registered(stuck_batch["npy"].data)
     s = _shm.mapped_of(stuck_batch["npy"].data)
     assert s is not None
@@ -334,9 +227,10 @@ def test_unregistration_waits_for_copies_and_a_failure_keeps_the_mapping(
         ev.done = True
     with pytest.warns(RuntimeWarning, match="cudaHostUnregister.*failed"):
         _gpu.poll()
+        _gpu.REGISTRAR.wait_idle()
     assert s.registered and s.view.held and s in _gpu.STATE.stuck  # kept: never unmapped
     assert _gpu.COUNTERS.unregister_failed == 1 and cuda.cleared == 1
-    _gpu.poll()
+    _gpu.drain()
     assert len(cuda.named("unregister")) == 2  # not tried again
 
 

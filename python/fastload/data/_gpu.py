@@ -8,10 +8,19 @@ events. Tests without a GPU put a recording stand-in there; torch stays real.
 
 Registration (:func:`register`): once per mapping, on the device the batch goes to
 (that device current meanwhile, the one current before restored without creating a
-context on it). A failure is remembered (never retried for that mapping), warned about
-once per process, counted (:data:`COUNTERS`, in ``fastload.monitor``'s ``gpu/...``),
-and the thread's CUDA error is cleared so the next kernel launch does not report it;
-the block is then copied through torch's pinned buffers.
+context on it). Off the loop's path: once this process has asked for a registration,
+each block it maps from then on is registered on the registrar thread
+(:data:`REGISTRAR`) as soon as it is mapped; a copy (``copy_to``, ``to_device``) never
+waits for one: a block not registered yet is copied as an unregistered one is (torch's
+copy from pageable memory, which has read the source when it returns). ``pin()``
+(``pin_memory``, in DataLoader's pin thread) waits for the block's registration, as
+page-locked memory is what it returns. A failure is remembered (never retried for that
+mapping), warned about once per process, counted (:data:`COUNTERS`, in
+``fastload.monitor``'s ``gpu/...``), and the registering thread's CUDA error is cleared
+so its next kernel launch does not report it; the block is then copied through torch's
+pinned buffers. A mapping is held (below) from the moment its registration is asked
+for, so a copy the driver finds registered is covered even if the registration
+completed while the copy was being issued.
 
 The hold: a registered mapping is *held* (``ShmView.held``): a lease on it that is
 destroyed, by whatever dropped the last tensor over it (a batch, a view, a tensor
@@ -26,9 +35,9 @@ points is not covered (keep its source alive until that stream has passed it).
 
 Letting go of a mapping (:func:`unregister_later`): an event is recorded on the streams
 in use, and the mapping is unregistered (and only then unmapped) once it has completed
-and no lease is left on the block, polled, not waited for. A failed
-``cudaHostUnregister`` leaves the mapping registered and mapped for good (kept in
-``STATE.stuck``), warned about and counted.
+and no lease is left on the block, polled, not waited for; the unregistration itself
+runs on the registrar thread. A failed ``cudaHostUnregister`` leaves the mapping
+registered and mapped for good (kept in ``STATE.stuck``), warned about and counted.
 
 Nothing here runs in a process forked from the one that registered: a forked child
 forgets the parent's fences and mappings (its copies of the leases give nothing back:
@@ -176,10 +185,14 @@ class Counters:
 
     registered: int = 0  # mappings page-locked
     register_failed: int = 0  # attempts that failed (each mapping tried once)
-    register_ms: float = 0.0
+    register_ms: float = 0.0  # in cudaHostRegister, any thread
+    registered_behind: int = 0  # of the registrations, those the registrar thread made
+    register_main_ms: float = 0.0  # the main thread registering or waiting for one
+    pending_copies: int = 0  # tensors copied from a block not registered yet (unpinned)
     unregistered: int = 0
     unregister_failed: int = 0  # those mappings stay registered and mapped
-    unregister_ms: float = 0.0
+    unregister_ms: float = 0.0  # in cudaHostUnregister (the registrar thread)
+    unregister_main_ms: float = 0.0  # of which on the main thread (none: the registrar)
     retired: int = 0  # lease counts held back for copies, then given back
     fence_waits: int = 0  # waits for a copy because too many were pending
 
@@ -242,7 +255,8 @@ FENCES = Fences()
 class _State:
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.active = False  # a block was registered here: poll has work
+        self.active = False  # a block is registered or held here: poll has work
+        self.want: int | None = None  # the device registration was last asked for
         self.devices: dict[int, None] = {}  # registered for, in order
         self.streams: dict[StreamKey, None] = {}  # seen in use
         self.unregister: deque[tuple[Event, Any]] = deque()  # (event, mapping) to let go of
@@ -260,6 +274,9 @@ def _forget_in_child() -> None:
     leases give nothing back: cpp/shm/block.hpp), the locks made anew."""
     STATE.__init__()  # type: ignore[misc]
     FENCES.__init__(FENCES.max_pending)  # type: ignore[misc]
+    REGISTRAR.__init__()  # type: ignore[misc]
+    global _REG_LOCK
+    _REG_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -283,51 +300,112 @@ def device_index(device: Any) -> int:
 # --- registration ---------------------------------------------------------------------------
 
 
-def register(m: Any, device: Any = None) -> bool:
+def register(m: Any, device: Any = None, wait: bool = True) -> bool:
     """Page-locks mapping ``m`` (``_shm._Mapped``) for CUDA on ``device``, once; True if
-    it is registered. A failure is remembered (``m.failed``), warned about once and
-    counted; False also where CUDA is not available."""
+    it is registered. ``wait=False`` (a copy on the loop's path): never waits, the
+    registration is queued on the registrar thread if it is not done, and False until
+    it is. A failure is remembered (``m.failed``), warned about once and counted; False
+    also where CUDA is not available."""
     if m.registered:
         return True
     if m.failed or not m.base or STATE.pid != os.getpid() or not CUDA.available():
         return False
     index = device_index(device)
+    STATE.want = index  # blocks mapped from now on are registered as they arrive
+    if not wait:
+        submit(m, index)
+        COUNTERS.pending_copies += 1
+        return False
+    t0 = time.perf_counter()
+    with _REG_LOCK:  # one the registrar has started finishes first
+        _register_now(m, index)
+    if threading.current_thread() is threading.main_thread():
+        COUNTERS.register_main_ms += (time.perf_counter() - t0) * 1000
+    return bool(m.registered)
+
+
+def mapped(m: Any) -> None:
+    """``m`` was just mapped: queued for registration where this process registers
+    blocks (it asked for one before), so that it is done before the block's first copy
+    where the loop leaves time, and never on the loop's path."""
+    want = STATE.want
+    if want is not None and STATE.pid == os.getpid():
+        submit(m, want)
+
+
+def submit(m: Any, index: int) -> None:
+    """Queues ``m``'s registration for device ``index`` on the registrar thread (once)."""
+    with STATE.lock:
+        if m.pending or m.registered or m.failed or m.dropped:
+            return
+        m.pending = True
+        _hold(m, index)
+    REGISTRAR.put(("register", m, index))
+
+
+def _hold(m: Any, index: int) -> None:
+    """From now on ``m``'s leases retire (a copy may find it registered) and poll looks
+    at ``index``'s streams (called under STATE.lock)."""
+    m.view.held = True
+    STATE.devices.setdefault(index, None)
+    STATE.active = True
+
+
+def _register_now(m: Any, index: int) -> None:
+    """Registers ``m`` if nothing did or dropped it meanwhile (called under _REG_LOCK)."""
     with STATE.lock:
         if m.registered or m.failed:
-            return bool(m.registered)
-        t0 = time.perf_counter()
+            m.pending = False
+            return
+        if m.dropped:  # let go of before it was registered: nothing to undo
+            m.pending = False
+            m.view.held = False
+            return
+        m.pending = True  # unregister_later keeps track of it from here
+        _hold(m, index)
+    t0 = time.perf_counter()
+    try:
         with CUDA.device(index):
             rc = CUDA.host_register(m.base, m.length)
             if rc != 0:
                 CUDA.clear_error()
-        ms = (time.perf_counter() - t0) * 1000
-        if rc != 0:
-            m.failed = True
-            COUNTERS.register_failed += 1
-            _warn_once("register", (
-                f"fastload: page-locking a {m.length / 1e6:.1f} MB worker block for CUDA "
-                f"device {index} failed ({CUDA.error_name(rc)}): batches in such blocks are "
-                "copied through torch's pinned buffers instead (an extra copy). The usual "
-                "cause is the locked-memory limit (ulimit -l; a container's memlock). "
-                "Counted in fastload.monitor's gpu/register_failed."))
-            return False
-        m.device = index
-        m.view.held = True  # before any copy can read it: its leases retire from now on
-        m.registered = True
-        STATE.devices.setdefault(index, None)
-        STATE.active = True
-        COUNTERS.registered += 1
-        COUNTERS.register_ms += ms
-    return True
+    except Exception as e:  # a device that does not exist, say
+        rc, why = -1, f"{type(e).__name__}: {e}"
+    else:
+        why = CUDA.error_name(rc) if rc != 0 else ""
+    ms = (time.perf_counter() - t0) * 1000
+    if rc != 0:
+        m.failed = True
+        m.view.held = False
+        m.pending = False
+        COUNTERS.register_failed += 1
+        _warn_once("register", (
+            f"fastload: page-locking a {m.length / 1e6:.1f} MB worker block for CUDA "
+            f"device {index} failed ({why}): batches in such blocks are "
+            "copied through torch's pinned buffers instead (an extra copy). The usual "
+            "cause is the locked-memory limit (ulimit -l; a container's memlock). "
+            "Counted in fastload.monitor's gpu/register_failed."))
+        return
+    m.device = index
+    m.registered = True
+    m.pending = False  # after registered: unregister_later sees one or the other
+    COUNTERS.registered += 1
+    COUNTERS.register_ms += ms
+    if threading.current_thread() is REGISTRAR.thread:
+        COUNTERS.registered_behind += 1
 
 
 def unregister_later(m: Any) -> None:
-    """Lets go of registered mapping ``m`` once every copy issued from it may have
-    completed: an event is recorded now on the streams in use, and ``m`` is unregistered
-    (then dropped, and unmapped when nothing else holds it) when :func:`poll` finds it
-    completed."""
-    if not m.registered or STATE.pid != os.getpid():
+    """Lets go of mapping ``m`` (registered, or its registration pending) once every
+    copy issued from it may have completed: an event is recorded now on the streams in
+    use, and ``m`` is unregistered on the registrar thread (then dropped, and unmapped
+    when nothing else holds it) when :func:`poll` finds it completed."""
+    if STATE.pid != os.getpid():
         return
+    with STATE.lock:
+        m.dropped = True  # a registration not started yet is skipped
+        if not (m.registered or m.pending):
+            return
     ev = CUDA.record(streams_in_use())
     with STATE.lock:
         STATE.unregister.append((ev, m))
@@ -349,8 +427,66 @@ def _unregister(m: Any) -> None:
         return
     m.registered = False
     m.view.held = False
+    ms = (time.perf_counter() - t0) * 1000
     COUNTERS.unregistered += 1
-    COUNTERS.unregister_ms += (time.perf_counter() - t0) * 1000
+    COUNTERS.unregister_ms += ms
+    if threading.current_thread() is threading.main_thread():
+        COUNTERS.unregister_main_ms += ms
+
+
+class Registrar:
+    """The thread that registers blocks as they are mapped and unregisters those let go
+    of, in the order asked (a mapping dropped while its registration is queued is
+    skipped), so neither runs on the loop's path. Started on first use; a daemon; a
+    forked child starts its own (none until it registers, which it never does)."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[tuple[Any, ...]] = deque()
+        self.busy = 0  # jobs queued or running
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    def put(self, job: tuple[Any, ...]) -> None:
+        with self.cond:
+            self.jobs.append(job)
+            self.busy += 1
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="fastload-cuda-registrar")
+                self.thread.start()
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs:
+                    self.cond.wait()
+                job = self.jobs.popleft()
+            try:
+                if job[0] == "register":
+                    with _REG_LOCK:
+                        _register_now(job[1], job[2])
+                else:
+                    _unregister(job[1])
+            except Exception as e:  # the thread must go on; said once
+                with contextlib.suppress(Exception):  # a warning made an error (-W error)
+                    _warn_once("registrar", f"fastload: the CUDA registrar failed on a "
+                               f"worker block ({type(e).__name__}: {e})")
+            finally:
+                del job  # the mapping may be unmapped now: after its unregistration
+                with self.cond:
+                    self.busy -= 1
+                    self.cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Until every job asked for so far is done."""
+        with self.cond:
+            while self.busy:
+                self.cond.wait()
+
+
+REGISTRAR = Registrar()
+_REG_LOCK = threading.Lock()  # one registration at a time: pin() waits behind the registrar's
 
 
 # --- streams in use and the hold ------------------------------------------------------------
@@ -399,20 +535,26 @@ def _unregister_due() -> None:
     lease is left (a tensor of an exited worker's block may still be copied from: its
     count, retired when it goes, is given back after its own event)."""
     with STATE.lock:
-        due = [(ev, m) for ev, m in STATE.unregister if ev.query() and m.view.users == 0]
+        due = [(ev, m) for ev, m in STATE.unregister
+               if not m.pending and ev.query() and m.view.users == 0]
         for item in due:
             STATE.unregister.remove(item)
     for _, m in due:
-        _unregister(m)
+        if m.registered:
+            REGISTRAR.put(("unregister", m))
+        else:  # its registration failed or never ran: nothing to undo
+            m.view.held = False
 
 
 def drain() -> None:
-    """Waits for every copy from a block, and unregisters the mappings let go of that
-    nothing here still uses."""
+    """Waits for every registration asked for and every copy from a block, and
+    unregisters the mappings let go of that nothing here still uses."""
     if STATE.pid != os.getpid():
         return
+    REGISTRAR.wait_idle()  # registrations asked for are done (or failed)
     poll()
     FENCES.drain()
     for ev, _ in list(STATE.unregister):
         ev.synchronize()
     _unregister_due()
+    REGISTRAR.wait_idle()

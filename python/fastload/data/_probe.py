@@ -45,8 +45,10 @@ BATCHES, SAMPLES, BYTES, READ, FETCH, TRANSFORM, COLLATE = range(7)
 PID = F["pid"]
 _CACHE = [(F[name], name) for name in store.Counters.FIELDS]
 _WAITS = [(F[name], name) for name in STAGE_WAITS]
-#: The header (row 0): the monitor's clock origin, and whether workers trace (1) or not.
-T0, TRACING = 0, 1
+#: The header (row 0): the monitor's clock origin, whether workers trace (1) or not, and
+#: whether the loader is iterated through the monitor now (1): a worker started by
+#: iterating the loader itself records nothing.
+T0, TRACING, ON = 0, 1, 2
 #: Trace spans of one name closer than this (seconds) are drawn as one (a transform
 #: applied sample by sample would otherwise be thousands of tiny spans).
 _MERGE = 50e-6
@@ -116,7 +118,8 @@ class Probe:
             finally:
                 t1 = time.monotonic()
                 dt = t1 - t0
-                row[field] += dt - self._inner
+                if self.header[ON]:
+                    row[field] += dt - self._inner
                 self._inner = outer + dt
                 if self._fd >= 0:
                     self.span(name, t0, t1)
@@ -125,7 +128,12 @@ class Probe:
 
     def batch(self, out: Any) -> None:
         """A batch is ready to be handed over: counts it, takes this process's cache
-        counters, writes the spans of the batch while tracing."""
+        counters, writes the spans of the batch while tracing. Nothing while the loader
+        is not iterated through the monitor (its counters start again from there)."""
+        if not self.header[ON]:
+            self._base = store.COUNTERS.snapshot()
+            self._waits = waits.snapshot()
+            return
         row = self.row
         row[BATCHES] += 1
         n = samples_of(out)

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .. import _core
+from .._util import pid_alive
 from . import _gpu
 from ._gpu import FENCES, Fences, poll
 
@@ -47,7 +48,12 @@ class _BlockPool:
     let go of and made again costs the main process a descriptor and a new mapping (a
     connection to this worker and a millisecond or more), and the number of blocks a
     loader keeps in flight swings from batch to batch (prefetching, a loop that
-    pauses)."""
+    pauses).
+
+    Before making a block, a worker forked from the main process claims one of earlier
+    workers' blocks the main process kept (``_inherited``; mapped and registered there:
+    free) by its owner word (``ShmBlock.claim``: one of the workers forked from one
+    state gets it), written once its lease count is zero, as any other."""
 
     _GRAIN = 1 << 20
 
@@ -62,6 +68,7 @@ class _BlockPool:
         self.retired: list[int] = []  # of those, let go of since the last hand-over
         # sent and retired: batches are pickled in the result queue's feeder thread
         self.lock = threading.Lock()
+        self.claimable = list(_inherited)  # (fd, length) of blocks the parent kept
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` in a free block (not initialised)."""
@@ -70,6 +77,8 @@ class _BlockPool:
             (b for b in self.blocks.values() if b.users == 0), key=lambda b: b.capacity
         )
         block = next((b for b in free if b.capacity >= nbytes), None)
+        if block is None:
+            block = self._claim(nbytes)
         if block is None:
             # an eighth of headroom, so batches of varying size fit the same block
             want = -(-(nbytes + nbytes // 8) // self._GRAIN) * self._GRAIN
@@ -83,6 +92,28 @@ class _BlockPool:
                 self._let_go(b)
         lease = block.lease()
         return torch.frombuffer(lease, dtype=torch.uint8)[:nbytes]
+
+    def _claim(self, nbytes: int) -> _core.ShmBlock | None:
+        """A free block of an earlier worker that holds ``nbytes``, now this worker's
+        (the main process maps it: never sent); None if none is left. Claimed blocks
+        still read there join the pool, for later."""
+        for fd, length in [c for c in self.claimable if c[1] - _HEADER >= nbytes]:
+            self.claimable.remove((fd, length))
+            try:
+                b = _core.ShmBlock.claim(fd)
+            except OSError:
+                b = None
+            finally:
+                os.close(fd)
+            if b is None:
+                continue  # another worker's now
+            self.blocks[b.address] = b
+            self.last[b.address] = self.takes
+            with self.lock:
+                self.sent.add(b.inode)
+            if b.users == 0:
+                return b
+        return None
 
     def _let_go(self, b: _core.ShmBlock) -> None:
         del self.blocks[b.address], self.last[b.address]
@@ -138,17 +169,24 @@ class _BlockHandover:
 class _Mapped:
     """The main process's mapping of one worker block: the view, where its mapping starts
     (for page-locking it) and its registration with CUDA (:mod:`._gpu`): ``registered``,
-    ``failed`` (tried once, failed: never tried again), ``device`` (registered for)."""
+    ``pending`` (queued on the registrar or running), ``failed`` (tried once, failed:
+    never tried again), ``device`` (registered for), ``dropped`` (let go of here)."""
 
-    __slots__ = ("base", "device", "failed", "key", "length", "registered", "view")
+    __slots__ = ("base", "device", "dropped", "failed", "fd", "key", "length", "pending",
+                 "registered", "spared", "view")
 
-    def __init__(self, view: _core.ShmView, base: int, key: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, view: _core.ShmView, base: int, key: tuple[int, int] = (0, 0),
+                 fd: int = -1) -> None:
         self.view = view
         self.base = base
         self.length = view.length
         self.key = key
+        self.fd = fd  # a descriptor of the block, for workers forked later (-1: none)
+        self.spared = 0  # the generation it was kept at, once its worker let it go
         self.registered = False
+        self.pending = False
         self.failed = False
+        self.dropped = False
         self.device = 0
 
 
@@ -159,8 +197,21 @@ class _Mapped:
 # registered one is unregistered first, once the copies from it have completed
 # (release_host). _index: the mappings by address (starts sorted), replaced whole on
 # each change, so mapped_of reads it without the lock.
+#
+# Blocks outlive their workers: the mappings of a worker that exited, or of blocks a
+# worker let go of, are kept (_spare, by inode; freed for a claim: ShmView.disown) with a
+# descriptor of the block, which workers forked later inherit (_inherited) and claim
+# before making blocks of their own; a claimed block arrives under its new worker's key
+# and is found by inode. A spare no worker of the next two generations (workers seen
+# exiting: _generation) claimed, or beyond _MAX_SPARE, is let go of (unregistered
+# first). Workers started otherwise than by fork inherit nothing: they make their own.
 _views: dict[tuple[int, int], _Mapped] = {}
+_spare: dict[int, _Mapped] = {}
 _index: tuple[list[int], list[_Mapped]] = ([], [])
+_inherited: list[tuple[int, int]] = []  # in a forked child: (fd, length) to claim
+_MAX_SPARE = 64
+_MAX_KEPT_FDS = 256  # descriptors kept for forked workers (each mapping's one)
+_generation = 0
 _lock = threading.RLock()  # batches may arrive in DataLoader's pin thread
 _MAX_VIEWS_PER_WORKER = 64  # a bound only: a worker names the blocks it let go of
 _HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
@@ -168,27 +219,45 @@ _HEADER = 64  # shm::kHeaderBytes: the payload starts this far into the mapping
 
 def _reindex() -> None:
     global _index
-    ms = sorted(_views.values(), key=lambda m: m.base)
+    ms = sorted([*_views.values(), *_spare.values()], key=lambda m: m.base)
     _index = ([m.base for m in ms], ms)
 
 
 def forget_views() -> None:
-    """Drops every mapping (registered ones once their copies have completed)."""
+    """Drops every mapping, spares too (registered ones once their copies completed)."""
     with _lock:
         for key in list(_views):
             _drop(key)
+        while _spare:
+            _release(_spare.popitem()[1])
         _reindex()
 
 
+def _before_fork() -> None:
+    """The blocks of workers that have exited are kept as spares before a fork, so the
+    child (a DataLoader worker of the next epoch) inherits them to claim."""
+    if _views and _lock.acquire(timeout=1):
+        try:
+            _forget_exited(0)
+            _reindex()
+        finally:
+            _lock.release()
+
+
 def _forget_in_child() -> None:
-    """A forked child drops its copies of the parent's mappings, with no CUDA call."""
-    global _index, _lock
+    """A forked child drops its copies of the parent's mappings, with no CUDA call, and
+    keeps the descriptors of the spare blocks, to claim."""
+    global _index, _lock, _inherited
+    _inherited = [(m.fd, m.length) for m in _spare.values() if m.fd >= 0]
+    for fd in [m.fd for m in _views.values() if m.fd >= 0]:
+        os.close(fd)
     _views.clear()
+    _spare.clear()
     _index = ([], [])
     _lock = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_forget_in_child)
 
 
 def _open_peer(pid: int, fd: int, inode: int) -> int:
@@ -218,23 +287,82 @@ def _attach_block(
     with _lock:
         for g in gone:
             if (pid, g) in _views:
-                _drop((pid, g))
+                _keep((pid, g))  # its worker let it go: a later worker may claim it
         m = _views.get(key)
+        moved = m is None and _claimed(key, length) is not None
+        if moved:
+            m = _views[key]
         if m is not None and m.length == length:
-            if gone:
+            if gone or moved:
                 _reindex()
             if handle is not None:
                 os.close(handle.detach())
             return m.view.adopt()
         fd = handle.detach() if handle is not None else _open_peer(pid, fdno, inode)
-        view = _core.ShmView(fd, length)
+        keep = _keep_fd(fd)
+        try:
+            view = _core.ShmView(fd, length)
+        except BaseException:
+            if keep >= 0:
+                os.close(keep)
+            raise
         lease = view.adopt()
         if m is not None:
             _drop(key)
         _forget_views(pid)
-        _views[key] = _Mapped(view, _address(lease) - _HEADER, key)
+        m = _views[key] = _Mapped(view, _address(lease) - _HEADER, key, keep)
         _reindex()
-        return lease
+    _gpu.mapped(m)  # registered now on the registrar thread, where this process registers
+    return lease
+
+
+def _keep_fd(fd: int) -> int:
+    """A descriptor of the block for workers forked later (-1: none kept)."""
+    kept = sum(m.fd >= 0 for m in [*_views.values(), *_spare.values()])
+    try:
+        return os.dup(fd) if kept < _MAX_KEPT_FDS else -1
+    except OSError:
+        return -1
+
+
+def _claimed(key: tuple[int, int], length: int) -> _Mapped | None:
+    """The mapping of a block a worker claimed, a spare or under its earlier owner's key,
+    now under ``key`` (the caller reindexes); None if there is none."""
+    inode = key[1]
+    m = _spare.pop(inode, None)
+    if m is None:
+        old = next((k for k in _views if k[1] == inode), None)
+        if old is None:
+            return None
+        m = _views.pop(old)
+    if m.length != length:
+        _release(m)
+        return None
+    m.key = key
+    _views[key] = m
+    return m
+
+
+def _keep(key: tuple[int, int]) -> None:
+    """Keeps the mapping of a block whose worker exited or let it go as a spare, freed
+    for a claim (the caller reindexes), or lets go of it."""
+    m = _views.pop(key)
+    if m.fd < 0 or m.view.owner not in (0, key[0]):
+        _release(m)
+        return
+    m.view.disown()
+    m.spared = _generation
+    _spare[key[1]] = m
+    while len(_spare) > _MAX_SPARE:
+        _release(_spare.pop(next(iter(_spare))))  # the oldest
+
+
+def _release(m: _Mapped) -> None:
+    """Lets go of a mapping: its descriptor now, its registration (release_host) later."""
+    if m.fd >= 0:
+        os.close(m.fd)
+        m.fd = -1
+    release_host(m)
 
 
 def _address(buffer: Any) -> int:
@@ -244,22 +372,39 @@ def _address(buffer: Any) -> int:
 def _drop(key: tuple[int, int]) -> None:
     """Forgets a mapping (the caller reindexes); a registered one is unregistered once
     the copies that may read it have completed, and stays mapped until then."""
-    m = _views.pop(key)
-    if m.registered:
-        release_host(m)
+    _release(_views.pop(key))
+
+
+def _exited(pids: set[int]) -> list[int]:
+    return [p for p in pids if not pid_alive(p)]
+
+
+def _forget_exited(pid: int) -> None:
+    """Keeps the mappings of exited workers (other than ``pid``) as spares, a new
+    generation: the spares no worker claimed for two generations are let go of, and
+    those a worker claimed but died with are freed again."""
+    global _generation
+    dead = _exited({p for p, _ in _views} - {pid})
+    if not dead:
+        return
+    _generation += 1
+    lost = _exited({m.view.owner for m in _spare.values()} - {0})
+    for inode, m in list(_spare.items()):
+        if m.view.owner in lost:
+            m.view.disown()
+            m.spared = _generation
+        elif m.view.owner == 0 and m.spared < _generation - 1:
+            _release(_spare.pop(inode))
+    for p in dead:
+        for key in [k for k in _views if k[0] == p]:
+            _keep(key)
 
 
 def _forget_views(pid: int) -> None:
-    """Drops the mappings of exited workers, and the oldest of ``pid``'s beyond
-    ``_MAX_VIEWS_PER_WORKER`` (a bound: a worker names the blocks it let go of)."""
-    for p in {p for p, _ in _views} - {pid}:
-        try:
-            os.kill(p, 0)
-        except ProcessLookupError:
-            for key in [k for k in _views if k[0] == p]:
-                _drop(key)
-        except PermissionError:  # pragma: no cover - alive, another user's
-            pass
+    """Keeps the mappings of exited workers as spares, and drops the oldest of
+    ``pid``'s beyond ``_MAX_VIEWS_PER_WORKER`` (a bound: a worker names the blocks it
+    let go of)."""
+    _forget_exited(pid)
     mine = [k for k in _views if k[0] == pid]
     for key in mine[: max(0, len(mine) + 1 - _MAX_VIEWS_PER_WORKER)]:
         _drop(key)
@@ -283,12 +428,15 @@ def mapped_of(t: torch.Tensor) -> _Mapped | None:
 # --- the host side of copies to CUDA (data/_gpu.py) ------------------------------------
 #
 # A worker block the main process maps is page-locked in place (cudaHostRegister, once
-# per block, on the first pin_memory() or .to("cuda") of a batch in it), so copies read
-# it at the link's speed with no pinned copy first. The lease rule: a block goes back to
-# its worker's pool when the last lease on it is gone (cpp/shm/block.hpp); on a
-# registered block a lease's count is retired instead, and given back once every copy
-# issued before on the streams in use has completed (_gpu.poll, run as batches arrive,
-# are pinned or moved).
+# per block), so copies read it at the link's speed with no pinned copy first. The first
+# pin_memory() or .to("cuda") of a batch asks for it; from then on each block is
+# registered on _gpu's registrar thread as soon as it is mapped. pin() waits for its
+# block's registration (DataLoader's pin thread); a copy never does: a block whose
+# registration has not completed is copied as an unregistered block is. The lease rule:
+# a block goes back to its worker's pool when the last lease on it is gone
+# (cpp/shm/block.hpp); on a registered block a lease's count is retired instead, and
+# given back once every copy issued before on the streams in use has completed
+# (_gpu.poll, run as batches arrive, are pinned or moved).
 
 
 def register_host(m: _Mapped, device: Any = None) -> bool:
@@ -300,16 +448,19 @@ def register_host(m: _Mapped, device: Any = None) -> bool:
 
 
 def release_host(m: _Mapped) -> None:
-    """Unregisters a block whose mapping this process lets go of, after every copy that
-    may read it (a mapping is never unmapped while registered)."""
+    """Unregisters a block whose mapping this process lets go of (registered, or its
+    registration pending), after every copy that may read it (a mapping is never
+    unmapped while registered)."""
     _gpu.unregister_later(m)
 
 
-def registered(t: torch.Tensor, device: Any = None) -> bool:
+def registered(t: torch.Tensor, device: Any = None, wait: bool = True) -> bool:
     """Whether ``t`` lies in a worker block page-locked here (registering it for
-    ``device`` if CUDA is available and it is not yet)."""
+    ``device`` if CUDA is available and it is not yet; with ``wait=False`` the
+    registration is queued on the registrar thread and this says False until it is
+    done)."""
     m = mapped_of(t)
-    return m is not None and (m.registered or _gpu.register(m, device))
+    return m is not None and (m.registered or _gpu.register(m, device, wait))
 
 
 def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
@@ -320,16 +471,26 @@ def pin(t: torch.Tensor, device: Any = None) -> torch.Tensor:
     return t.pin_memory() if device is None else t.pin_memory(device)
 
 
-def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
-    """The tensors moved to ``device``. To CUDA, worker blocks are registered first (a
-    copy from page-locked memory runs at the link's speed, blocking or not); the stream
-    the copies are issued on is noted as in use, so the blocks' leases, once dropped,
+def before_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+    """The host side of copies of ``tensors`` to CUDA ``device``, before they are issued:
+    their worker blocks' registration asked for, never waited for (a block not
+    registered yet is copied from pageable memory: torch's copy has read it when it
+    returns); the current stream noted as in use, so the blocks' leases, once dropped,
     are given back only after the copies have completed."""
+    for t in tensors:
+        registered(t, device, wait=False)
+    if _gpu.STATE.active:
+        _gpu.note_streams()
+
+
+def copy_to(tensors: Sequence[torch.Tensor], device: Any, non_blocking: bool) -> list[torch.Tensor]:
+    """The tensors moved to ``device``. To CUDA, from worker blocks registered here (a
+    copy from page-locked memory runs at the link's speed, blocking or not), a block
+    going back to its worker only once the copies have completed (before_copies)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return [t.to(dev, non_blocking=non_blocking) for t in tensors]
-    if any([registered(t, dev) for t in tensors]):
-        _gpu.note_streams()
+    before_copies(tensors, dev)
     out = [t.to(dev, non_blocking=non_blocking) for t in tensors]
     _gpu.poll()
     return out

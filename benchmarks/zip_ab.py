@@ -5,10 +5,16 @@ steadier than the medians of separate groups.
 Each round runs every tool once, in a rotating order, each into a fresh folder (in a new
 process for fastload too, so every tool pays its start), timed until its output is
 synced (``--no-sync``: to its return); ``--cold`` drops the page cache before each run
-(root only), else the zip is read first. Prints per tool the median wall and CPU
-seconds, and per peer the median of the per-round ratios (peer time / fastload time).
+(root only), else the zip is read first. ``--netsim US``: each run reads the zip through
+a fresh netsim mount of its folder adding US microseconds per request (nothing of it
+cached). ``--keep``: the outputs are removed at the end, not after each run (on ext4
+without a journal, the 10,000 inodes a run frees make the next run's creations pass
+over them for a minute: benchmarks/_harness.py ``settle_deletions``). Prints per tool
+the median wall and CPU seconds, and per peer the median of the per-round ratios (peer
+time / fastload time).
 
     python benchmarks/zip_ab.py ZIP --out DIR [--rounds 5] [--cold] [--no-sync]
+        [--netsim US] [--keep]
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import drop_caches, syncfs
+from _harness import NETSIM, drop_caches, netsim_unavailable, syncfs, unmount_netsim
 
 _STAGE = "import sys, fastload; fastload.stage(sys.argv[1], sys.argv[2])"
 TOOLS = {
@@ -48,7 +54,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--no-sync", action="store_true", help="time each tool to its return")
+    ap.add_argument("--netsim", type=int, default=None, metavar="US",
+                    help="read the zip through a fresh netsim mount, US per request")
+    ap.add_argument("--keep", action="store_true", help="remove the outputs at the end")
     args = ap.parse_args()
+    if args.netsim is not None and (why := netsim_unavailable()):
+        raise SystemExit(f"--netsim: {why}")
+    kept: list[Path] = []
     times: dict[str, list[tuple[float, float]]] = {t: [] for t in TOOLS}
     tools = list(TOOLS)
     for r in range(args.rounds):
@@ -61,22 +73,41 @@ def main() -> int:
             if args.cold:
                 if not drop_caches():
                     raise SystemExit("--cold needs root")
-            else:
+            elif args.netsim is None:
                 with open(args.zip, "rb") as f:
                     while f.read(8 << 20):
                         pass
+            zip_path, mnt = args.zip, None
+            if args.netsim is not None:
+                mnt = args.out.parent / f".zip-ab-mnt-r{r}-{tool.split()[0]}"
+                mnt.mkdir(exist_ok=True)
+                us = str(args.netsim)
+                subprocess.run([str(NETSIM), "mount", str(args.zip.parent), str(mnt), us, us],
+                               check=True)  # fmt: skip
+                zip_path = mnt / args.zip.name
             before = os.times()
             t0 = time.monotonic()
-            subprocess.run(command(tool, args.zip, dst), check=True)
-            if not args.no_sync:
-                syncfs(args.out)
-            wall = time.monotonic() - t0
+            try:
+                subprocess.run(command(tool, zip_path, dst), check=True)
+                if not args.no_sync:
+                    syncfs(args.out)
+                wall = time.monotonic() - t0
+            finally:
+                if mnt is not None:
+                    unmount_netsim(mnt)
+                    mnt.rmdir()
             after = os.times()
             cpu = (after.children_user - before.children_user
                    + after.children_system - before.children_system)  # fmt: skip
             times[tool].append((wall, cpu))
+            if args.keep:
+                kept.append(dst)
+                continue
             shutil.rmtree(dst)
             shutil.rmtree(dst.parent / f".{dst.name}.fastload", ignore_errors=True)
+    for dst in kept:
+        shutil.rmtree(dst)
+        shutil.rmtree(dst.parent / f".{dst.name}.fastload", ignore_errors=True)
     for tool, runs in times.items():
         print(f"{tool:12s} wall {statistics.median(w for w, _ in runs):6.2f} s  "
               f"cpu {statistics.median(c for _, c in runs):6.2f} s  "

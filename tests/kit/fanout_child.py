@@ -3,8 +3,9 @@ variables of a multi-node job in its environment. ``{node}`` in DST becomes
 ``SLURM_NODEID`` (under srun, or given to each rank by mpiexec). ``--init`` makes the
 gloo group from torchrun's variables before calling stage(), as a training script does;
 without it stage() makes its own. ``--fanout mpi`` or ``torch`` picks the transport
-(default: stage() chooses); ``--pid`` prints ``{"pid": ...}`` first; ``--resolve``
-calls ``resolve(sources=[SRC], destination=DST, fanout=...)`` instead of stage().
+(default: stage() chooses); ``--pid`` prints ``{"pid": ...}`` first; ``--workers N``
+passes ``workers=N``; ``--resolve`` calls ``resolve(sources=[SRC], destination=DST,
+fanout=...)`` instead of stage().
 Prints one JSON line per progress report (``{"progress": bytes}``) and then
 ``{"result": ...}`` or ``{"error": ...}`` (exit status 3)."""
 
@@ -33,6 +34,7 @@ def main() -> int:
     p.add_argument("--init", action="store_true")
     p.add_argument("--nested", action="store_true")
     p.add_argument("--stripe", type=int, default=None)
+    p.add_argument("--workers", type=int, default=None, help="stage(workers=...)")
     p.add_argument("--include", default=None)
     p.add_argument("--exclude", default=None)
     p.add_argument("--fanout", default="true", help="true, or a transport: torch, mpi")
@@ -59,6 +61,8 @@ def main() -> int:
             kwargs[name] = getattr(args, name)
     if args.stripe:
         kwargs["stripe_size"] = args.stripe
+    if args.workers:
+        kwargs["workers"] = args.workers
     try:
         if args.resolve:
             got = fastload.resolve(sources=[args.src], destination=dst, fanout=fanout)

@@ -69,3 +69,28 @@ def test_prefix_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path) ->
     proxy.reset_counts()
     assert fastload.stage(f"s3://{bucket}/ds/", dsts[1]).skipped
     assert proxy.gets() == 0
+
+
+def test_zip_object_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path) -> None:
+    """A zip object: node 0 reads its central directory, each node its share of the
+    members by ranged GETs; the store serves the zip about once; every node's tree is
+    unzip's."""
+    from kit import zips
+
+    tree = zips.build_tree(tmp_path / "tree")
+    build_small_files(tree / "small", 300, per_dir=100)
+    write_patterned(tree / "w.bin", 3 << 20, seed=4)
+    archive = zips.infozip(tree, tmp_path / "data.zip")
+    upload_file(s3, bucket, "data.zip", archive)
+    ref = zips.unzip_ref(archive, tmp_path / "ref")
+    proxy.reset_counts()
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    got = results(start_nodes(f"s3://{bucket}/data.zip", dsts))
+    size = archive.stat().st_size
+    assert proxy.bytes_out <= 1.1 * size + (1 << 20), (proxy.bytes_out, size)
+    assert sum(r["read_bytes"] for r in got) <= size
+    assert all(r["nodes"] == 3 and r["read_bytes"] > 0 for r in got), got
+    for d in dsts:
+        zips.assert_same_extraction(archive, ref, d)
+    proxy.reset_counts()
+    assert fastload.stage(f"s3://{bucket}/data.zip", dsts[2]).skipped

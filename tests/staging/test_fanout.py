@@ -11,15 +11,14 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 import fastload
-from kit.netsim import Mount, mounts
-from kit.nodes import data_bytes, fanout_tree, outcome, results, start_nodes
+from kit.netsim import Mount
+from kit.nodes import data_bytes, fanout_tree, kill_once_writing, outcome, results, start_nodes
 from kit.procs import child_env
 from kit.tars import gnu_extract, need_gnu_tar
 from kit.tools import require_module
@@ -28,14 +27,6 @@ from kit.trees import assert_same_tree, build_small_files, write_patterned
 require_module("torch.distributed")
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    with mounts(tmp_path) as mount:
-        yield mount
-
-
 
 
 def build_tree(root: Path, *, small: int = 200, big: int = 12 * MiB) -> Path:
@@ -159,13 +150,7 @@ def test_node_killed_then_rerun_reads_only_what_is_missing(
     env = {"FASTLOAD_FANOUT_TIMEOUT": "30", "FASTLOAD_FANOUT_ROUND": str(256 << 10)}
     store = netsim(src, 300, 300, direct=True)
     procs = start_nodes(store.path, dsts, env=env)
-    # Node 1 dies (kill -9) once it has written something.
-    assert procs[1].stdout is not None
-    for line in procs[1].stdout:
-        if json.loads(line).get("progress", 0) > 0:
-            break
-    procs[1].send_signal(signal.SIGKILL)
-    procs[1].communicate()
+    kill_once_writing(procs[1])  # node 1 dies (kill -9) once it has written something
     t0 = time.monotonic()
     failed = [outcome(p, timeout=120) for p in procs[:1]]
     waited = time.monotonic() - t0

@@ -6,13 +6,12 @@ read a source behind netsim, which counts what it served: once in total, not per
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from kit.netsim import Mount, mounts
+from kit.netsim import Mount
 from kit.nodes import data_bytes, fanout_tree, results, start_nodes
 from kit.tools import require_module
 from kit.trees import assert_same_tree
@@ -20,12 +19,6 @@ from kit.trees import assert_same_tree
 require_module("torch.distributed")
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    with mounts(tmp_path) as mount:
-        yield mount
 
 
 # --fanout-transport alone implies --fanout (its help says so).

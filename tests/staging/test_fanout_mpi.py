@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +21,7 @@ import pytest
 
 from fastload.staging.fanout import over_mpi as run_mpi
 from fastload.staging.fanout import run
-from kit.netsim import Mount, mounts
+from kit.netsim import Mount
 from kit.nodes import data_bytes, fanout_tree, mpi_line, mpi_outcomes, mpiexec, start_mpi_nodes
 from kit.procs import child_env
 from kit.tools import missing, require_module
@@ -33,12 +32,6 @@ if mpiexec() is None:
     missing("no mpiexec beside this Python (pip install mpich)", module=True)
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    with mounts(tmp_path) as mount:
-        yield mount
 
 
 def build_tree(root: Path, *, small: int = 200, big: int = 12 * MiB) -> Path:

@@ -178,10 +178,11 @@ def test_bytes_before_the_archive(adjusted: bool, tree: Path, tmp_path: Path) ->
     zips.assert_same_extraction(plain, zips.unzip_ref(plain, tmp_path / "ref"), tmp_path / "dst")
 
 
-def test_fanout_extracts_on_each_node(tree: Path, tmp_path: Path,
-                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
-    """fanout=True does not split a zip: the node extracts it itself, with a warning."""
+def test_fanout_in_a_single_process_is_a_plain_stage(tree: Path, tmp_path: Path) -> None:
+    """fanout=True in a single process is a plain stage, nested or not (several nodes:
+    test_zip_fanout.py)."""
     archive = zips.infozip(tree, tmp_path / "data.zip")
     res = fastload.stage(archive, tmp_path / "dst", fanout=True)
     assert res.files == len(trees.regular_files(tree)) and res.nodes == 1
-    assert any("not split between nodes" in r.getMessage() for r in caplog.records)
+    res = fastload.stage(archive, tmp_path / "nested", fanout=True, unpack="nested")
+    assert res.files == len(trees.regular_files(tree)) and res.nodes == 1

@@ -12,12 +12,15 @@ import os
 import shutil
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import fastload
 from fastload.staging.zipformat import ZipFormatError
 from kit import tars, trees, zips
+from kit.web import serving
+from sources.s3server import upload_file
 
 
 def staged(dst: Path) -> dict[str, bytes]:
@@ -188,3 +191,78 @@ def test_a_hostile_zip_in_a_tar(tmp_path: Path) -> None:
                            match=r"outer\.tar!/bad\.zip', member '\.\./evil\.txt'"):
             fastload.stage(archive, dst, unpack="nested")
         assert not list(tmp_path.rglob("evil*"))
+
+
+def _tar_of_zips(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A GNU tar holding two zips (Info-ZIP, zipfile) and a file; and what a stage with
+    unpack="nested" gives: ``tar -x``, then ``unzip`` of each zip into its folder."""
+    files, outer = _inner_sources(tmp_path)
+    (outer / "scans").mkdir(parents=True)
+    zips.infozip(files, (outer / "scans" / "a_2d-label.zip").resolve())
+    zips.py_zip(files, outer / "scans" / "b_2d-instance.zip")
+    trees.write_file(outer / "scans" / "a.txt", b"axis\n", mtime_index=20)
+    archive = tars.gnu_create(outer, tmp_path / "scans.tar", "posix")
+    ref = tars.gnu_extract(archive, tmp_path / "ref")
+    _unpack_level(ref, (".zip",), keep=False)
+    want = staged(ref)
+    assert "scans/a_2d-label/frames/5.png" in want and "scans/b_2d-instance/meta.txt" in want
+    return archive, want
+
+
+def test_zips_in_a_tar_from_s3(s3: Any, bucket: str, tmp_path: Path) -> None:
+    """A tar in the loopback S3 server holding zips: each zip extracted into its folder
+    (they stayed files); a re-stage is skipped."""
+    archive, want = _tar_of_zips(tmp_path)
+    upload_file(s3, bucket, "sets/scans.tar", archive)
+    url = f"s3://{bucket}/sets/scans.tar"
+    dst = tmp_path / "dst"
+    res = fastload.stage(url, dst, unpack="nested")
+    assert staged(dst) == want and res.files == len(want)
+    assert not list(dst.rglob("*.zip"))
+    again = fastload.stage(url, dst, unpack="nested")
+    assert again.skipped and again.copied_files == 0 and again.files == len(want)
+
+
+def test_zips_in_a_tar_over_http(tmp_path: Path) -> None:
+    """A tar behind an HTTP server holding zips: each zip extracted into its folder."""
+    archive, want = _tar_of_zips(tmp_path)
+    with serving(archive.parent) as server:
+        res = fastload.stage(server.url(archive.name), tmp_path / "dst", unpack="nested")
+    assert staged(tmp_path / "dst") == want and res.files == len(want)
+
+
+def test_zips_in_a_tar_stream(tmp_path: Path) -> None:
+    """A tar read as a stream (a file object, as stdin is) holding zips: each zip
+    extracted into its folder; a re-stage (a stream is read again) keeps the files."""
+    archive, want = _tar_of_zips(tmp_path)
+    dst = tmp_path / "dst"
+    for _ in range(2):
+        with open(archive, "rb") as f:
+            res = fastload.stage(f, dst, unpack="nested")
+        assert staged(dst) == want and res.files == len(want)
+        assert not list(dst.rglob("*.zip")) and not list(tmp_path.rglob("zips/*"))
+
+
+def test_zips_in_the_tars_of_a_zip(tmp_path: Path) -> None:
+    """A zip holding a tar holding zips: the tar into its folder, its zips into theirs;
+    a re-stage is skipped; a deleted inner zip's folder is put back."""
+    tar, _ = _tar_of_zips(tmp_path / "inner")
+    top = tmp_path / "top"
+    top.mkdir()
+    shutil.copyfile(tar, top / "scans.tar")
+    trees.write_file(top / "README.txt", b"a tar of zips\n", mtime_index=40)
+    archive = zips.infozip(top, tmp_path / "outer.zip")
+    ref = zips.unzip_ref(archive, tmp_path / "ref")
+    _unpack_level(ref, (".tar",), keep=False)
+    _unpack_level(ref, (".zip",), keep=False)
+    want = staged(ref)
+    assert "scans/scans/a_2d-label/frames/5.png" in want
+    dst = tmp_path / "dst"
+    res = fastload.stage(archive, dst, unpack="nested")
+    assert staged(dst) == want and res.files == len(want)
+    assert not list(dst.rglob("*.zip")) and not list(dst.rglob("*.tar"))
+    again = fastload.stage(archive, dst, unpack="nested")
+    assert again.skipped and again.copied_files == 0 and again.files == len(want)
+    shutil.rmtree(dst / "scans" / "scans" / "b_2d-instance")
+    res = fastload.stage(archive, dst, unpack="nested")
+    assert staged(dst) == want and not res.skipped and res.files == len(want)

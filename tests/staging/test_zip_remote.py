@@ -4,9 +4,7 @@ ranges; one whose server does not is downloaded whole first, with a warning sayi
 
 from __future__ import annotations
 
-import http.server
 import logging
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import pytest
 
 import fastload
 from kit import trees, zips
+from kit.web import WebServer, serving
 from sources.s3server import upload_file
 
 
@@ -47,64 +46,22 @@ def test_from_s3_by_ranged_gets(s3: Any, bucket: str, proxy: Any, zipped: tuple[
     assert proxy.bytes_out < archive.stat().st_size // 4, proxy.bytes_out
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, root: Path, ranges: bool) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.root, self.ranges = root, ranges
-        self.requests: list[str | None] = []  # each GET's Range header
-        self.sent = 0
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/{name}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        data = (self.server.root / self.path.lstrip("/")).read_bytes()
-        wanted = self.headers.get("Range")
-        self.server.requests.append(wanted)
-        start, end = 0, len(data)
-        if wanted and self.server.ranges:
-            a, b = wanted.removeprefix("bytes=").split("-")
-            start, end = int(a), min(len(data), int(b) + 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-        else:
-            self.send_response(200)
-        self.send_header("ETag", '"v1"')
-        self.send_header("Content-Length", str(end - start))
-        self.end_headers()
-        self.wfile.write(data[start:end])
-        self.server.sent += end - start
-
-
 @pytest.fixture(params=[True, False], ids=["ranges", "no-ranges"])
-def server(request: pytest.FixtureRequest, zipped: tuple[Path, Path]) -> Iterator[_Server]:
-    srv = _Server(zipped[0].parent, request.param)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+def server(request: pytest.FixtureRequest, zipped: tuple[Path, Path]) -> Iterator[WebServer]:
+    with serving(zipped[0].parent, serve_ranges=request.param) as srv:
+        yield srv
 
 
-def test_over_http(server: _Server, zipped: tuple[Path, Path], tmp_path: Path,
+def test_over_http(server: WebServer, zipped: tuple[Path, Path], tmp_path: Path,
                    caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     archive, ref = zipped
     with caplog.at_level(logging.WARNING):
         fastload.stage(server.url("data.zip"), tmp_path / "dst")
     zips.assert_same_extraction(archive, ref, tmp_path / "dst")
     warned = [r for r in caplog.records if "does not serve byte ranges" in r.getMessage()]
-    if server.ranges:
-        assert not warned and len(server.requests) > 2
-        assert all(r is not None for r in server.requests)
+    if server.serve_ranges:
+        assert not warned and len(server.range_headers) > 2
+        assert all(r is not None for r in server.range_headers)
     else:
         assert len(warned) == 1 and server.url("data.zip") in warned[0].getMessage()
         assert not list((tmp_path).glob(".dst.fastload/.zip-*"))  # the download is gone

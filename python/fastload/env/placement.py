@@ -76,7 +76,8 @@ class Placement:
     path: str
     """Where the data is read from: ``target``, the source, or the copy in the cache."""
     kind: str
-    """``"tree"``, ``"file"``, ``"archive"``, ``"prefix"`` or ``"object"``."""
+    """``"tree"``, ``"file"``, ``"archive"``, ``"prefix"``, ``"object"``, or ``"nested"``
+    (a tree staged with ``unpack="nested"``: its zips extracted)."""
     needed: int
     """Bytes the data still needs on node-local disk (an archive's extracted size is
     estimated: a gzip's trailer, a zstd frame's header, else the archive's size)."""
@@ -229,7 +230,10 @@ def _measure_local(src: Path, dst_parent: Path, include: Patterns, unpack: Any) 
         listing = Listing.from_walk(
             _core.walk_columns(str(src), list(patterns(include)), [], False, 16)
         ).of_kind(FILE)
-        return "tree", sum(map(_rounded, listing.size, listing.blocks, [bsize] * len(listing)))
+        kind = "nested" if unpack == "nested" else "tree"
+        return kind, sum(map(_rounded, listing.size, listing.blocks, [bsize] * len(listing)))
+    if _is_zip(str(src), unpack):
+        return "archive", _zip_size(str(src), dst_parent, include, unpack, None)
     st = os.stat(src)
     compression = None if unpack is False else archive_compression(src)
     if compression is None:
@@ -245,6 +249,8 @@ def _measure_store(
     from ..staging.remote import ObjectPrefix, open_remote
     from ..staging.request import StageRequest
 
+    if _is_zip(url, unpack):
+        return "archive", _zip_size(url, target.parent, include, unpack, storage_options), False
     req = StageRequest.make(include=include, unpack=unpack, storage_options=storage_options)
     source, _ = open_remote(url, target, req)
     if isinstance(source, Archive):
@@ -258,9 +264,42 @@ def _measure_store(
     return "held", 0, False  # a complete copy, its store unreachable: it is local
 
 
+def _is_zip(source: str, unpack: Any) -> bool:
+    """Whether stage() extracts ``source`` as a zip: a URL by its name, a local file by
+    its name or its first bytes (as stage() tells)."""
+    if unpack is False:
+        return False
+    if "://" in source:
+        from ..staging.zipopen import is_zip_url
+
+        return is_zip_url(source)
+    from ..staging.zipformat import is_zip_file
+
+    return os.path.isfile(source) and is_zip_file(source)
+
+
+def _zip_size(source: str, spool: Path, include: Patterns, unpack: Any,
+              storage_options: Mapping[str, Any] | None) -> int:  # fmt: skip
+    """The bytes a zip's selected members extract to, from its central directory (a
+    few reads; an inner archive of ``unpack="nested"`` counted as its stored size)."""
+    from ..staging.request import StageRequest
+    from ..staging.zipopen import open_zip
+
+    req = StageRequest.make(include=include, unpack="auto" if unpack == "nested" else unpack,
+                            storage_options=storage_options, allow_empty=True)  # fmt: skip
+    source_zip = open_zip(source, req, spool)
+    try:
+        files, _others = source_zip.listing(req)
+        return int(sum(files.size))
+    finally:
+        source_zip.data.close()
+
+
 def _kind(source: str, unpack: Any) -> str:
     """What ``source`` is, told without listing it: a store URL by its name (an archive
     object without an archive's suffix is an ``"object"`` here)."""
+    if _is_zip(source, unpack):
+        return "archive"
     if "://" in source:
         from ..staging.archive import suffix_kind
 
@@ -269,7 +308,7 @@ def _kind(source: str, unpack: Any) -> str:
         name = source.rsplit("/", 1)[-1]
         return "archive" if unpack is not False and suffix_kind(name) else "object"
     if os.path.isdir(source):
-        return "tree"
+        return "nested" if unpack == "nested" else "tree"
     from ..staging import archive_compression
 
     compressed = unpack is not False and archive_compression(Path(source)) is not None
@@ -310,7 +349,7 @@ def _message(p: Placement, label: str) -> str:
             "system: slower than local disk, and a load on the storage everyone shares)"
         )
     else:
-        verb = "extracting" if p.kind == "archive" else "downloading"
+        verb = "extracting" if p.kind in ("archive", "nested") else "downloading"
         body = (
             f"{verb} it once into the cache '{p.path}' instead (kept for later jobs, read "
             "from there: slower than local disk)"
@@ -404,7 +443,15 @@ def refit(
         return place
 
 
+def _holds_zips(root: str) -> bool:
+    from ..staging.zipformat import is_zip_name
+
+    return any(any(map(is_zip_name, files)) for _d, _dirs, files in os.walk(root))
+
+
 def _fallback(place: Placement, cache_target: Path, label: str, size: int) -> Placement:
+    if place.kind == "nested" and not _holds_zips(place.source):
+        place = dataclasses.replace(place, kind="tree")  # nothing to extract: as a tree
     if place.kind in ("tree", "file"):
         place = dataclasses.replace(place, where="in_place", path=place.source)
         return dataclasses.replace(place, why=_message(place, label))

@@ -88,6 +88,11 @@ class NestedZips:
         self.name, self.label, self.options = outer.name, outer.label, outer.options
         self.req = req
         self.spooled: list[str] = []  # a tar's zips staged by this run
+        self.prefix_zips: list[str] | None = None  # an object prefix's, taken out of it
+        if getattr(outer, "store", None) is not None and outer.listed:  # listed already
+            keys = [outer.objects.key_str(i) for i in range(len(outer.objects))]
+            self.prefix_zips = sorted(k for k in keys if is_zip_name(k))
+            outer.objects = outer.objects.select(bytes(not is_zip_name(k) for k in keys))
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
         t0 = time.monotonic()
@@ -99,6 +104,26 @@ class NestedZips:
             result = self.outer.run(req, dest, listing)
         else:  # a tree: its zips left out
             result = self.outer.run(nested_tree_request(req), dest, listing)
+        return self.run_inner(req, dest, result, t0)
+
+    def fan_outer(self, dest: Destination) -> Any:
+        """What fan-out (fanout/run.py) spreads over the nodes first, under ``dest``'s
+        lock, before :meth:`run_inner`: a tar (its zips come out of it onto each node's
+        disk), a zip without its inner archives, a tree without its zips."""
+        if isinstance(self.outer, Archive):
+            _check_tar_zips(dest)
+            return self.outer
+        if isinstance(self.outer, ZipSource):
+            self.outer.skip_inner = True
+            return self.outer
+        return _TreeWithoutZips(self.outer)
+
+    def run_inner(self, req: StageRequest, dest: Destination, result: StageResult,
+                  t0: float, x: Any = None) -> StageResult:  # fmt: skip
+        """Each inner archive staged into its folder, after the outer ``result``. With
+        ``x`` (a fan-out's exchange, every leader calling this alike): a zip's or a
+        tree's zips are each fanned out in turn (fanout/zips.py); a tar's zips, on each
+        node's disk, and a zip's tars are staged by each node."""
         parts = [result]
         inner_req = dataclasses.replace(req, include=(), exclude=(), checksum=None,
                                         unpack="auto", fanout=False)  # fmt: skip
@@ -117,12 +142,31 @@ class NestedZips:
 
             return run
 
+        def fan_stage(data: ZipData, k: int) -> Callable[[Destination], StageResult]:
+            from .fanout.zips import fan_zip
+
+            def run(sub: Destination) -> StageResult:
+                return fan_zip(x, ZipSource(data, inner_req, limits), sub, scope=f"inner{k}/")
+
+            return run
+
+        staged: list[str] = []
+        # A stage read while it runs (wait=False): its readers of an inner archive's
+        # files wait for that archive's stage (schedule.py).
+        schedule = getattr(dest, "scheduler", None)
         try:
-            for rel, kind, opened in self._inner(dest):
+            for k, (rel, kind, opened) in enumerate(self._inner(dest, x)):
+                staged.append(rel)
+                if schedule is not None:
+                    schedule.inner(folder_of(rel))
                 sub_req = tar_req if kind == "tar" else inner_req
                 sub = Destination(dest.root / folder_of(rel), sub_req)
+                # (a folder of the source holding only zips: not made by the outer stage)
+                sub.path.parent.mkdir(parents=True, exist_ok=True)
                 if kind == "tar":
                     stage_one = opened
+                elif kind == "zip" and x is not None:
+                    stage_one = fan_stage(opened(), k)
                 else:
                     data = opened()
                     stage_one = zip_stage(data, data.path if kind == "spooled" else None)
@@ -131,9 +175,15 @@ class NestedZips:
                         sub.old = None
                     sub.path.mkdir(exist_ok=True)
                     parts.append(stage_one(sub))
+                if schedule is not None:
+                    schedule.inner(folder_of(rel), done=True)
+            if schedule is not None:
+                schedule.inner(None)
         finally:
             if isinstance(self.outer, ZipSource):
                 self.outer.data.close()
+        if not isinstance(self.outer, Archive):  # (a tar's are recorded as set aside)
+            _record_inner(dest, staged)
         if isinstance(self.outer, Archive) and dest.old is not None:  # its zips moved out
             spool = _tar_spool(dest)
             for d in [*sorted(spool.rglob("*"), reverse=True), spool]:  # the empty folders
@@ -157,9 +207,10 @@ class NestedZips:
             skipped=all(p.skipped for p in parts), seconds=time.monotonic() - t0,
         )  # fmt: skip
 
-    def _inner(self, dest: Destination) -> Iterator[tuple[str, str, Any]]:
+    def _inner(self, dest: Destination, x: Any = None) -> Iterator[tuple[str, str, Any]]:
         """Each inner archive: its path in the source, "zip" or "tar", and what opens
-        its bytes (a zip's) or stages it into a destination (a tar's)."""
+        its bytes (a zip's) or stages it into a destination (a tar's). In a fan-out
+        (``x``) a tree's zips are those node 0 finds."""
         outer, req = self.outer, self.req
         spool = state_dir(dest.path)
         if isinstance(outer, ZipSource):
@@ -177,15 +228,20 @@ class NestedZips:
             for rel in pending:
                 yield rel, "spooled", lambda rel=rel: self._spooled_zip(spool, rel)
             return
+        prefix = getattr(outer, "store", None) is not None  # an object prefix's
         root = Path(outer.name)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for f in sorted(filenames):
-                p = Path(dirpath) / f
-                rel = p.relative_to(root).as_posix()
-                if is_zip_name(f) and p.is_file() and selected(rel, list(req.include),
-                                                                list(req.exclude)):  # fmt: skip
-                    yield rel, "zip", lambda p=p: LocalZip(p)
+        found: list[Any] = [None]
+        if x is None or x.node == 0:
+            found = [(self.prefix_zips if self.prefix_zips is not None
+                      else _prefix_zips(outer, req)) if prefix else _tree_zips(root, req)]
+        if x is not None:
+            x.sync("inner-zips")
+            x.broadcast_object(found)
+        for rel in found[0]:
+            if prefix:
+                yield rel, "zip", lambda rel=rel: _store_zip(outer, rel, req)
+            else:
+                yield rel, "zip", lambda p=root / rel: LocalZip(p)
 
     def _member_zip(self, outer: ZipSource, m: Member, spool: Path) -> ZipData:
         name = f"{outer.name}!/{m.path}"
@@ -208,9 +264,10 @@ class NestedZips:
         options = {**sub.req.selection(), "on_special": sub.req.on_special, "file": True,
                    "unpack": sub.req.unpack_option}  # fmt: skip
         known = Archive(_Known(name, m.usize, identity), "none", options)
+        _check_tar_zips(sub)  # (an inner zip's folder deleted: the tar is not complete)
         if known.is_complete(sub.req, sub):
-            assert sub.old is not None
-            return sub.skipped(int(sub.old["files_count"]), int(sub.old["bytes"]))
+            # Its zips: those a killed run left set aside still to extract.
+            return NestedZips(known, sub.req).run(sub.req, sub)
         head = outer.data.read_at(m.offset, 30 + len(m.raw_name) + 1024)
         start, _end = data_span(outer.name, m, head)
         tmp = _spooled(outer, m, start, spool)
@@ -222,7 +279,8 @@ class NestedZips:
                 raise not_an_archive(name, m.path, head)
             data = LocalArchive(tmp)
             data.name, data.identity = name, identity
-            return Archive(data, compression, options).run(sub.req, sub)
+            # Its zips (and its tars' zips) extracted into their folders too.
+            return NestedZips(Archive(data, compression, options), sub.req).run(sub.req, sub)
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -233,6 +291,52 @@ class NestedZips:
         data.name = f"{self.outer.name}!/{rel}"
         data.identity = (data.name, *data.identity[1:])
         return data
+
+
+def _tree_zips(root: Path, req: StageRequest) -> list[str]:
+    """The selected zips of the tree ``root``, by path, in order."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for f in sorted(filenames):
+            if not is_zip_name(f):
+                continue  # (the cheap test first: a tree of millions holds few zips)
+            p = Path(dirpath) / f
+            rel = p.relative_to(root).as_posix()
+            if p.is_file() and selected(rel, req.include, req.exclude):
+                out.append(rel)
+    return out
+
+
+def _prefix_zips(outer: Any, req: StageRequest) -> list[str]:
+    """The selected zips of the object prefix ``outer`` (keys relative to it), in order."""
+    objects, _dirs = outer.store.list_tree(list(req.include), list(req.exclude))
+    return sorted(k for k in map(objects.key_str, range(len(objects))) if is_zip_name(k))
+
+
+def _store_zip(outer: Any, rel: str, req: StageRequest) -> ZipData:
+    """The zip ``rel`` of the object prefix ``outer``, read by ranged GETs."""
+    from ..sources.base import store_for
+    from .zipio import StoreZip
+
+    store = store_for(outer.name.rstrip("/") + "/" + rel, req.storage_options)
+    return StoreZip(store, store.head())
+
+
+class _TreeWithoutZips:
+    """A tree as fan-out lists and plans it under unpack="nested": its zips left out."""
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.tree, attr)
+
+    def listing(self, req: StageRequest) -> Any:
+        return self.tree.listing(nested_tree_request(req))
+
+    def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> Any:
+        return self.tree.plan(nested_tree_request(req), dest, listing)
 
 
 def _tar_spool(dest: Destination) -> Path:
@@ -266,11 +370,22 @@ def _spool_tar_zips(dest: Destination) -> Path:
     return spool
 
 
+def _record_inner(dest: Destination, inner: list[str]) -> None:
+    """The inner archives of a tree or a zip, staged into their folders, named in the
+    outer manifest (``nested_zips``, as a tar's are): verify() reads them too."""
+    m = read_manifest(dest.path)
+    if m is not None and m.get("complete") and m.get("nested_zips", []) != inner:
+        with named_os_errors("cannot record the inner archives: "):
+            write_manifest(dest.path, {**m, "nested_zips": inner}, m["files"])
+        dest.reload()
+
+
 def _check_tar_zips(dest: Destination) -> None:
     """A tar's stage whose zips were set aside (its manifest's ``nested_zips``) is
     complete only while each of them is still to stage (in the spool) or staged (its
-    folder's manifest complete): where one is neither (its folder deleted), the tar's
-    manifest is marked incomplete, and its stage puts what is missing back."""
+    folder's manifest complete and not damaged): where one is neither (its folder
+    deleted, or found damaged by verify()), the tar's manifest is marked incomplete,
+    and its stage puts what is missing back."""
     old = dest.old
     if old is None or not old.get("complete"):
         return
@@ -278,7 +393,8 @@ def _check_tar_zips(dest: Destination) -> None:
     for rel in old.get("nested_zips", []):
         folder = dest.root / folder_of(rel)
         done = read_manifest(folder) if folder.is_dir() else None
-        if not (spool / rel).is_file() and not (done and done.get("complete")):
+        whole = done is not None and done.get("complete") and not done.get("damaged")
+        if not (spool / rel).is_file() and not whole:  # (damaged: verify() found it so)
             write_manifest(dest.path, {**old, "fingerprint": None}, old["files"])
             dest.reload()
             return

@@ -4,7 +4,6 @@ store's object or an http(s):// URL read by ranges, and ``unpack="nested"``'s wr
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +11,6 @@ from .request import StageRequest
 from .zipformat import ZipLimits, is_zip_name
 from .zipio import ZipData
 from .zipsource import ZipSource
-
-log = logging.getLogger(__name__)
-
-
-def zip_request(req: StageRequest) -> StageRequest:
-    """The request a zip is staged with: fan-out does not split zips (yet), so each
-    node extracts the zip itself, once (its node lock), saying so."""
-    if req.fanout is False:
-        return req
-    log.warning("fanout: zip archives are not split between nodes (yet); each node "
-                "extracts the zip itself")  # fmt: skip
-    return dataclasses.replace(req, fanout=False)
 
 
 def open_zip(src: str | Path, req: StageRequest, spool: Path) -> Any:

@@ -46,6 +46,7 @@ from .zipformat import (
     LOCAL,
     LOCAL_SLACK,
     Member,
+    ZipFormatError,
     ZipLimits,
     data_span,
     is_zip_name,
@@ -83,6 +84,7 @@ class ZipSource:
         self.inner: list[Member] = []
         self.read_seconds = 0.0
         self.write_seconds = 0.0
+        self.read_bytes = 0  # of members' data (the central directory's not counted)
         self._lock = threading.Lock()
 
     # --- planning ------------------------------------------------------------------
@@ -151,11 +153,24 @@ class ZipSource:
         return target
 
     _skip_special = False
+    fan_kind = "zip"  # fanout/run.py: fanned out by fanout/zips.py
 
-    def plan(self, req: StageRequest, dest: Destination) -> TreePlan:
+    def shared_listing(self, req: StageRequest) -> tuple[Any, ...]:
+        """The listing with what planning and finishing need beside it (the members, the
+        implicit folders): what node 0 of a fan-out sends, for :meth:`plan`."""
+        self._skip_special = req.on_special == "skip"
+        files, rest = self.listing(req)
+        return files, rest, self.members, self.implicit, self.inner
+
+    def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> TreePlan:
+        """Lists the members (or takes a :meth:`shared_listing`) and plans them against
+        the destination."""
         self._skip_special = req.on_special == "skip"
         with dest.timed("listing"):
-            files, rest = self.listing(req)
+            if listing is None:
+                files, rest = self.listing(req)
+            else:
+                files, rest, self.members, self.implicit, self.inner = listing
         with dest.timed("planning"):
             h = hashlib.sha256()
             h.update(json.dumps([self.name, list(map(str, self.data.identity)), self.options,
@@ -312,19 +327,33 @@ class ZipSource:
             dest.add_time("reading", self.read_seconds)
             dest.add_time("writing", self.write_seconds)
         if failed is not None:
+            # A member that does not match its entry in a zip modified since it was
+            # listed: the source changed (stage again), not a broken archive.
+            changed = False
+            if isinstance(failed, ZipFormatError):
+                with contextlib.suppress(OSError):  # (unreachable: the member's error)
+                    changed = self.data.changed()
+            if changed:
+                raise self._changed() from failed
             raise failed
         if self.data.changed():
-            raise SourceChangedError(
-                errno.EIO,
-                f"source file changed: '{self.name}' was modified while it was being "
-                "extracted; stage again to pick up the new content",
-            )
+            raise self._changed()
         return "zip", copied[0], copied[1]
 
-    def _timed(self, read: float, write: float) -> None:
+    def _changed(self) -> SourceChangedError:
+        e = SourceChangedError(
+            errno.EIO,
+            f"source file changed: '{self.name}' was modified while it was being "
+            "extracted; stage again to pick up the new content",
+        )
+        e.filename = self.name
+        return e
+
+    def _timed(self, read: float, write: float, nbytes: int = 0) -> None:
         with self._lock:
             self.read_seconds += read
             self.write_seconds += write
+            self.read_bytes += nbytes
 
     def _read_member(self, m: Member) -> Any:
         """One member's data decoded and checked (a link's target)."""
@@ -349,6 +378,7 @@ class ZipSource:
                    + last.csize) - first.offset  # fmt: skip
         span = memoryview(self.data.read_at(first.offset, want))
         t1 = time.monotonic()
+        nread = len(span)
         bodies: dict[int, list[tuple[bytes, Any, int, int]]] = {}
         for i in rows:
             m = members[i]
@@ -359,6 +389,7 @@ class ZipSource:
                 data: Any = span[at + start : at + end]
             else:
                 data = memoryview(self.data.read_at(m.offset + start, m.csize))
+                nread += len(data)
                 if len(data) != m.csize:
                     raise zip_error(self.name, f"truncated: {len(data)} of its {m.csize} "
                                     "bytes of data", m.path)  # fmt: skip
@@ -375,7 +406,7 @@ class ZipSource:
                 if mode & umask:
                     os.chmod(os.path.join(root, os.fsdecode(it[0])), mode)
                 out.append((it[3], res))
-        self._timed(t1 - t0, time.monotonic() - t1)
+        self._timed(t1 - t0, time.monotonic() - t1, nread)
         if failed is not None:
             if out:  # the others are whole: journal them, then fail
                 return _PartialBatch(out, failed)
@@ -404,6 +435,7 @@ class ZipSource:
                 if left and not len(piece):
                     raise zip_error(self.name, "truncated data", m.path)
                 pos, left = pos + len(piece), left - len(piece)
+                self._timed(0.0, 0.0, len(piece))
                 out = memoryview(dec.feed(piece))
                 while len(out):
                     n = min(len(out), stripe - in_stripe)

@@ -20,6 +20,10 @@ then find the copy complete. The leaders form a group (exchange.py, over gloo or
   each node feeds the whole stream to its own extractor (the archive pipeline, with a
   reader that takes its blocks from the exchange). A node whose copy is complete still
   reads its pieces for the others and extracts nothing.
+- a zip (zips.py): node 0 reads the central directory and sends the listing; the members
+  no node holds are dealt in contiguous runs of the archive by compressed bytes, each
+  node extracts its run from the store, and the files are exchanged as a tree's (each
+  read from the disk of the node that extracted it).
 
 Failure anywhere stops every leader within the round timeout, naming the node; what each
 finished stays journalled, so a rerun fetches only what is missing.

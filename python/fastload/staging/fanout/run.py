@@ -12,8 +12,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,20 +268,33 @@ def _stage_in_group(world: Any, source: Any, dest: Destination, timeout: float) 
             raise fanout_error(failed, source.name)
         return _plain(source, dest)
     with dest.locked():
+        t0 = time.monotonic()
+        # unpack="nested" (zipnested.py): the outer source fanned out, then its inner
+        # archives (a tar's zips: on each node from its own disk).
+        outer = source.fan_outer(dest) if hasattr(source, "fan_outer") else None
+        fanned = source if outer is None else outer
         world.barrier()
         x = Exchange(transport, hosts, source.name, timeout)
         ok = False
         try:
-            fan = fan_archive if hasattr(source, "with_data") else fan_tree
-            result = fan(x, source, dest)
+            fan: Callable[[Exchange, Any, Destination], StageResult] = fan_tree
+            if getattr(fanned, "fan_kind", None) == "zip":
+                from .zips import fan_zip  # (a tree's stage imports no zip module)
+
+                fan = fan_zip
+            elif hasattr(fanned, "with_data"):
+                fan = fan_archive
+            result = fan(x, fanned, dest)
+            if outer is not None:  # its inner archives, on every leader alike
+                result = source.run_inner(dest.req, dest, result, t0, x)
             ok = True
-            return result
         except BaseException as e:
             x.abort(e)
             _write_failure(dest.path, token, str(e))
             raise
         finally:
             x.close(ok)
+        return result
 
 
 def _write_failure(dst: Path, token: str, text: str) -> None:

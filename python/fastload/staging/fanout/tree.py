@@ -13,7 +13,7 @@ import stat
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -320,22 +320,32 @@ class _TreeWriter:
 
 def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     """``source`` (a local tree or an object prefix) staged on every node, each unit
-    read once in total (under ``dest``'s lock). Node 0 lists the source once and sends
-    the listing in columns (a Listing, an ObjectList); every node plans against it,
+    read once in total (under ``dest``'s lock)."""
+    return exchange(x, source, dest, *listed_and_planned(x, source, dest, dest.req,
+                                                          source.listing))  # fmt: skip
+
+
+def listed_and_planned(
+    x: Exchange, source: Any, dest: Destination, req: Any,
+    listing_of: Callable[[Any], Any], scope: str = "",
+) -> tuple[TreePlan, list[Bits], list[Bits], int]:  # fmt: skip
+    """Node 0 lists the source once (``listing_of(req)``) and sends the listing in
+    columns (a Listing, an ObjectList, a zip's members); every node plans against it,
     sends what it needs and holds as two bitmaps, and lets the listing go (the plan, and
-    an object prefix's objects, hold what is left to do)."""
-    req = dest.req
+    an object prefix's objects, hold what is left to do). Returns the plan, every node's
+    bitmaps and the round's bytes. ``scope`` keeps the sync points apart from other
+    stages' over the same exchange."""
     listing: list[Any] = [None]
     if x.node == 0:
         try:
-            entries = source.listing(req)
+            entries = listing_of(req)
             listing = [
                 ("ok", entries, parse_size(os.environ.get("FASTLOAD_FANOUT_ROUND") or ROUND))
             ]
             del entries
         except (OSError, StageError) as e:
             listing = [("error", str(e), 0)]
-    x.sync("listed")
+    x.sync(f"{scope}listed")
     x.broadcast_object(listing)
     status, entries, round_bytes = listing[0]
     del listing
@@ -350,19 +360,44 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
     have_me = Bits(plan.done.mask_bits(), nfiles)
     if need_me:
         dest.check_space(space_needed(plan, dest.path.parent))
-    x.sync("planned")
+    x.sync(f"{scope}planned")
     gathered = x.all_gather_object((need_me.data, have_me.data))
     need = [Bits(a, nfiles) for a, _ in gathered]
     have = [Bits(b, nfiles) for _, b in gathered]
-    del gathered
+    return plan, need, have, round_bytes
+
+
+def exchange(
+    x: Exchange,
+    source: Any,
+    dest: Destination,
+    plan: TreePlan,
+    need: list[Bits],
+    have: list[Bits],
+    round_bytes: int,
+    *,
+    before: Callable[[], tuple[int, int, int]] | None = None,
+    finish: Callable[[], StageResult] | None = None,
+) -> StageResult:
+    """The exchange of a planned tree: ``need``/``have`` are every node's bitmaps of
+    ``plan``'s files; the units some node needs are dealt, read, sent and written, and
+    ``finish`` (the ordinary pipeline on ``plan`` by default) writes the manifest.
+    ``before`` (fanout/zips.py) runs with the folders made, before the rounds, and
+    returns the files, bytes it wrote and the bytes it read from the store."""
+    req = dest.req
+    end = finish if finish is not None else (lambda: finish_plan(dest, source, plan))
     if not any(need):
-        return _finish(dest, source, plan)
+        return end()
     units = _deal(plan.files.size, need, have, req.stripe, round_bytes)
     mine = need[x.node]
     del need, have
     flusher = None
-    if mine:
+    early = (0, 0, 0)
+    if mine or before is not None:
         make_dirs(plan, dest)
+        if before is not None:
+            early = before()
+    if mine:
         flusher = dest.begin(plan.done)
 
     total = sum(plan.files.size[f] for f in mine)
@@ -398,26 +433,28 @@ def fan_tree(x: Exchange, source: Any, dest: Destination) -> StageResult:
         if bar is not None:
             bar.close()
     del units
-    result = _finish(dest, source, plan)
+    result = end()
     return dataclasses.replace(
         result,
         seconds=time.monotonic() - req.t0,
         engine="fanout",
         skipped=False,
-        copied_files=writer.files if writer is not None else 0,
-        copied_bytes=writer.bytes if writer is not None else 0,
+        copied_files=(writer.files if writer is not None else 0) + early[0],
+        copied_bytes=(writer.bytes if writer is not None else 0) + early[1],
         nodes=x.nodes,
-        read_bytes=sender.store_bytes,
+        read_bytes=sender.store_bytes + early[2],
     )
 
 
-def _finish(dest: Destination, source: Any, plan: TreePlan) -> StageResult:
+def finish_plan(
+    dest: Destination, source: Any, plan: TreePlan, req: Any = None
+) -> StageResult:
     """The ordinary pipeline on the plan made before the exchange, whose files the
     writers set done as they landed: nothing left to copy, the manifest written (no
-    second listing or plan)."""
-    req = dest.req
-    if not req.check_source and dest.holds(source.name, source.options):
+    second listing or plan). ``req``: the run's request where it is not ``dest``'s (a
+    zip's, its checksum checked once before)."""
+    if not dest.req.check_source and dest.holds(source.name, source.options):
         assert dest.old is not None
         return dest.skipped(int(dest.old["files_count"]), int(dest.old["bytes"]))
     plan.todo = array("q", (i for i in plan.todo if not plan.done.is_done(i)))
-    return run_plan(source, req, dest, plan)
+    return run_plan(source, req if req is not None else dest.req, dest, plan)

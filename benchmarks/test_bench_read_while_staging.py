@@ -6,13 +6,19 @@ of it, each seen through netsim at 2 ms per metadata and per read request (a net
 file system). The loop: ``DataLoader(ImageFolder, batch_size=32, shuffle=True,
 num_workers=2)``, each sample its file read whole, and a fixed compute per batch (a
 sleep) chosen so that the loop alone takes about as long as the stage alone: the stage
-is measured once per N first (untimed), its seconds spread over the batches.
+and an epoch over a staged copy without compute (the loader's own time) are measured
+once per N first (untimed), and the stage's seconds beyond the loader's own are spread
+over the batches (none where the loader alone takes longer than the stage: then the
+loop alone is the longer one, ``loader_s`` and ``calib_stage_s`` in ``extra_info``).
 
 Group ``rws-N``, one case per tool:
   stage-alone        stage(src, dst): the whole stage, nothing read
   loop-staged        one epoch over a copy staged beforehand (the loop alone)
   stage-then-loop    today: stage(), then the epoch; ``first_batch_s`` waits for it all
   handle-epoch1      stage(wait=False), ImageFolder(handle), the epoch while it stages
+  handle-sampler-epoch1  the same with ``sampler=ds.sampler(seed=...)`` instead of
+                     ``shuffle=True``: the stager is told the files coming next and
+                     fetches them first (the stage follows the loop)
   handle-epoch2      a later epoch through the handle of a finished stage (its cost
                      per sample against loop-staged)
   tar-epoch1         the same over the .tar: members come in archive order
@@ -48,8 +54,8 @@ ROUNDS = {"small": 1, "full": 2}
 BATCH = 32
 KB = 60
 LATENCY_US = 2000
-TOOLS = ["stage-alone", "loop-staged", "stage-then-loop", "handle-epoch1", "handle-epoch2",
-         "tar-epoch1"]  # fmt: skip
+TOOLS = ["stage-alone", "loop-staged", "stage-then-loop", "handle-epoch1",
+         "handle-sampler-epoch1", "handle-epoch2", "tar-epoch1"]  # fmt: skip
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -115,21 +121,28 @@ def sources(n: int, mounts: _Mounts) -> dict[str, Any]:
     fastload.stage(out["tree"], calib)
     stage_s = time.monotonic() - t0
     shutil.rmtree(calib)
-    out["sleep"] = stage_s / math.ceil(n / BATCH)
     out["staged"] = mounts.base / f"staged-{n}"
     fastload.stage(out["tree"], out["staged"])  # loop-staged's copy
+    from fastload.data.files import FolderDataset
+
+    _, loader_s, _ = _epoch(FolderDataset(out["staged"], _size, extensions=(".jpg", ".jpeg")),
+                            0.0, time.monotonic())  # fmt: skip
+    out["sleep"] = max(0.0, stage_s - loader_s) / math.ceil(n / BATCH)
+    out["calib"] = {"calib_stage_s": stage_s, "loader_s": loader_s}
     return out
 
 
-def _epoch(dataset: Any, sleep: float, t0: float) -> tuple[float, float, dict[str, float]]:
-    """One shuffled epoch: (first batch's time since ``t0``, the epoch's seconds,
-    the monitor's stage counters)."""
+def _epoch(dataset: Any, sleep: float, t0: float, sampler: Any = None
+           ) -> tuple[float, float, dict[str, float]]:  # fmt: skip
+    """One shuffled epoch (``sampler``'s order, else ``shuffle=True``): (first batch's
+    time since ``t0``, the epoch's seconds, the monitor's stage counters)."""
     import torch
 
     import fastload
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                         num_workers=2, collate_fn=_total)  # fmt: skip
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=sampler is None,
+                                         sampler=sampler, num_workers=2,
+                                         collate_fn=_total)  # fmt: skip
     first = 0.0
     with fastload.monitor(loader) as mon:
         for k, _nbytes in enumerate(mon):
@@ -180,11 +193,12 @@ def test_read_while_staging(benchmark: Any, tool: str, n: int, sources: dict[str
             handle = fastload.stage(src, dst, wait=False)
             ds = ftv.ImageFolder(handle, loader=_size)
         assert len(ds) == n
-        first, epoch, waits = _epoch(ds, sleep, t0)
-        if tool in ("handle-epoch1", "tar-epoch1"):
+        sampler = ds.sampler(seed=49) if tool == "handle-sampler-epoch1" else None
+        first, epoch, waits = _epoch(ds, sleep, t0, sampler)
+        if tool in ("handle-epoch1", "handle-sampler-epoch1", "tar-epoch1"):
             figures["stage_s"] = handle.wait().seconds
         figures.update(first_batch_s=first, epoch_s=epoch, **waits)
 
     benchmark.pedantic(run, setup=fresh, rounds=ROUNDS[scale.name], iterations=1)
-    benchmark.extra_info.update(figures, files=n, sleep_per_batch_s=sleep,
+    benchmark.extra_info.update(figures, **sources["calib"], files=n, sleep_per_batch_s=sleep,
                                 latency_ms=LATENCY_US / 1000)  # fmt: skip

@@ -149,7 +149,8 @@ class Runner {
       direct_dst_ = !network(job_.dst_root_);
       umask_ = read_umask();
     }
-    direct_src_close_ = !network(job_.src_root_);
+    direct_src_close_ =
+        opt_.src_network >= 0 ? opt_.src_network == 0 : !network(job_.src_root_);
   }
 
   // Whether path is on a network or FUSE file system (unknown kinds count as local).

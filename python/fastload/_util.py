@@ -142,6 +142,18 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
 # --- locks and atomic files ------------------------------------------------------------
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it cannot be signalled,
+    but it is there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.fastload.lock"
 

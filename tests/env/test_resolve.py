@@ -10,15 +10,10 @@ this file runs instead, reading SPEC from its last argument.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import sys
-import threading
-import time
-import urllib.parse
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +25,7 @@ import fastload
 from fastload.env import Environment, detect
 from kit import procs, trees
 from kit.tools import require_module
+from kit.web import WebServer, serving
 
 pytestmark = pytest.mark.native
 
@@ -55,73 +51,12 @@ def env(tmp_path: Path) -> Environment:
 
 # Variables that steer environment detection (FASTLOAD_ENGINE and the like are kept).
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.root = root
-        self.gets: Counter[str] = Counter()
-        self.slow = 0  # how many GETs are served slowly (64 KiB every 50 ms)
-        self.sending = threading.Event()  # set once a slow GET has sent some data
-        self.lock = threading.Lock()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/{urllib.parse.quote(name)}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._serve(body=False)
-
-    def do_GET(self) -> None:
-        self._serve(body=True)
-
-    def _serve(self, *, body: bool) -> None:
-        name = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
-        path = self.server.root / name
-        if not name or not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if not body:
-            return
-        with self.server.lock:
-            self.server.gets[name] += 1
-            slow = self.server.slow > 0
-            self.server.slow -= slow
-        step = 64 << 10
-        try:
-            for i in range(0, len(data), step):
-                self.wfile.write(data[i : i + step])
-                if slow:
-                    self.wfile.flush()
-                    self.server.sending.set()
-                    time.sleep(0.05)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away (killed by the test)
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[_Server]:
+def server(tmp_path: Path) -> Iterator[WebServer]:
     root = tmp_path / "www"
     root.mkdir()
-    srv = _Server(root)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    t.join(10)
+    with serving(root) as srv:
+        yield srv
 
 
 @pytest.fixture(params=BACKENDS)
@@ -211,7 +146,7 @@ def test_not_found_names_every_place_tried(env: Environment, tmp_path: Path) -> 
 
 
 def test_http_download_once(
-    env: Environment, server: _Server, http_backend: str
+    env: Environment, server: WebServer, http_backend: str
 ) -> None:
     members = {"cifar-like/data_batch_1": os.urandom(200_000), "cifar-like/meta": b"m"}
     data = make_tar(server.root / "pack.tar.gz", members, gz=True)
@@ -230,7 +165,7 @@ def test_http_download_once(
 
 
 def test_http_checksum_mismatch_leaves_nothing(
-    env: Environment, server: _Server, http_backend: str
+    env: Environment, server: WebServer, http_backend: str
 ) -> None:
     make_tar(server.root / "d.tar", {"f": b"data"})
     with pytest.raises(fastload.ChecksumMismatchError, match="checksum mismatch") as info:
@@ -242,7 +177,7 @@ def test_http_checksum_mismatch_leaves_nothing(
 
 
 def test_http_missing_falls_back_to_the_next_source(
-    env: Environment, server: _Server, http_backend: str, tmp_path: Path
+    env: Environment, server: WebServer, http_backend: str, tmp_path: Path
 ) -> None:
     with pytest.raises(FileNotFoundError, match="404"):
         fastload.resolve(server.url("absent.tar"), env=env)
@@ -254,7 +189,7 @@ def test_http_missing_falls_back_to_the_next_source(
 
 
 def test_http_where_the_cache_refuses_locks(
-    env: Environment, server: _Server, monkeypatch: pytest.MonkeyPatch
+    env: Environment, server: WebServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cache on a file system without locks: the download goes to a temporary of this
     process's own, renamed into place."""
@@ -277,7 +212,7 @@ def test_http_where_the_cache_refuses_locks(
     assert server.gets["nolock.tar"] == 1
 
 
-def test_http_in_the_registry(tmp_path: Path, server: _Server, http_backend: str) -> None:
+def test_http_in_the_registry(tmp_path: Path, server: WebServer, http_backend: str) -> None:
     data = make_tar(server.root / "tiny.tar", {"tiny/a": b"a", "tiny/b": b"b"})
     cfg = tmp_path / "config.toml"
     cfg.write_text(
@@ -327,7 +262,7 @@ def test_six_processes_one_copy(tmp_path: Path) -> None:
     trees.assert_same_tree(src, dst)
 
 
-def test_six_processes_one_download(tmp_path: Path, server: _Server) -> None:
+def test_six_processes_one_download(tmp_path: Path, server: WebServer) -> None:
     members = {f"d/{i}": os.urandom(30_000) for i in range(20)}
     data = make_tar(server.root / "shared.tar", members)
     (tmp_path / "datasets").mkdir()
@@ -382,7 +317,7 @@ def test_waiter_takes_over_from_a_killed_stager(tmp_path: Path) -> None:
     assert fastload.verify(tmp_path / "node-local" / "ds").ok
 
 
-def test_waiter_takes_over_a_killed_download(tmp_path: Path, server: _Server) -> None:
+def test_waiter_takes_over_a_killed_download(tmp_path: Path, server: WebServer) -> None:
     members = {f"f{i}": os.urandom(100_000) for i in range(30)}  # ~3 MiB: 1.5 s slowly
     data = make_tar(server.root / "big.tar", members)
     (tmp_path / "datasets").mkdir()

@@ -11,9 +11,11 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 SOURCE = Path(__file__).resolve().with_name("netsim.c")
 BUILD = SOURCE.parents[2] / "build" / "netsim"
@@ -169,3 +171,42 @@ def mounts(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
     finally:
         for m in made:
             m.unmount()
+
+
+@contextlib.contextmanager
+def staging_behind(tmp_path: Path, src: Path) -> Iterator[tuple[Mount, Path, Any]]:
+    """The read-while-staging tests' start (issue 49): ``src`` behind netsim at 2 ms per
+    request, staged in the background into ``tmp_path / "dst"`` with 2 files in flight
+    (its own order takes seconds); gives the mount, the destination and the handle."""
+    import fastload
+
+    with mounts(tmp_path) as mount:
+        m = mount(src, 2000, 2000)
+        dst = tmp_path / "dst"
+        yield m, dst, fastload.stage(m.path, dst, wait=False, workers=2)
+
+
+def hold_the_listing(monkeypatch: Any) -> threading.Event:
+    """The stager's listing of a tree (its walk stat'ing every file) starts only once
+    the event returned is set: what a reader gets meanwhile comes before the plan."""
+    from fastload.staging.tree import LocalTree
+
+    go, walk = threading.Event(), LocalTree.listing
+
+    def held(self: LocalTree, req: Any) -> Any:
+        go.wait(120)
+        return walk(self, req)
+
+    monkeypatch.setattr(LocalTree, "listing", held)
+    return go
+
+
+def listed(h: Any, timeout: float = 120.0) -> None:
+    """Until the stager's listing is made (its plan holds the source's sizes); fails,
+    naming the stage's state, where it is not within ``timeout`` (a bound, not a timing
+    figure)."""
+    deadline = time.monotonic() + timeout
+    while (p := h.progress()).files_total is None:
+        assert time.monotonic() < deadline, f"no listing after {timeout:g} s: {p}"
+        time.sleep(0.01)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +53,7 @@ def start_nodes(
         if init:
             cmd.append("--init")
         procs.append(
-            subprocess.Popen(
-                cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+            subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
         procs[-1].rendezvous = store  # type: ignore[attr-defined]  # lives as they do
     return procs
@@ -69,13 +68,22 @@ def outcome(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]
     raise AssertionError(f"no result from a node (exit {proc.returncode}):\n{out}\n{err}")
 
 
+def kill_once_writing(proc: subprocess.Popen[str]) -> None:
+    """Kills ``proc`` (a node of :func:`start_nodes`, -9) once it reports progress: it
+    has written something; waits for it to be gone."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if json.loads(line).get("progress", 0) > 0:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+
+
 def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     docs = [outcome(p) for p in procs]
     for d in docs:
         assert "result" in d, d
     return [d["result"] for d in docs]
-
-
 
 
 def mpiexec() -> Path | None:

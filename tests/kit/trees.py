@@ -13,6 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+RWS_FILES = 1200  # the read-while-staging tests' tree (tests/staging/conftest.py)
+
 MiB = 1 << 20
 GiB = 1 << 30
 

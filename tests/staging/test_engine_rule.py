@@ -114,3 +114,45 @@ def test_a_copy_job_runs_from_its_option_objects(tmp_path: Path) -> None:
     assert sorted(i for i, _ in job.take_done()) == list(range(40))
     for n in names:
         assert (dst / n).read_bytes() == (src / n).read_bytes()
+
+
+def test_a_job_told_the_source_is_networked_sends_no_statfs(tmp_path: Path) -> None:
+    """copy_options() tells each job what the source's file system is (CopyOptions
+    .src_network), so a job does not ask statfs(2), a round trip on a network file
+    system: a background stage runs a job per chunk, and per readers' batch. netsim
+    counts every metadata request; the same jobs asked, cost one more each."""
+    from fastload.staging.job import copy_options
+
+    jobs = 10
+
+    src = tmp_path / "src"
+    trees.build_small_files(src, 3)
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+    sts = [(src / n).stat() for n in names]
+    listed = ([st.st_size for st in sts], [st.st_blocks for st in sts],
+              [st.st_mode & 0o7777 for st in sts], [st.st_mtime_ns for st in sts])  # fmt: skip
+    meta = {}
+    for told in (True, False):
+        with mounts(tmp_path) as mount:
+            m = mount(src, 0, 0)
+            opts = copy_options("pread", 2, 1 << 20, m.path, None)
+            assert opts.src_network == 1
+            if not told:
+                opts = _core.CopyOptions(engine="pread", files_in_flight=2)
+                assert opts.src_network == -1
+            for k in range(jobs):
+                dst = tmp_path / f"dst-{told}-{k}"
+                for n in names:
+                    (dst / n).parent.mkdir(parents=True, exist_ok=True)
+                job = _core.CopyJob(m.path, dst, _core.CopyFiles(names, names, *listed), opts)
+                job.start()
+                while not job.wait(100):
+                    pass
+                job.rethrow()
+                trees.assert_same_tree(src, dst)
+            meta[told] = m.unmount()["meta"]
+    # One statfs per job asked (about: a name looked up again once the kernel's entry
+    # cache, 1 s, expired mid-pass would count too); none where told.
+    assert jobs - 3 <= meta[False] - meta[True] <= jobs + 3, meta
+    assert copy_options("pread", 2, 1 << 20, src, None).src_network == 0
+    assert copy_options("pread", 2, 1 << 20, None, None).src_network == -1

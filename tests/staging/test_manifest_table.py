@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -250,6 +252,37 @@ def test_a_batch_set_as_listed_equals_records_set_one_by_one() -> None:
     a, b = batch.table(), one.table()
     assert list(a.path_bytes()) == list(b.path_bytes())
     assert [a.record(i) for i in range(len(a))] == [b.record(i) for i in range(len(b))]
+
+
+def test_records_set_from_many_threads_keep_their_own_digests() -> None:
+    """The fan-out writers finish files on 8 threads, each calling Done.set: every file
+    keeps its own digests (unlocked, two files took one place, and about 1 in 200 the
+    other's digests: verify() then failed a correct copy, as in CI)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch between any two bytecodes
+    n, threads = 20_000, 8
+    listing = Listing.of([(f"f{i:06d}", 0, 8, 1, 0o644, 1, "") for i in range(n)])
+    done = Done(listing)
+
+    def work(k: int) -> None:
+        for i in range(k, n, threads):
+            if i % 3:
+                done.set(i, Record(8, 1, 0o644, i.to_bytes(8, "little").hex()))
+            else:
+                done.set_listed([i], [i.to_bytes(8, "little")])
+
+    try:
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    table = done.table()
+    assert len(table) == n
+    wrong = [p for i, p in enumerate(table) if table.digest(i) != int(p[1:]).to_bytes(8, "little")]
+    assert wrong == []
 
 
 def test_sorted_is_known_for_a_walk_and_checked_otherwise(tmp_path: Path) -> None:

@@ -11,36 +11,35 @@ end of that order comes first."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 import fastload
 from fastload.staging.background import Staging
+from fastload.staging.state import read_manifest
 from kit import trees
-from kit.netsim import mounts
+from kit.netsim import hold_the_listing, listed, mounts, staging_behind
+from kit.trees import RWS_FILES
 
-N = 1200
+N = RWS_FILES
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("rws") / "src"
-    trees.build_small_files(root, N, per_dir=100, seed=49)
-    return root
+@pytest.fixture
+def tree(rws_tree: Path) -> Path:
+    return rws_tree
 
 
 def test_reads_come_first_and_are_the_sources_bytes(tree: Path, tmp_path: Path) -> None:
     names = sorted(trees.regular_files(tree))
-    with mounts(tmp_path) as mount:
-        m = mount(tree, 2000, 2000)
-        dst = tmp_path / "dst"
-        h = fastload.stage(m.path, dst, wait=False, workers=2)
+    with staging_behind(tmp_path, tree) as (m, dst, h):
         assert isinstance(h, Staging) and h.path == dst
         last = names[-5:]  # the end of the background order
         for rel in last:
             with h.open(rel) as f:
                 assert f.read() == (tree / rel).read_bytes()
+        listed(h)
         seen = h.progress()
         assert seen.state == "copying" and seen.files_total == N
         assert seen.files_done < N  # read before the stage got there
@@ -53,10 +52,60 @@ def test_reads_come_first_and_are_the_sources_bytes(tree: Path, tmp_path: Path) 
     assert counts["opens"] == N
 
 
-def test_a_path_not_in_the_source_fails_at_once(tree: Path, tmp_path: Path) -> None:
+def _listed_or_failed(h: Staging) -> None:
+    deadline = time.monotonic() + 120  # (a bound on the wait, not a timing figure)
+    while (p := h.progress()).state in ("waiting", "starting"):  # (this process stages)
+        assert time.monotonic() < deadline, f"no listing after 120 s: {p}"
+        time.sleep(0.01)
+
+
+def test_reads_and_the_names_come_before_the_listing(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the stager's listing exists: files() is the source's regular files (a
+    walk of its folders, no stat per file), a file asked for is fetched at once (then
+    journalled by the plan, not fetched again), a path not in the source fails."""
+    names = sorted(trees.regular_files(tree))
+    go = hold_the_listing(monkeypatch)
+    with staging_behind(tmp_path, tree) as (m, dst, h):
+        assert h.files() == names
+        wanted = [names[-1], names[N // 2], names[0]]
+        assert [p.read_bytes() for p in h.local_all(wanted)] == [
+            (tree / rel).read_bytes() for rel in wanted]  # fmt: skip
+        with pytest.raises(FileNotFoundError, match=r"dir000/nope\.dat"):
+            h.local("dir000/nope.dat")
+        seen = h.progress()
+        assert seen.state == "starting" and seen.files_total is None  # no listing yet
+        go.set()
+        result = h.wait()
+        counts = m.unmount()
+    assert result.files == N and result.copied_files == N
+    trees.assert_same_tree(tree, dst)
+    assert counts["opens"] == N  # the files fetched early were not fetched again
+    manifest = read_manifest(dst)  # their journal records made it
+    assert manifest is not None and manifest["complete"] and len(manifest["files"]) == N
+
+
+def test_a_file_comes_as_it_lands_not_when_its_job_ends(tmp_path: Path) -> None:
+    """A small file taken with a big one (one chunk of the plan, both in flight) reaches
+    its reader as soon as it is whole, while the big one is still being read."""
+    src = tmp_path / "src"
+    trees.write_file(src / "a-big.bin", os.urandom(64 << 20))
+    trees.write_file(src / "b-small.dat", b"small" * 200)
     with mounts(tmp_path) as mount:
-        m = mount(tree, 2000, 2000)
-        h = fastload.stage(m.path, tmp_path / "dst", wait=False, workers=2)
+        m = mount(src, 2000, 30000)  # 30 ms per read request: the big file takes seconds
+        dst = tmp_path / "dst"
+        h = fastload.stage(m.path, dst, wait=False)
+        listed(h)
+        assert h.local("b-small.dat").read_bytes() == b"small" * 200
+        assert not (dst / "a-big.bin").exists()  # not yet whole (files appear whole)
+        assert h.wait().files == 2
+        m.unmount()
+    trees.assert_same_tree(src, dst)
+
+
+def test_a_path_not_in_the_source_fails_at_once(tree: Path, tmp_path: Path) -> None:
+    with staging_behind(tmp_path, tree) as (_m, _dst, h):
         with pytest.raises(FileNotFoundError, match=r"dir000/nope\.dat"):
             h.local("dir000/nope.dat")
         for bad in ("../src/dir000/f00000.dat", "/etc/passwd", "dir000/../../x", ""):
@@ -85,6 +134,8 @@ def test_a_full_disk_fails_the_stage_and_its_readers(tree: Path, small_fs, tmp_p
                                                      ) -> None:  # fmt: skip
     disk = small_fs("1m")
     h = fastload.stage(tree, disk / "dst", wait=False)
+    _listed_or_failed(h)  # (a file asked for before the plan may fit, and be read)
+    assert h.progress().state == "failed"
     with pytest.raises(fastload.NotEnoughSpaceError):
         h.local("dir000/f00001.dat")
     with pytest.raises(fastload.NotEnoughSpaceError):
@@ -98,10 +149,8 @@ def test_a_file_changed_at_the_source_fails_its_reader(tmp_path: Path) -> None:
     trees.build_small_files(src, N, per_dir=100, seed=7)
     names = sorted(trees.regular_files(src))
     victim = next(n for n in reversed(names) if (src / n).stat().st_size > 100)
-    with mounts(tmp_path) as mount:
-        m = mount(src, 2000, 2000)
-        h = fastload.stage(m.path, tmp_path / "dst", wait=False, workers=2)
-        h.local(names[0])  # the source is listed: its sizes are the plan's
+    with staging_behind(tmp_path, src) as (_m, _dst, h):
+        listed(h)  # the source is listed: its sizes are the plan's
         os.truncate(src / victim, 50)  # shorter than listed
         with pytest.raises(fastload.SourceChangedError) as e:
             h.local(victim)

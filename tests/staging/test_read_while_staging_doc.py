@@ -17,7 +17,7 @@ def _blocks() -> list[str]:
 
 
 def test_the_doc_has_its_examples() -> None:
-    assert len(_blocks()) == 3
+    assert len(_blocks()) == 4
 
 
 def test_every_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

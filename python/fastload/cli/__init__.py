@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "stage" and args.background:
-            from ..staging.background import stage_detached
+            from ..staging.detached import stage_detached
 
             argv = list(sys.argv[1:] if argv is None else argv)
             return stage_detached(args.src, args.dst, [a if a != "--background" else "--serve"

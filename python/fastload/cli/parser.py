@@ -122,13 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--nested",
         action="store_true",
-        help="archives: also extract member tars, each into a directory named after it",
+        help="archives and trees: also extract the tars and zips inside, each into a "
+             "directory named after it (without .zip)",
     )
     unpack = s.add_mutually_exclusive_group()
     unpack.add_argument(
         "--unpack",
         action="store_true",
-        help="SRC must be a tar archive (.tar, .tar.gz, .tgz, .tar.zst): extract it",
+        help="SRC must be an archive (.tar, .tar.gz, .tgz, .tar.zst, .zip): extract it",
     )
     unpack.add_argument(
         "--no-unpack",

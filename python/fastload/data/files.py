@@ -4,23 +4,29 @@ folders, as torchvision's ``DatasetFolder``/``ImageFolder``; fastload.torchvisio
 it on a handle). Each reads a sample through :meth:`Staging.local`: at once where the
 file is staged, else fetched ahead of the stage; a DataLoader's batch of samples is
 asked for at once (``__getitems__``). Their length and targets come from the source's
-listing, so they are final from the first batch."""
+listing, so they are final from the first batch. :meth:`FileDataset.sampler` gives a
+DataLoader the epoch's order and tells the stager the files coming next
+(:class:`AheadSampler`): the stage follows a shuffled loop."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, Sampler
 
 from ..staging.background import Staging
 
-__all__ = ["FileDataset", "FolderDataset"]
+__all__ = ["AheadSampler", "FileDataset", "FolderDataset"]
 
 Loader = Callable[[str], Any]
 Where = Union[Staging, str, "os.PathLike[str]"]
+
+AHEAD = 4096  # files hinted ahead of the loop's position
+AHEAD_STEP = 1024  # how often (in samples) the window moves on
 
 
 def _handle(where: Where) -> Staging:
@@ -54,6 +60,63 @@ class FileDataset(Dataset[Any]):
         this for a batch)."""
         paths = self.staging.local_all([self.files[i] for i in indices])
         return [self._load(p, i) for p, i in zip(paths, indices, strict=True)]
+
+    def sampler(self, shuffle: bool = True, seed: int | None = None) -> AheadSampler:
+        """A DataLoader's sampler of this dataset (``sampler=``, instead of
+        ``shuffle=``) whose order the stage follows while it runs: see
+        :class:`AheadSampler`."""
+        return AheadSampler(self.staging, self.files, shuffle=shuffle, seed=seed)
+
+
+class AheadSampler(Sampler[int]):
+    """The indices of ``files`` (read through ``staging``) in an epoch's order: a new
+    permutation each epoch where ``shuffle`` (as torch's RandomSampler: drawn from
+    torch's generator, or from ``seed`` and the epoch), else in order. While the stage
+    runs, it tells the stager the files coming next (:meth:`Staging.ahead`: the next
+    ``ahead`` files, the window moved on every ``step`` samples; never blocking), so
+    that they are fetched before the loop asks for them."""
+
+    def __init__(self, staging: Staging, files: Sequence[str], shuffle: bool = True,
+                 seed: int | None = None, ahead: int = AHEAD, step: int = AHEAD_STEP
+                 ) -> None:  # fmt: skip
+        if ahead < 1 or not 1 <= step <= ahead:
+            raise ValueError(f"need 1 <= step <= ahead, not step={step}, ahead={ahead}")
+        self.staging, self.files = staging, files
+        self.shuffle, self.seed = shuffle, seed
+        self.ahead, self.step = ahead, step
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration draws (with ``seed``: its permutation)."""
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        """The next epoch's order (the epoch counted on)."""
+        n = len(self.files)
+        if not self.shuffle:
+            order = list(range(n))
+        else:
+            g = torch.Generator()
+            if self.seed is None:
+                g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            else:
+                g.manual_seed(hash((self.seed, self.epoch)) & (2**63 - 1))
+            order = torch.randperm(n, generator=g).tolist()
+        self.epoch += 1
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        order, files, staging = self.order(), self.files, self.staging
+        sent = 0  # hinted: order[:sent]
+        for start in range(0, len(order), self.step):
+            end = min(len(order), start + self.ahead)
+            if sent < end:  # (nothing is sent once the stage is known done)
+                staging.ahead([files[i] for i in order[sent:end]])
+                sent = end
+            yield from order[start : start + self.step]
 
 
 class FolderDataset(FileDataset):

@@ -175,6 +175,7 @@ class Monitor(Generic[T]):
             _probe.activate(main)
         clock = time.monotonic
         last: float | None = None
+        self._block[0, _probe.ON] = 1.0  # the workers record from here
         try:
             it = iter(self.loader)
             while True:
@@ -202,6 +203,7 @@ class Monitor(Generic[T]):
             if last is not None:
                 self.step_s += clock() - last
         finally:
+            self._block[0, _probe.ON] = 0.0
             if _probe.ACTIVE is main:
                 _probe.activate(None)
             if self._tracing:
@@ -441,8 +443,11 @@ def monitor(
     short; counted in the process that made the request, the main process for the
     downloads it serves its forked workers). ``gpu/...``: the main process's
     page-locking of worker blocks for CUDA (``registered``, ``register_failed``,
-    ``register_ms``, ``unregistered``, ``unregister_failed``, ``unregister_ms``; lease
-    counts held back for copies, ``retired``; waits for copies, ``fence_waits``).
+    ``register_ms``, ``registered_behind`` (on the registrar thread),
+    ``register_main_ms`` (the main thread's share), ``pending_copies`` (tensors copied
+    before their block's registration completed), ``unregistered``,
+    ``unregister_failed``, ``unregister_ms``, ``unregister_main_ms``; lease counts held
+    back for copies, ``retired``; waits for copies, ``fence_waits``).
 
     ``log_every=30``: a one-line :meth:`Monitor.summary` every 30 s through ``logger``
     (``logging.getLogger("fastload.monitor")`` by default, at INFO), or as the postfix of

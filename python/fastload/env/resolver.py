@@ -320,7 +320,7 @@ def _stage_found(
         base,
         where,
         include=include,
-        unpack=unpack if is_file else "auto",
+        unpack=unpack if is_file or unpack == "nested" else "auto",  # a tree of zips
         checksum=checksum,
         progress=progress,
         fanout=fanout,
@@ -345,7 +345,12 @@ def _placed(source: str, target: Path, base: Path, where: _Where, wait: bool = T
 
     def returned(result: StageResult | Staging, top: Path) -> Path | Staging:
         if isinstance(result, Staging):
-            return result
+            if where.returns is None:
+                return result
+            # The handle reads the folder resolve() returns (a registry's `returns`),
+            # where it lies inside the stage's destination.
+            rel = os.path.relpath(top / where.returns, result.path)
+            return result if rel == "." or rel.startswith("..") else result.within(rel)
         return result.path if where.returns is None else top / where.returns
 
     if where.on_full == "error":

@@ -148,7 +148,8 @@ def stage(  # type: ignore[misc]
             them, and redoes only those that differ.
         fanout: on a job that spans several nodes, stage once per node while the source
             is read about once in total: the nodes' first processes (their leaders)
-            each read a share (balanced by bytes; big files and archives cut in pieces)
+            each read a share (balanced by bytes; big files and archives cut in pieces, a
+            zip's members dealt whole: docs/zip.md)
             and exchange it over ``torch.distributed`` (a gloo group: TCP, no GPU or MPI
             needed) or MPI, so every node writes the whole dataset to its own ``dst``.
             Every process of the job calls stage() alike; the job's torch process group
@@ -201,7 +202,8 @@ def stage(  # type: ignore[misc]
     retried = process_retries().snapshot()  # the source's listing retries count too
     with named_os_errors():
         source, dest = open_source(src, dst, req)
-        return stage_into(dest, source, retried, _fanned(req))
+        # (dest.req: the request as the source took it: a zip's may drop fanout)
+        return stage_into(dest, source, retried, _fanned(dest.req))
 
 
 def _fanned(req: StageRequest) -> Callable[[Any, Destination], StageResult] | None:
@@ -226,18 +228,18 @@ def open_source(
         from .stream import open_stream
 
         archive = open_stream(src, dst, req)
-        return archive, _directory(Path(os.fspath(dst)), req)
+        return _with_inner_zips(archive, req), _directory(Path(os.fspath(dst)), req)
     if isinstance(src, str) and "://" in src and req.unpack is not False:
-        from .zipopen import is_zip_url, open_zip, zip_request
+        from .zipopen import is_zip_url, open_zip
 
         if is_zip_url(src):  # read by ranges: by name, no request to look at its head
-            req = zip_request(req)
             dest = _directory(Path(os.fspath(dst)), req)
             return open_zip(src, req, state_dir(dest.path)), dest
     if isinstance(src, str) and is_store_url(src):
         from .remote import open_remote
 
-        return open_remote(src, dst, req)
+        source, dest = open_remote(src, dst, req)
+        return _with_inner_zips(source, req), dest
     if isinstance(src, str) and scheme_of(src) in ("http", "https"):
         from .web import open_web
 
@@ -291,9 +293,8 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         from .zipformat import is_zip_file
 
         if is_zip_file(src_abs):
-            from .zipopen import open_zip, zip_request
+            from .zipopen import open_zip
 
-            req = zip_request(req)
             return open_zip(src_abs, req, Path()), _directory(dst_path, req)
     if (unpack is True or (unpack == "nested" and is_file)) and compression is None:
         raise stage_error(
@@ -318,11 +319,11 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
     if single:
         mkdir_parent(dst_abs.parent)
         return LocalTree(src_abs, req, single=True), Destination(dst_abs, req, single=True)
-    dest = _directory(dst_path, req)
     if compression is None and unpack == "nested":  # a tree whose zips are extracted
         from .zipnested import NestedZips
 
-        return NestedZips(LocalTree(src_abs, req, single=False), req), dest
+        return NestedZips(LocalTree(src_abs, req, single=False), req), _directory(dst_path, req)
+    dest = _directory(dst_path, req)
     if compression is None:
         return LocalTree(src_abs, req, single=False), dest
     from .archive import Archive
@@ -332,12 +333,24 @@ def _open_local(src_path: Path, dst_path: Path, req: StageRequest) -> tuple[Sour
         **req.selection(), "on_special": req.on_special, "file": True,
         "unpack": req.unpack_option,
     }  # fmt: skip
-    archive = Archive(LocalArchive(src_abs), compression, options)
-    if req.nested and req.fanout is False:  # its zips extracted too (not yet fanned out)
-        from .zipnested import NestedZips
+    return _with_inner_zips(Archive(LocalArchive(src_abs), compression, options), req), dest
 
-        return NestedZips(archive, req), dest
-    return archive, dest
+
+def _with_inner_zips(source: Any, req: StageRequest) -> Any:
+    """With unpack="nested", a tar (local, remote, a stream) or an object prefix whose
+    zips are extracted too, each into its folder (zipnested.py; with fanout, a tar's
+    on each node from its own copy of the tar's zips once the tar is fanned out:
+    fanout/run.py)."""
+    if not req.nested:
+        return source
+    from .archive import Archive
+
+    prefix = getattr(source, "store", None) is not None and not getattr(source, "single", True)
+    if not isinstance(source, Archive) and not prefix:
+        return source
+    from .zipnested import NestedZips
+
+    return NestedZips(source, req)
 
 
 def verify(
@@ -394,7 +407,30 @@ def verify(
         # The next stage() re-copies exactly these (it would otherwise find the source
         # unchanged and return at once).
         mark_damaged(dst_abs, manifest, result.mismatched + result.missing)
+    if manifest.get("nested_zips"):
+        return _with_inner(result, root, manifest["nested_zips"], engine, workers)
     return result
+
+
+def _with_inner(result: VerifyResult, root: Path, inner: list[str], engine: str,
+                workers: int | None) -> VerifyResult:  # fmt: skip
+    """``result`` with each inner archive's folder verified (unpack="nested": each a
+    stage of its own, with its manifest; a damaged one is marked so in it, and the next
+    stage() repairs it)."""
+    from .zipnested import folder_of
+
+    files, nbytes = result.files, result.bytes
+    mismatched, missing = list(result.mismatched), list(result.missing)
+    for folder in sorted({folder_of(rel) for rel in inner}):
+        try:
+            sub = verify(root / folder, engine=engine, workers=workers)
+        except FileNotFoundError:  # its folder gone, or its stage never finished
+            missing.append(folder)
+            continue
+        files, nbytes = files + sub.files, nbytes + sub.bytes
+        mismatched += [f"{folder}/{p}" for p in sub.mismatched]
+        missing += [f"{folder}/{p}" for p in sub.missing]
+    return VerifyResult(result.path, files, nbytes, sorted(mismatched), sorted(missing))
 
 
 

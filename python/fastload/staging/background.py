@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import errno
 import fcntl
@@ -31,14 +32,17 @@ from ..sources.retry import process_retries
 from .channel import Client, NoServer, Server, channel_name, decode_error
 from .request import StageRequest
 from .result import StageResult
-from .schedule import Schedule, inside
+from .schedule import Schedule
+from .serving import inside, manifest_files
 from .state import mkdir_parent, named_os_errors, read_manifest
 from .waits import note_wait
 
-__all__ = ["StageProgress", "Staging", "stage_detached", "stage_in_background"]
+__all__ = ["StageProgress", "Staging", "stage_in_background"]
 
 LOCK_POLL = 0.05  # seconds between a participant's tries of the node lock
 RETRY = 0.02  # seconds between a reader's tries of a channel not (yet) served
+HINTS_AT_ONCE = 4096  # paths of one "ahead" request at most
+HINT_TIMEOUT = 30.0  # seconds a hint's reply may take (then the connection is dropped)
 
 # api.open_source: a source and its destination for a path, a URL, and a request.
 Opener = Callable[[Any, Path, StageRequest], tuple[Any, Any]]
@@ -134,6 +138,7 @@ class _Participant:
                 source, dest = self.opener(self.src, self.dst, req)
                 dest.lock_held = True
                 dest.scheduler = schedule
+                schedule.opened(source, dest, req)
                 result = stage_into(dest, source, retried)
             schedule.finish(result)
             return result
@@ -219,10 +224,23 @@ class Staging:
 
     def __init__(self, src: str, path: Path, options: dict[str, Any],
                  opener: Opener | None) -> None:  # fmt: skip
-        self.path = path
-        """The staged tree (the destination)."""
+        self._dst = path  # the stage's destination
+        self._within = ""  # the folder of it this handle reads (within())
         self._src, self._options, self._opener = src, options, opener
         self._init()
+
+    @property
+    def path(self) -> Path:
+        """The staged tree (the destination, or the folder of it :meth:`within` names)."""
+        return self._dst / self._within if self._within else self._dst
+
+    def within(self, folder: str) -> Staging:
+        """A handle on the same stage that reads the folder ``folder`` of the tree (the
+        folder resolve() returns for a registry dataset with ``returns``): its
+        :attr:`path`, :meth:`files` and reads are relative to that folder."""
+        sub = copy.copy(self)
+        sub._within = inside(os.path.join(self._within, folder) if self._within else folder)
+        return sub
 
     @classmethod
     def ready(cls, path: Path) -> Staging:
@@ -233,19 +251,23 @@ class Staging:
         return handle
 
     def _init(self) -> None:
-        self._name = channel_name(self.path)
+        self._name = channel_name(self._dst)
         self._final: tuple[str, Any] | None = None  # ("done", StageResult) | ("failed", exc)
         self._local = threading.local()
+        self._hints: list[str] = []  # ahead(): paths not sent yet
+        self._hints_cond = threading.Condition()
+        self._hints_pid = 0  # the process whose thread sends them
 
     def __getstate__(self) -> dict[str, Any]:
         options = {k: v for k, v in self._options.items() if k != "progress"}
         final = self._final if self._final is not None and self._final[0] == "done" else None
-        return {"path": self.path, "src": self._src, "options": options, "final": final,
-                "opener": self._opener}  # fmt: skip
+        return {"path": self._dst, "src": self._src, "options": options, "final": final,
+                "opener": self._opener, "within": self._within}  # fmt: skip
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path, self._src, self._options = state["path"], state["src"], state["options"]
+        self._dst, self._src, self._options = state["path"], state["src"], state["options"]
         self._opener = state["opener"]
+        self._within = state.get("within", "")
         self._init()
         self._final = state["final"]
 
@@ -266,7 +288,7 @@ class Staging:
         return c
 
     def _mine(self) -> _Participant | None:
-        p = _participants.get(self.path)
+        p = _participants.get(self._dst)
         return p if p is not None and p.src == self._src else None
 
     def _no_server(self) -> None:
@@ -285,7 +307,7 @@ class Staging:
                 return
             time.sleep(RETRY)
             return
-        fd = _try_lock(self.path)
+        fd = _try_lock(self._dst)
         if fd is None:
             time.sleep(RETRY)  # a stager is starting, or a plain stage() holds the lock
             return
@@ -299,15 +321,15 @@ class Staging:
     def _take_over(self) -> None:
         """Nobody stages and nothing is complete: this process stages."""
         if self._opener is None:
-            raise stage_error(errno.ENOENT, f"'{self.path}' holds no complete stage",
-                              str(self.path))  # fmt: skip
-        _participant(self._src, self.path, self._options, None, self._opener)
+            raise stage_error(errno.ENOENT, f"'{self._dst}' holds no complete stage",
+                              str(self._dst))  # fmt: skip
+        _participant(self._src, self._dst, self._options, None, self._opener)
 
     def _from_manifest(self) -> bool:
-        m = read_manifest(self.path)
+        m = read_manifest(self._dst)
         if m is None or not m.get("complete") or m.get("damaged"):
             return False
-        self._final = ("done", StageResult(self.path, int(m["files_count"]), int(m["bytes"]),
+        self._final = ("done", StageResult(self._dst, int(m["files_count"]), int(m["bytes"]),
                                            0.0, "none", True))  # fmt: skip
         return True
 
@@ -320,14 +342,14 @@ class Staging:
                 self._local.client = None
         if state == "done":
             r = reply["result"]
-            self._final = ("done", StageResult(self.path, r["files"], r["bytes"], r["seconds"],
+            self._final = ("done", StageResult(self._dst, r["files"], r["bytes"], r["seconds"],
                                                r["engine"], r["skipped"], r["copied_files"],
                                                r["copied_bytes"]))  # fmt: skip
             p = self._mine()
             if p is not None and p.fd is None:
                 p.stop.set()  # waiting for the lock still: nothing left to stage
         elif state == "failed":
-            self._final = ("failed", decode_error(reply["error"], self.path))
+            self._final = ("failed", decode_error(reply["error"], self._dst))
 
     def _ask(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any] | None:
         """The stager's reply to ``msg`` (None once the stage has ended)."""
@@ -335,7 +357,7 @@ class Staging:
         while self._final is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"staging '{self.path}' is not done after {timeout} s")
+                raise TimeoutError(f"staging '{self._dst}' is not done after {timeout} s")
             c = self._client()
             if c is None:
                 self._no_server()
@@ -344,7 +366,7 @@ class Staging:
                 reply = c.request(msg, left)
             except TimeoutError:
                 self._local.client = None
-                raise TimeoutError(f"staging '{self.path}' is not done after {timeout} s") from None
+                raise TimeoutError(f"staging '{self._dst}' is not done after {timeout} s") from None
             except ConnectionError:
                 self._local.client = None  # the stager died: the next one is asked
                 continue
@@ -380,6 +402,10 @@ class Staging:
                     self._note(reply)
                     if self._final is None:
                         return StageProgress(**reply["progress"])
+            p = self._mine()
+            if self._final is None and p is not None and p.finished.is_set() and (
+                    p.error is not None or p.result is not None):  # fmt: skip
+                self._no_server()  # this process staged: its end
             if self._final is None:
                 return StageProgress("waiting")
         kind, value = self._final
@@ -406,7 +432,7 @@ class Staging:
             self._final = (
                 "failed",
                 stage_error(
-                    errno.ECANCELED, f"staging '{self.path}' was cancelled here", str(self.path)
+                    errno.ECANCELED, f"staging '{self._dst}' was cancelled here", str(self._dst)
                 ),
             )
 
@@ -414,17 +440,28 @@ class Staging:
         """The paths of the source's files (relative, sorted): from the stager's
         listing as soon as it is made (the stage need not be done), else from the
         complete copy's manifest."""
+        return self._in_folder(self._all_files())
+
+    def _in_folder(self, names: list[str]) -> list[str]:
+        """``names`` (relative to the destination) under :meth:`within`'s folder,
+        relative to it."""
+        if not self._within:
+            return names
+        head = self._within + "/"
+        return [n[len(head):] for n in names if n.startswith(head)]
+
+    def _all_files(self) -> list[str]:
         if self._final is None:
             reply = self._ask({"op": "list"})
             if reply is not None and "files" in reply:
                 return list(reply["files"])
         self._raise_final()
-        m = read_manifest(self.path)
-        if m is not None and m.get("complete"):
-            return sorted(os.fsdecode(p) for p in m["files"].path_bytes())
+        staged = manifest_files(self._dst)
+        if staged is not None:
+            return sorted(staged)
         out: list[str] = []  # a tree not staged by fastload (Staging.ready)
-        for d, _dirs, names in os.walk(self.path):
-            rel = os.path.relpath(d, self.path)
+        for d, _dirs, names in os.walk(self._dst):
+            rel = os.path.relpath(d, self._dst)
             out.extend(n if rel == "." else f"{rel}/{n}" for n in names)
         return sorted(out)
 
@@ -437,63 +474,86 @@ class Staging:
 
     def local_all(self, relpaths: Iterable[str | os.PathLike[str]]) -> list[Path]:
         """:meth:`local` of several files, asked for at once (fetched together)."""
-        rels = [inside(os.fspath(p)) for p in relpaths]
+        rels = [self._rel(os.fspath(p)) for p in relpaths]
         if self._final is None:
             reply = self._ask({"op": "want", "paths": rels})
             if reply is not None:
                 waited = 0.0
                 for rel, ans in zip(rels, reply["results"], strict=True):
                     if "error" in ans:
-                        raise decode_error(ans["error"], self.path / rel)
+                        raise decode_error(ans["error"], self._dst / rel)
                     waited = max(waited, float(ans.get("waited", 0.0)))
                 if waited:
                     note_wait(waited)
-                return [self.path / rel for rel in rels]
+                return [self._at(rel) for rel in rels]
         self._raise_final()
         out = []
         for rel in rels:
-            p = self.path / rel
+            p = self._at(rel)
             if not os.path.lexists(p):
                 raise FileNotFoundError(errno.ENOENT, f"'{rel}' is not in the staged tree "
-                                        f"'{self.path}'", str(p))  # fmt: skip
+                                        f"'{self._dst}'", str(p))  # fmt: skip
             out.append(p)
         return out
+
+    def _rel(self, relpath: str) -> str:
+        """``relpath`` (relative to :attr:`path`) relative to the destination, checked to
+        stay inside :attr:`path`."""
+        if not self._within:
+            return inside(relpath)
+        rel = inside(os.path.join(self._within, relpath))
+        if not rel.startswith(self._within + "/"):
+            raise PermissionError(errno.EACCES, f"'{relpath}' is not a path inside "
+                                  f"'{self.path}'", relpath)  # fmt: skip
+        return rel
+
+    def _at(self, rel: str) -> Path:
+        """Where ``rel`` (a name :meth:`files` gives) is: in the tree, or the staged file
+        itself where a single file was staged (its name is all :meth:`files` lists)."""
+        if rel == self._dst.name and self._dst.is_file():
+            return self._dst
+        return self._dst / rel
+    def ahead(self, relpaths: Iterable[str | os.PathLike[str]]) -> None:
+        """A hint: these files (relative to the tree) are read soon, in this order; the
+        stager fetches those not yet taken before its own order (after the files
+        readers wait for). Returns at once and never fails: a thread of this process
+        sends the hints (a stager gone, a bad path: the hint is dropped); nothing is
+        sent once the stage is done. A sampler's (FileDataset.sampler) way to make the
+        stage follow a shuffled loop."""
+        if self._final is not None:
+            return
+        paths = []
+        for p in relpaths:
+            with contextlib.suppress(OSError):  # a path outside: dropped
+                paths.append(self._rel(os.fspath(p)))
+        with self._hints_cond:
+            self._hints.extend(paths)
+            if self._hints_pid != os.getpid():
+                self._hints_pid = os.getpid()
+                threading.Thread(target=self._send_hints, name="fastload-hints",
+                                 daemon=True).start()  # fmt: skip
+            self._hints_cond.notify()
+
+    def _send_hints(self) -> None:
+        """The hints' thread: sends what ahead() gathered, in one request at a time
+        (its own connection), until the stage is done."""
+        while self._final is None:
+            with self._hints_cond:
+                while not self._hints:
+                    self._hints_cond.wait()
+                paths, self._hints = self._hints[:HINTS_AT_ONCE], self._hints[HINTS_AT_ONCE:]
+            try:
+                c = self._client()
+                if c is None:
+                    continue  # no stager now: dropped
+                self._note(c.request({"op": "ahead", "paths": paths}, HINT_TIMEOUT))
+            except Exception:  # never the loop's concern: the hint is dropped
+                self._local.client = None
+        with self._hints_cond:
+            self._hints = []
 
     def open(self, relpath: str | os.PathLike[str], mode: str = "rb") -> IO[Any]:
         """``open()`` of :meth:`local`'s file; read modes only."""
         if any(c in mode for c in "wax+"):
             raise ValueError(f"a staged file opens for reading only, not mode {mode!r}")
         return open(self.local(relpath), mode)
-
-
-def stage_detached(src: str, dst: str, argv: list[str]) -> int:
-    """``fastload stage --background``: runs ``fastload <argv>`` (``--serve``: it stages
-    with wait=False and waits) in a process of its own session, and returns once that
-    stage is under way (it serves readers), or with the process's error where it ended
-    first. The process ends with the stage; in a job, with the job."""
-    import subprocess
-    import sys
-
-    dst_abs = Path(os.path.abspath(dst))
-    mkdir_parent(dst_abs.parent)
-    log = dst_abs.parent / f".{dst_abs.name}.fastload-background.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fastload", *argv], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-        )  # fmt: skip
-    reader = Staging(src, dst_abs, {}, None)  # asks, never stages
-    while proc.poll() is None:
-        state = reader.progress().state
-        if state in ("starting", "copying"):
-            print(f"{dst_abs}: staging in the background (process {proc.pid}; its errors "
-                  f"in {log})")  # fmt: skip
-            return 0
-        if state != "waiting":
-            break  # ended already
-        time.sleep(RETRY)
-    code = proc.wait()
-    sys.stderr.write(log.read_text(errors="replace"))
-    if code == 0:
-        print(f"{dst_abs}: staged")
-    return code

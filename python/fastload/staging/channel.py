@@ -57,6 +57,16 @@ def encode_error(exc: BaseException) -> dict[str, Any]:
     return out
 
 
+def named_by(exc: BaseException, rels: list[str]) -> list[str]:
+    """Those of ``rels`` (paths relative to the staged tree) that ``exc`` names: its
+    filename is one of them, or ends with one (a job's error names the file it failed
+    on; its readers get it, the others' files are still wanted)."""
+    where = str(getattr(exc, "filename", "") or "")
+    if not where:
+        return []
+    return [r for r in rels if where == r or where.endswith("/" + r)]
+
+
 def decode_error(err: dict[str, Any], path: Path) -> BaseException:
     """The exception a reply's ``error`` holds (a StageError naming ``path`` where it
     cannot be rebuilt)."""

@@ -4,6 +4,7 @@ listing and the table themselves)."""
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import compress, repeat
@@ -11,7 +12,7 @@ from typing import Any
 
 from .columns import Column, FileTable, Listing, Record, _gather
 
-__all__ = ["Done"]
+__all__ = ["Done", "LockedDone"]
 
 
 def _ones(flags: bytes | bytearray) -> Iterable[int]:
@@ -25,7 +26,11 @@ class Done(Mapping[str, Record]):
     files this stage completed, set by row (:meth:`set`) or by path. A record set is its
     digests (appended to one blob, in the order files finish) and, only where they differ
     from the listing's, its size, time and mode: a file copied as listed costs 16 bytes
-    here besides its digests. :meth:`table` is what the manifest records."""
+    here besides its digests. :meth:`table` is what the manifest records.
+
+    :meth:`set` and :meth:`set_listed` may be called from several threads at once (the
+    fan-out writers finish files on 8): a record's place and its digests are appended
+    under a lock, else two files could take the same place and one the other's digests."""
 
     def __init__(
         self, files: Listing, base: FileTable | None = None, base_rows: Column | None = None
@@ -39,6 +44,7 @@ class Done(Mapping[str, Record]):
         self._dig, self._dend = bytearray(), array("q", [0])
         self._other: dict[int, tuple[int, int, int]] = {}  # row -> (size, mtime, mode) not listed
         self._rows: dict[str, int] | None = None
+        self._lock = threading.Lock()
         bsize = self.base.size
         # Kept up by set():
         self._count = sum(1 for r in self.base_rows if r >= 0)
@@ -55,6 +61,10 @@ class Done(Mapping[str, Record]):
     def set(self, i: int, rec: Record | tuple[int, int, int, Any]) -> None:
         """Row ``i`` is complete with record ``rec`` (digests as hex or bytes); set again,
         the last record wins."""
+        with self._lock:
+            self._set(i, rec)
+
+    def _set(self, i: int, rec: Record | tuple[int, int, int, Any]) -> None:
         if self._at is None:
             self._at = array("q", [-1]) * len(self.files)
         d, k, b = rec[3], self._at[i], self.base_rows[i]
@@ -78,6 +88,10 @@ class Done(Mapping[str, Record]):
     def set_listed(self, rows: Iterable[int], digests: Iterable[bytes]) -> None:
         """Rows complete as listed (the listing's size, time and mode), each with its raw
         digests: :meth:`set` for a copier's batch, without a record per file."""
+        with self._lock:
+            self._set_listed(rows, digests)
+
+    def _set_listed(self, rows: Iterable[int], digests: Iterable[bytes]) -> None:
         if self._at is None:
             self._at = array("q", [-1]) * len(self.files)
         at, base_rows, other = self._at, self.base_rows, self._other
@@ -206,3 +220,38 @@ class Done(Mapping[str, Record]):
         if not len(fresh):
             return kept.sorted()
         return kept.sorted().union(fresh) if len(kept) else fresh
+
+
+class LockedDone:
+    """A stage's :class:`Done` under a lock (a stage in the background's, schedule.py:
+    two jobs complete files of it at once); every change wakes the readers waiting."""
+
+    def __init__(self, done: Done, cond: threading.Condition) -> None:
+        self._done, self._cond = done, cond
+
+    def set(self, i: int, rec: Any) -> None:
+        with self._cond:
+            self._done.set(i, rec)
+            self._cond.notify_all()
+
+    def set_listed(self, rows: Iterable[int], digests: Iterable[bytes]) -> None:
+        rows, digests = list(rows), list(digests)
+        with self._cond:
+            self._done.set_listed(rows, digests)
+            self._cond.notify_all()
+
+    def is_done(self, i: int) -> bool:
+        with self._cond:
+            return self._done.is_done(i)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._done)
+
+    @property
+    def total_bytes(self) -> int:
+        with self._cond:
+            return self._done.total_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._done, name)

@@ -149,8 +149,9 @@ class InFlight:
     threads: int
     cores: int
     """The cores this process may run on (its affinity: taskset, a cgroup's cpuset)."""
-    network: bool
-    """Whether the storage the job waits on is a network or FUSE file system."""
+    network: bool | None
+    """Whether the storage the job waits on is a network or FUSE file system (None: no
+    path given, or statfs could not tell)."""
 
 
 def network_per_core(latency_s: float | None) -> int:
@@ -179,7 +180,7 @@ def in_flight(
     files, at least 4, at most 64 on local storage (blocked threads there are few) and
     256 on a network (each waits out a round trip)."""
     cores = usable_cores() if cores is None else max(1, cores)
-    network = bool(where is not None and network_fs(where))
+    network = None if where is None else network_fs(where)
     if workers:
         files = max(1, workers)
     elif network:
@@ -210,6 +211,9 @@ def copy_options(
         files_in_flight=flight.files,
         stripe_size=stripe_size,
         big_buffers=big,
+        # Told, not looked up by every job (a statfs is a round trip on a network file
+        # system: a background stage runs a job per chunk, a readers' job per batch).
+        src_network=-1 if flight.network is None else int(flight.network),
     )
 
 

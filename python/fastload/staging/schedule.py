@@ -1,17 +1,23 @@
 """What a stage in the background knows, and how it serves readers first (issue 49).
 
-:class:`Schedule` is shared by the stager's threads: the stage itself, the thread
-fetching files readers asked for, and the channel's threads answering readers. A
-tree-shaped source (a tree, an object prefix) runs its plan through
-:meth:`Schedule.transfer` (the hook of tree.run_plan where ``dest.scheduler`` is set):
-the files to do go in small chunks (the files in flight, CHUNK_BYTES at most),
-each a ``source.transfer``, two at once at half the engine's depth each (a reader's file
-taken by a chunk waits for it: a few round trips); beside them, a second thread fetches
-the files readers asked for that no chunk has taken yet, a job for all those asked at once,
-through the same ``transfer`` (same engine, digests, journal). A file is taken once,
-by a chunk or by the readers' job (``claimed``), so the store serves it once; a file a
-readers' job could not fetch goes back to the plan, and whatever is still not done when
-the chunks end is done last by the stage itself, whose errors are a plain stage's.
+:class:`Schedule` is shared by the stager's threads: the stage itself, the threads
+fetching files readers asked for, and the channel's threads answering readers. Before
+the plan exists (the stager lists the source), a plain tree's names and the files
+readers want come from early.py. A tree-shaped source (a tree, an object prefix) runs
+its plan through :meth:`Schedule.transfer` (the hook of tree.run_plan where
+``dest.scheduler`` is set): the files fetched early are journalled and taken out of
+it; the files to do go in small chunks, each a ``source.transfer`` of as many files as
+it keeps in flight, spread over the listing (:func:`_spread`), CHUNKS_AT_ONCE at once;
+beside them, readers' jobs fetch the files readers asked for that no chunk has taken
+yet, a job for all those asked at once, started at once (READERS_JOBS at a time),
+through the same ``transfer`` (same engine, digests, journal); while they run, the
+chunks keep less in flight. A file is taken once, by a chunk or by a readers' job
+(``claimed``), so the store serves it once; each reaches its readers as it lands (the
+jobs' on_done, every READERS_POLL_MS). A file a readers' job could not fetch goes back
+to the plan, and whatever is still not done when the chunks end is done last by the
+stage itself, whose errors are a plain stage's. A reader's hints (``ahead``: the files
+it reads next, as a sampler knows them) go before the plan's order in the chunks, after
+the files readers wait for: the stage follows a shuffled loop.
 """
 
 from __future__ import annotations
@@ -22,31 +28,42 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any
 
 from ..errors import stage_error
-from .channel import encode_error
+from .channel import named_by
 from .columns import Listing
-from .done import Done
+from .done import Done, LockedDone
+from .early import Fetched, early_for
 from .job import ProgressCallback, in_flight, set_poll_ms
 from .request import StageRequest
 from .result import StageResult
+from .serving import Served
 from .state import JournalFlusher
 
-__all__ = ["CHUNKS_AT_ONCE", "CHUNK_BYTES", "CHUNK_MIN", "Schedule", "inside"]
+__all__ = ["CHUNKS_AT_ONCE", "CHUNK_BYTES", "CHUNK_MIN", "Schedule"]
 
-# Files per chunk of the plan: the files in flight of a plain stage (its depth:
-# job.in_flight) times CHUNK_DEPTHS, at least CHUNK_MIN; CHUNKS_AT_ONCE run at once, each
-# at half the depth. (Chunks of twice the depth: a batch of 32 random files of 2,000 on
-# netsim waited 0.19-0.71 s, of the depth 0.11-0.24 s, the stage's time the same.)
-CHUNK_MIN = 32
-CHUNK_DEPTHS = 1
-CHUNKS_AT_ONCE = 2
+# The plan runs in chunks, CHUNKS_AT_ONCE at once, each keeping its share of the depth
+# of a plain stage in flight (job.in_flight; CHUNK_MIN files at least). While readers
+# wait for files (or did within CALM_S), a chunk is as many files as it keeps in flight:
+# a reader's file a chunk has taken is already being fetched, and the chunks keep at
+# most half the depth in flight beside the readers' jobs (fewer requests queued before
+# a reader's: on netsim at 2 ms, 20,000 files, a batch of 32 random files waited 43 ms
+# on average against 130 ms with the plan at full depth beside it). Otherwise (no
+# reader, or a sampler's hints keep the stage ahead of the loop) a chunk is
+# CHUNK_CALM files: each chunk is a copy job, and at 32 files a job (625 of them) the
+# stage in the background took 8.96 s against 7.09 s for stage() on netsim at 2 ms,
+# 7.35 s at 256 files a job. A hint then waits at most for a chunk to end (about a
+# third of a second there), well inside the sampler's window.
+CHUNK_MIN = 8
+CHUNK_CALM = 256
+CALM_S = 0.5
+CHUNKS_AT_ONCE = 4
 CHUNK_BYTES = 256 << 20
+SLOT_POLL_S = 0.005  # how soon a chunk starts once readers' jobs leave room
 READERS_IN_FLIGHT = 64  # files in flight of a readers' job at most
+READERS_JOBS = 4  # readers' jobs at once
 READERS_POLL_MS = 10  # how soon a file a job finished reaches its readers
 
 
@@ -63,89 +80,59 @@ def _depth(source: Any, req: StageRequest) -> int:
     return DEFAULT_OBJECTS_IN_FLIGHT
 
 
-def inside(relpath: str) -> str:
-    """``relpath`` normalised, or PermissionError where it leaves the staged tree."""
-    rel = os.path.normpath(relpath) if relpath else ""
-    if not rel or rel == "." or os.path.isabs(rel) or rel == ".." or rel.startswith("../"):
-        raise PermissionError(
-            errno.EACCES, f"'{relpath}' is not a path inside the staged tree", relpath
-        )
-    return rel
-
-
-class _LockedDone:
-    """A stage's :class:`Done` under the schedule's lock (two jobs complete files of it
-    at once); every change wakes the readers waiting."""
-
-    def __init__(self, done: Done, cond: threading.Condition) -> None:
-        self._done, self._cond = done, cond
-
-    def set(self, i: int, rec: Any) -> None:
-        with self._cond:
-            self._done.set(i, rec)
-            self._cond.notify_all()
-
-    def set_listed(self, rows: Iterable[int], digests: Iterable[bytes]) -> None:
-        rows, digests = list(rows), list(digests)
-        with self._cond:
-            self._done.set_listed(rows, digests)
-            self._cond.notify_all()
-
-    def is_done(self, i: int) -> bool:
-        with self._cond:
-            return self._done.is_done(i)
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._done)
-
-    @property
-    def total_bytes(self) -> int:
-        with self._cond:
-            return self._done.total_bytes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._done, name)
-
-
-class Schedule:
+class Schedule(Served):
     """The state of one stage in the background (``dst``): ``state`` is "starting"
     (listing, planning: no plan yet), "copying", "done" or "failed"."""
 
-    def __init__(self, dst: Path) -> None:
-        self.dst = dst
-        self.cond = threading.Condition(threading.RLock())
-        self.state = "starting"
-        self.result: StageResult | None = None
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self._files: Listing | None = None
-        self._others: set[str] = set()  # folders and links: whole at the stage's end
-        self._done: Done | None = None
-        self._rows: dict[str, int] | None = None
-        self._claimed = bytearray()
-        self._asked: list[int] = []  # rows readers wait for that no job has taken
-        self._failed: dict[int, BaseException] = {}  # a readers' job's error, by row
-        # An archive's: the members whole here, and [bytes read of it, its size].
-        self._members: set[str] | None = None
-        self._stream = [0, 0]
-
     # --- the stage's side --------------------------------------------------------------
 
+    def opened(self, source: Any, dest: Any, req: StageRequest) -> None:
+        """The source is open: a plain tree's names are walked and its wanted files
+        fetched until the plan begins (early.py). Returns once the names are (the
+        stager's own walk then finds the folders looked up: on a file system that looks
+        names up one at a time in a folder, as FUSE may, the two walks at once would
+        take turns)."""
+        with self.cond:
+            self._nested = bool(req.nested)
+            if self.state == "starting":
+                self._early = early_for(source, dest, req, self.cond)
+            while self._early is not None and not self._early.walked and not self.cancelled:
+                self.cond.wait()
+
+    def inner(self, folder: str | None, done: bool = False) -> None:
+        """unpack="nested": the inner archive extracted into ``folder`` is next
+        (``done``: its stage has ended, its files are whole); ``folder`` None: the
+        outer source has named all of them."""
+        with self.cond:
+            if folder is None:
+                self._inner_all = True
+            else:
+                self._inner.add(folder)
+                if done:
+                    self._inner_done.add(folder)
+            self.cond.notify_all()
+
     def finish(self, result: StageResult) -> None:
+        self._stop_early()
         with self.cond:
             self.state, self.result = "done", result
             self.cond.notify_all()
 
     def fail(self, exc: BaseException) -> None:
+        self._stop_early()
         with self.cond:
             self.state, self.error = "failed", exc
             self.cond.notify_all()
 
     def cancel(self) -> None:
+        self._stop_early()
         with self.cond:
             self.cancelled = True
             self.cond.notify_all()
+
+    def _stop_early(self) -> None:
+        if self._early is not None:
+            self._early.stop()
 
     def _check_cancelled(self) -> None:
         if self.cancelled:
@@ -160,16 +147,23 @@ class Schedule:
         first (see the module's docstring). Returns the engine and the files and bytes
         copied, as ``source.transfer`` does."""
         files: Listing = plan.files
+        fetched = self._early.close() if self._early is not None else {}
+        counts: list[Any] = ["none", 0, 0]
         with self.cond:
             self._files, self._done = files, done
             self._others = {plan.entries.path(i) for i in range(len(plan.entries))}
             self._claimed = bytearray(len(files))
+            self._hinted = bytearray(len(files))
+            if fetched:
+                plan = dataclasses.replace(plan, todo=self._adopt(fetched, done, flusher,
+                                                                  plan.todo, counts))  # fmt: skip
             self.state = "copying"
+            self._queue_ahead(self._hints_early)
+            self._hints_early = []
             self.cond.notify_all()
         if hasattr(source, "latency"):
             source.latency(req)  # measured once, before two threads may ask for it
-        shared = dataclasses.replace(plan, done=_LockedDone(done, self.cond))
-        counts: list[Any] = ["none", 0, 0]
+        shared = dataclasses.replace(plan, done=LockedDone(done, self.cond))
         readers = threading.Thread(
             target=self._serve_readers, args=(source, req, dest, shared, flusher, counts),
             name="fastload-readers-first", daemon=True,
@@ -184,12 +178,18 @@ class Schedule:
                     on_progress(done.total_bytes, files.total_bytes, len(done), len(files))
 
         depth = _depth(source, req)
-        # Small chunks (a reader's file taken by one waits for it: two round trips),
-        # two at once, each at half the depth: the engine's depth is kept between them.
-        chunk = max(CHUNK_MIN, int(CHUNK_DEPTHS * depth))
-        half = dataclasses.replace(req, workers=max(1, depth // 2))
+        at_once = min(CHUNKS_AT_ONCE, depth)
+        per = depth // at_once  # files in flight of a chunk
+        chunk = max(CHUNK_MIN, per)
+        per_chunk = dataclasses.replace(req, workers=per)
 
-        def run(rows: list[int], sub: StageRequest = half) -> None:
+        def slots() -> int:
+            """How many chunks may run now (a read of two counters)."""
+            if not self._reading and not self._asked:
+                return at_once
+            return max(0, (depth // 2 - self._reading) // per)
+
+        def run(rows: list[int], sub: StageRequest = per_chunk) -> None:
             set_poll_ms(READERS_POLL_MS)
             part = dataclasses.replace(shared, todo=array("q", rows))
             used, n, nbytes = source.transfer(sub, dest, part, shared.done, flusher, None)
@@ -200,23 +200,38 @@ class Schedule:
             progress()
 
         try:
-            with ThreadPoolExecutor(CHUNKS_AT_ONCE, thread_name_prefix="fastload-chunk") as pool:
+            with ThreadPoolExecutor(at_once, thread_name_prefix="fastload-chunk") as pool:
                 running: set[Future[None]] = set()
-                todo, k = plan.todo, 0
+                todo, k = _spread(plan.todo, chunk), 0
                 while True:
-                    if len(running) >= CHUNKS_AT_ONCE:  # a slot first, then the rows:
-                        # rows taken early would wait, unreachable by the readers' job
-                        finished, running = wait(running, return_when=FIRST_COMPLETED)
-                        for f in finished:
-                            f.result()  # a chunk's error: the stage's (the other ends first)
+                    # A slot first, then the rows (rows taken early would wait,
+                    # unreachable by the readers' jobs).
+                    while len(running) >= slots():
+                        if running:
+                            finished, running = wait(running, timeout=SLOT_POLL_S,
+                                                     return_when=FIRST_COMPLETED)  # fmt: skip
+                            for f in finished:
+                                f.result()  # a chunk's error: the stage's
+                        else:
+                            with self.cond:
+                                self._check_cancelled()
+                                self.cond.wait(SLOT_POLL_S)
                     rows: list[int] = []
                     with self.cond:
                         self._check_cancelled()
                         size, nbytes = files.size, 0
-                        while k < len(todo) and len(rows) < chunk and nbytes < CHUNK_BYTES:
-                            i = todo[k]
-                            k += 1
-                            if not self._claimed[i]:
+                        calm = not (self._reading or self._asked) and (
+                            time.monotonic() - self._last_ask > CALM_S)  # fmt: skip
+                        limit = max(chunk, CHUNK_CALM) if calm else chunk
+                        while len(rows) < limit and nbytes < CHUNK_BYTES:
+                            if self._ahead:  # hinted: before the plan's order
+                                i = self._ahead.popleft()
+                            elif k < len(todo):
+                                i = todo[k]
+                                k += 1
+                            else:
+                                break
+                            if not self._claimed[i] and not done.is_done(i):
                                 self._claimed[i] = 1
                                 rows.append(i)
                                 nbytes += size[i]
@@ -239,34 +254,73 @@ class Schedule:
             run(left[start : start + chunk], req)
         return str(counts[0]), counts[1], counts[2]
 
+    def _adopt(self, fetched: dict[str, Fetched], done: Done, flusher: JournalFlusher,
+               todo: array[int], counts: list[Any]) -> array[int]:  # fmt: skip
+        """(Under the lock.) The files fetched before the plan (early.py), still as the
+        listing has them: journalled and done here; the plan's files to do without
+        them."""
+        files, records = self._files, []
+        rows: dict[int, bytes] = {}  # adopted: row -> its digests
+        assert files is not None
+        for rel, (size, mtime, mode, digests) in fetched.items():
+            i = self._row(rel)
+            if (
+                i is None
+                or done.is_done(i)
+                or (files.size[i], files.mtime_ns[i], files.mode[i]) != (size, mtime, mode)
+            ):
+                continue  # changed since: the plan's copy is the stage's
+            records.append((os.fsencode(rel), size, mtime, mode, digests))
+            rows[i] = digests
+            counts[1] += 1
+            counts[2] += size
+        done.set_listed(list(rows), list(rows.values()))
+        flusher.add(records)
+        return array("q", (i for i in todo if i not in rows)) if rows else todo
+
     def _serve_readers(self, source: Any, req: StageRequest, dest: Any, plan: Any,
                        flusher: JournalFlusher, counts: list[Any]) -> None:  # fmt: skip
-        """The readers' jobs: every file asked for and not yet taken, at once."""
+        """The readers' jobs: the files asked for and not yet taken, all at once, in a
+        job started as soon as they are asked (READERS_JOBS at once: a batch asked
+        while another's job runs does not wait for it)."""
         stop = self._stop_readers
-        done = plan.done
-        set_poll_ms(READERS_POLL_MS)
-        while True:
-            with self.cond:
-                while not self._asked and not stop[0] and not self.cancelled:
-                    self.cond.wait()
-                if stop[0] or self.cancelled:
-                    return
-                rows = sorted({i for i in self._asked if not self._claimed[i]})
-                self._asked.clear()
-                for i in rows:
-                    self._claimed[i] = 1
-            if not rows:
-                continue
+        running = [0]
+
+        def job(rows: list[int]) -> None:
+            set_poll_ms(READERS_POLL_MS)
             sub = dataclasses.replace(req, workers=min(len(rows), READERS_IN_FLIGHT))
             part = dataclasses.replace(plan, todo=array("q", rows))
             try:
-                used, n, nbytes = source.transfer(sub, dest, part, done, flusher, None)
+                used, n, nbytes = source.transfer(sub, dest, part, plan.done, flusher, None)
                 with self.cond:
                     counts[0] = used if used != "none" else counts[0]
                     counts[1] += n
                     counts[2] += nbytes
             except Exception as e:
                 self._readers_failed(rows, e)
+            finally:
+                with self.cond:
+                    running[0] -= 1
+                    self._reading -= len(rows)
+                    self.cond.notify_all()
+
+        with ThreadPoolExecutor(READERS_JOBS, thread_name_prefix="fastload-readers") as pool:
+            while True:
+                with self.cond:
+                    while (not self._asked or running[0] >= READERS_JOBS) and not (
+                            stop[0] or self.cancelled):  # fmt: skip
+                        self.cond.wait()
+                    if stop[0] or self.cancelled:
+                        return  # (the pool's jobs end first)
+                    rows = sorted({i for i in self._asked if not self._claimed[i]})
+                    self._asked.clear()
+                    for i in rows:
+                        self._claimed[i] = 1
+                    if rows:
+                        running[0] += 1
+                        self._reading += len(rows)
+                if rows:
+                    pool.submit(job, rows)
 
     def _readers_failed(self, rows: list[int], exc: Exception) -> None:
         """A readers' job failed: its error goes to the readers of the file it names
@@ -274,11 +328,10 @@ class Schedule:
         the plan (the stage does them, or fails as a plain stage would)."""
         files = self._files
         assert files is not None and self._done is not None
-        where = str(getattr(exc, "filename", "") or "")
         with self.cond:
             left = [i for i in rows if not self._done.is_done(i)]
-            named = [i for i in left if where and (where == files.path(i)
-                     or where.endswith("/" + files.path(i)))]  # fmt: skip
+            by_path = {files.path(i): i for i in left}
+            named = [by_path[rel] for rel in named_by(exc, list(by_path))]
             for i in named or left:
                 self._failed[i] = exc
             for i in left:
@@ -308,157 +361,15 @@ class Schedule:
         with self.cond:
             self._stream[0] = fed
 
-    # --- the readers' side (the channel's threads) -------------------------------------
 
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """A reader's request: ``want`` (``paths``: wait until each is whole here),
-        ``wait`` (until the stage ends), ``progress``, ``list`` (the source's files,
-        once listed)."""
-        op = msg.get("op")
-        if op == "want":
-            return {"results": self.want([str(p) for p in msg["paths"]]),
-                    **self._final()}  # fmt: skip
-        if op == "wait":
-            with self.cond:
-                while self.state not in ("done", "failed"):
-                    self.cond.wait()
-            return self._final()
-        if op == "progress":
-            return {"progress": self.progress(), **self._final()}
-        if op == "list":
-            with self.cond:
-                while self.state == "starting":
-                    self.cond.wait()
-                files = self._files
-                if self._members is not None:
-                    while self.state == "copying":  # an archive's members: known at its end
-                        self.cond.wait()
-                if self.state == "copying" and files is not None:
-                    paths = list(map(os.fsdecode, files.path_bytes()))
-                    return {"files": paths if files.is_sorted() else sorted(paths),
-                            **self._final()}  # fmt: skip
-            return self._final()
-        raise ValueError(f"unknown request {op!r}")
-
-    def _final(self) -> dict[str, Any]:
-        with self.cond:
-            if self.state == "done":
-                r = self.result
-                assert r is not None
-                return {"state": "done", "result": {
-                    "files": r.files, "bytes": r.bytes, "seconds": r.seconds,
-                    "engine": r.engine, "skipped": r.skipped,
-                    "copied_files": r.copied_files, "copied_bytes": r.copied_bytes}}  # fmt: skip
-            if self.state == "failed":
-                assert self.error is not None
-                return {"state": "failed", "error": encode_error(self.error)}
-            return {"state": self.state}
-
-    def progress(self) -> dict[str, Any]:
-        with self.cond:
-            out: dict[str, Any] = {"state": self.state}
-            if self._members is not None:  # an archive: files known as they come
-                out.update(files_done=len(self._members), bytes_done=self._stream[0],
-                           bytes_total=self._stream[1] or None)  # fmt: skip
-            if self._files is not None and self._done is not None:
-                out.update(files_done=len(self._done), files_total=len(self._files),
-                           bytes_done=self._done.total_bytes,
-                           bytes_total=self._files.total_bytes)  # fmt: skip
-            if self.result is not None:
-                r = self.result
-                out.update(files_done=r.files, files_total=r.files, bytes_done=r.bytes,
-                           bytes_total=r.bytes)  # fmt: skip
-            return out
-
-    def _row(self, rel: str) -> int | None:
-        """``rel``'s row in the listing: a binary search of a sorted one (a walk's, a
-        prefix's), else a dictionary made at the first request."""
-        files = self._files
-        assert files is not None
-        if files.is_sorted():
-            key, paths, ends = os.fsencode(rel), files.paths, files.offsets
-            lo, hi = 0, len(files)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if bytes(paths[ends[mid] : ends[mid + 1]]) < key:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            found = lo < len(files) and bytes(paths[ends[lo] : ends[lo + 1]]) == key
-            return lo if found else None
-        if self._rows is None:
-            self._rows = {files.path(i): i for i in range(len(files))}
-        return self._rows.get(rel)
-
-    def want(self, paths: list[str]) -> list[dict[str, Any]]:
-        """Each path's answer once it is whole here (``{"ok": True}``), not in the
-        source (FileNotFoundError) or failed (its error); a read waits here."""
-        t0 = time.monotonic()
-        out: list[dict[str, Any] | None] = [None] * len(paths)
-        rels: list[str | None] = []
-        for k, p in enumerate(paths):
-            try:
-                rels.append(inside(p))
-            except OSError as e:
-                rels.append(None)
-                out[k] = {"error": encode_error(e)}
-        waited = False
-        asked: set[int] = set()  # the rows asked for (once each)
-        with self.cond:
-            while True:
-                pending, before = False, len(asked)
-                for k, rel in enumerate(rels):
-                    if out[k] is not None or rel is None:
-                        continue
-                    got = self._answer(rel, asked)
-                    if got is None:
-                        pending = True
-                    else:
-                        out[k] = got
-                if len(asked) > before:
-                    self.cond.notify_all()  # the readers' thread: rows were asked for
-                if not pending:
-                    break
-                waited = True
-                self.cond.wait()
-        answers = [a for a in out if a is not None]
-        if waited:
-            for a in answers:
-                a["waited"] = time.monotonic() - t0
-        return answers
-
-    def _answer(self, rel: str, asked: set[int]) -> dict[str, Any] | None:
-        """(Under the lock.) ``rel``'s answer now, or None: not yet (its row, not in
-        ``asked`` yet, is put ahead of the plan and added there)."""
-        if self.state == "failed":
-            assert self.error is not None
-            return {"error": encode_error(self.error)}
-        if self.state == "done":
-            if os.path.lexists(self.dst / rel):
-                return {"ok": True}
-            return {"error": encode_error(_missing(self.dst, rel))}
-        if self.state == "starting":
-            return None
-        if self._members is not None:  # an archive: in its order, nothing to ask for
-            return {"ok": True} if rel in self._members else None
-        row = self._row(rel)
-        if row is None:
-            if rel in self._others:
-                return None  # a folder or link: in place at the stage's end
-            return {"error": encode_error(_missing(self.dst, rel))}
-        assert self._done is not None
-        if self._done.is_done(row):
-            return {"ok": True}
-        exc = self._failed.pop(row, None)
-        if exc is not None:
-            return {"error": encode_error(exc)}
-        if row not in asked:
-            asked.add(row)
-            if not self._claimed[row]:
-                self._asked.append(row)
-        return None
-
-
-def _missing(dst: Path, rel: str) -> FileNotFoundError:
-    return FileNotFoundError(errno.ENOENT, f"'{rel}' is not in the staged tree '{dst}'",
-                             str(dst / rel))  # fmt: skip
+def _spread(todo: array[int], chunk: int) -> array[int]:
+    """``todo`` in the order the chunks take it: each run of ``chunk`` rows spread over
+    the whole listing (every (n / chunk)-th row), not a run of neighbours. Neighbours
+    share a folder, and a file system may look names up one at a time in a folder (FUSE
+    without parallel lookups; a directory's lock on a server): a chunk's files in one
+    folder would take turns, and so would a reader's file in that folder."""
+    stride = -(-len(todo) // chunk) if todo else 1
+    out = array("q")
+    for r in range(stride):
+        out.extend(todo[r::stride])
+    return out

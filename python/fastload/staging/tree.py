@@ -26,7 +26,7 @@ from ..errors import ChecksumMismatchError, stage_error
 from .columns import Entry, FileTable, Listing, Record
 from .destination import Destination, Manifest
 from .done import Done
-from .engine import LatencyProbe, network_fs
+from .engine import LatencyProbe, network_fs, resolve_engine
 from .job import (
     DIR,
     FILE,
@@ -238,6 +238,10 @@ class LocalTree:
         }  # fmt: skip
         self._probe: LatencyProbe | None = None
         self._latency: tuple[float | None] | None = None  # (seconds,) once measured
+        # Copy jobs' options by (engine, workers, stripe), the engine's rule applied once:
+        # a stage in the background runs a job per few files (each look at the source's
+        # file system is a round trip on a network one).
+        self._copy_options: dict[tuple[str, int | None, int], _core.CopyOptions] = {}
 
     def _measure(self, req: StageRequest) -> None:
         """Starts measuring the source's request latency (engine.LatencyProbe), once,
@@ -375,7 +379,7 @@ class LocalTree:
                 mode,
                 mtime,
             ),
-            copy_options(req.engine, req.workers, req.stripe, root, self.latency(req)),
+            self.copy_options(req, root),
         )
         job.start()
         run_job(
@@ -391,6 +395,18 @@ class LocalTree:
         dest.add_time("writing", job.write_seconds)
         dest.add_time("metadata", job.meta_seconds)
         return str(job.engine), copied[0], copied[1]
+
+    def copy_options(self, req: StageRequest, root: Path) -> _core.CopyOptions:
+        """A copy job's options for ``req`` (see job.copy_options), made once per stage."""
+        key = (req.engine, req.workers, req.stripe)
+        got = self._copy_options.get(key)
+        if got is None:
+            engine = resolve_engine(req.engine, root)
+            # (given workers, the latency is not the rule's: not waited for)
+            latency = None if req.workers else self.latency(req)
+            got = copy_options(engine, req.workers, req.stripe, root, latency)
+            self._copy_options[key] = got
+        return got
 
     def finish(self, plan: TreePlan, dest: Destination) -> None:
         """Symlinks, then directory modes and times, deepest first (so setting a

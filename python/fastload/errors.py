@@ -9,6 +9,7 @@ once, at the boundary, by :func:`from_native`, keeping errno, operation and path
 from __future__ import annotations
 
 import errno as _errno
+import sys
 from typing import Any
 
 __all__ = [
@@ -38,12 +39,18 @@ class StageError(OSError, FastloadError):
         return super().__str__()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled by the class this module names (the one stage_error() combines with a
-        # built-in is made at run time), so that an error raised in a DataLoader worker
-        # or a pool process reaches the caller as itself.
-        base = next(c for c in type(self).__mro__
-                    if globals().get(c.__name__) is c and c not in _combined.values())
+        # Pickled by its class's name (not the one stage_error() combines with a
+        # built-in, made at run time), so that an error raised in a DataLoader worker, a
+        # pool process or a stager serving readers reaches the caller as itself: one of
+        # this module's, or of the module that raises it (ZipFormatError, FanoutError).
+        base = next(c for c in type(self).__mro__ if _named(c) and c not in _combined.values())
         return (_rebuilt, (base, self.errno, str(self), self.filename), self.__dict__ or None)
+
+
+def _named(cls: type) -> bool:
+    """Whether ``cls`` is a StageError found again by its module and name (unpickled)."""
+    module = sys.modules.get(cls.__module__)
+    return issubclass(cls, StageError) and getattr(module, cls.__qualname__, None) is cls
 
 
 class NotEnoughSpaceError(StageError):

@@ -22,6 +22,8 @@ import weakref
 from pathlib import Path
 from typing import Protocol
 
+from .._util import pid_alive
+
 __all__ = ["Idle", "busy", "forget", "holders", "idle", "readers_waiting", "record"]
 
 #: How often the give-back thread looks for a waiting reader while pins are idle.
@@ -61,16 +63,6 @@ def forget(root: Path, token: int) -> None:
             _write(root, pins)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def holders(root: Path) -> list[tuple[int, str, str]]:
     """The pins the live processes record under ``root``: (pid, entry name, label)."""
     out = []
@@ -80,7 +72,7 @@ def holders(root: Path) -> list[tuple[int, str, str]]:
             if not name.isdigit():
                 continue
             pid = int(name)
-            if not _alive(pid):
+            if not pid_alive(pid):
                 with contextlib.suppress(OSError):
                     os.unlink(folder / name)
                 continue

@@ -85,13 +85,22 @@ class RemoteReader:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def get(self) -> ShardIndex:
-        """The index in this process (opened on first use in a process)."""
+    def _here(self) -> threading.Lock:
+        """This reader's lock in this process: in a process forked since (a DataLoader
+        worker) its state is made again first, so that the lock a read holds is the one
+        the give-back thread tries (a lock replaced under a read let that thread give the
+        read's pin back: its shard was evicted mid-read, FileNotFoundError)."""
         if self._pid != os.getpid():
             # The parent's pin stays the parent's (cache.store leaves its lock there).
             self._index, self._held, self.opens = None, None, 0
             self._pid = os.getpid()
             self._lock = threading.Lock()
+        assert self._lock is not None
+        return self._lock
+
+    def get(self) -> ShardIndex:
+        """The index in this process (opened on first use in a process)."""
+        self._here()
         if self._index is None:
             self._index = ShardIndex.open(self.path, check=False)
             self.opens += 1
@@ -121,7 +130,7 @@ class RemoteReader:
     def release(self) -> None:
         """Lets go of the shard held."""
         if self._lock is not None:
-            with self._lock:
+            with self._here():
                 self._let_go()
 
     def give_back(self) -> None:
@@ -163,7 +172,7 @@ class RemoteReader:
         if not len(ids):
             return []
         arr = np.asarray(ids, dtype=np.int64)
-        with self._lock:
+        with self._here():
             index = self.get()
             n = len(index)
             bad = np.flatnonzero((arr < -n) | (arr >= n))
@@ -195,7 +204,7 @@ class RemoteReader:
         """``fetch(index, ids)`` with the one shard the ids fall in pinned; None when
         they span several shards."""
         arr = np.asarray(ids, dtype=np.int64)
-        with self._lock:
+        with self._here():
             shards = self.shard_of(arr)
             if not len(arr) or not (shards == shards[0]).all():
                 return None

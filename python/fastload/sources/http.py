@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from .._util import version
 from ..errors import stage_error
@@ -51,12 +52,18 @@ def open_http(url: str) -> Iterator[tuple[Reader, int | None]]:
                     size = headers.get("Content-Length")
             yield f, int(size) if size else None
         return
+    with _urlopen(url, {"User-Agent": f"fastload/{version()}"}) as resp:
+        yield resp, resp.length
+
+
+def _urlopen(url: str, headers: dict[str, str]) -> Any:
+    """urllib's response to a GET of ``url``; a missing file as FileNotFoundError, any
+    other failure as :func:`net_error` says it."""
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, headers={"User-Agent": f"fastload/{version()}"})
     try:
-        resp = urllib.request.urlopen(request, timeout=60)
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
     except urllib.error.HTTPError as e:
         e.close()
         if e.code in (404, 410):
@@ -66,8 +73,6 @@ def open_http(url: str) -> Iterator[tuple[Reader, int | None]]:
         raise net_error(url, e) from None
     except (urllib.error.URLError, OSError) as e:
         raise net_error(url, e) from None
-    with resp:
-        yield resp, resp.length
 
 
 def validator(reader: object) -> str | None:
@@ -92,26 +97,12 @@ def open_http_from(
     """The body from byte ``start`` on, if the content is still ``content_version`` (``Range``
     with ``If-Range``): ``(stream, total size, start)``; a server that ignores the range
     or whose content changed sends it all, and the start is then 0."""
-    import urllib.error
-    import urllib.request
-
     headers = {
         "User-Agent": f"fastload/{version()}",
         "Range": f"bytes={start}-",
         "If-Range": content_version,
     }
-    try:
-        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
-    except urllib.error.HTTPError as e:
-        e.close()
-        if e.code in (404, 410):
-            raise stage_error(
-                errno.ENOENT, f"'{url}' was not found (HTTP {e.code})", url
-            ) from None
-        raise net_error(url, e) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise net_error(url, e) from None
-    with resp:
+    with _urlopen(url, headers) as resp:
         if resp.status == 206:
             total = resp.headers.get("Content-Range", "").rpartition("/")[2]
             yield resp, int(total) if total.isdigit() else None, start

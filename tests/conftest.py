@@ -192,6 +192,16 @@ def totals() -> Callable[[Path], tuple[int, int]]:
     return tree_totals
 
 
+@pytest.fixture
+def netsim(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``mount(src, meta_us, read_us) -> kit.netsim.Mount``: a latency mount of ``src``
+    (tests/kit/netsim.py), unmounted at the end of the test."""
+    from kit.netsim import mounts
+
+    with mounts(tmp_path) as mount:
+        yield mount
+
+
 # --------------------------------------------------------------------------------------
 # Small file systems, other users
 # --------------------------------------------------------------------------------------

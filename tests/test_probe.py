@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -19,7 +18,7 @@ import pytest
 import fastload
 from fastload.cli import main
 from fastload.probing import IN_FLIGHT_STEPS, SCHEMA_VERSION
-from kit.netsim import Mount, mounts
+from kit.netsim import Mount
 from kit.tools import missing, require_module
 
 SECONDS = 2.0
@@ -63,13 +62,6 @@ def make_tree(root: Path, files: int = 48, size: int = 256 << 10) -> Path:
         (root / f"d{i % 4}").mkdir(exist_ok=True)
         (root / f"d{i % 4}" / f"f{i:03d}.bin").write_bytes(os.urandom(size))
     return root
-
-
-@pytest.fixture
-def netsim(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    """``mount(src, meta_us, read_us) -> Mount``; unmounted at the end of the test."""
-    with mounts(tmp_path) as mount:
-        yield mount
 
 
 def test_probe_netsim(tmp_path: Path, netsim: Callable[..., Mount]) -> None:

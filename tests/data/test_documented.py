@@ -121,12 +121,7 @@ def test_samples_per_s_against_the_tests_own_clock(big: Path) -> None:
     assert n / (t1 - t0) <= s["data/samples_per_s"] <= n / (last - first)
 
 
-@pytest.mark.parametrize("workers", [
-    0,
-    pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 51 finding: monitor() wraps the loader's collate_fn and worker_init_fn in "
-        "place, so workers started by iterating the loader itself still report"))),
-])  # fmt: skip
+@pytest.mark.parametrize("workers", [0, 2])
 def test_iterating_the_loader_directly_measures_nothing(big: Path, workers: int) -> None:
     """"Off (the loader iterated directly), nothing is measured": an epoch of the loader
     itself, with a monitor made for it, leaves every counter at 0; the same epoch
@@ -141,6 +136,20 @@ def test_iterating_the_loader_directly_measures_nothing(big: Path, workers: int)
     s = m.stats()
     assert (s["data/samples"], s["workers/bytes"]) == (48, 48 * MiB)
 
+
+
+def test_persistent_workers_record_only_through_the_monitor(big: Path) -> None:
+    """Workers kept between epochs (``persistent_workers``) start on an epoch of the loader
+    itself: they record nothing then, and exactly the next epoch, read through the
+    monitor (its cache and byte counts start there), and nothing of a third, direct one."""
+    loader = DataLoader(fastload.ShardIndexDataset(big), batch_size=8, num_workers=2,
+                        collate_fn=keep, persistent_workers=True)  # fmt: skip
+    m = fastload.monitor(loader)
+    assert sum(len(b) for b in loader) == 48
+    assert sum(len(b) for b in m) == 48
+    assert sum(len(b) for b in loader) == 48
+    s = m.stats()
+    assert (s["data/samples"], s["workers/samples"], s["workers/bytes"]) == (48, 48, 48 * MiB)
 
 # --- Mix.stats() over ranks ---------------------------------------------------------------
 

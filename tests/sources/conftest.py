@@ -1,6 +1,6 @@
 """The object store tests' fixtures (``s3``, ``proxy``, ``bucket``) are in tests/conftest.py,
 shared with tests/cache/; the server and the proxy are in s3server.py here. ``server``: a
-web server on loopback (httpserver.py) serving a folder of the test's."""
+web server on loopback (kit/web.py) serving a folder of the test's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from httpserver import WebServer, serving
+
+from kit.web import WebServer, serving
 
 
 @pytest.fixture

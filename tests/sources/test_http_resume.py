@@ -7,15 +7,15 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from httpserver import WebServer as _Server
 
 import fastload
 from kit.tools import require_module
+from kit.web import WebServer
 
 
 @pytest.mark.parametrize("backend", ["urllib", "fsspec"])
 def test_cut_download_resumes_from_where_it_stopped(
-    server: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+    server: WebServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
     if backend == "fsspec":
         require_module("fsspec")
@@ -33,7 +33,7 @@ def test_cut_download_resumes_from_where_it_stopped(
     assert got.read_bytes() == data
     # The second GET asks only for what the first did not write (a stream may lose what
     # it had buffered when the connection broke).
-    first, second = server.ranges
+    first, second = server.range_headers
     assert first is None and second is not None
     offset = int(second.removeprefix("bytes=").rstrip("-"))
     assert 0 < offset <= 3_000_000
@@ -41,7 +41,7 @@ def test_cut_download_resumes_from_where_it_stopped(
 
 
 def test_changed_file_is_fetched_whole(
-    server: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: WebServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FASTLOAD_HTTP", "urllib")
     (server.root / "blob.bin").write_bytes(b"a" * 2_000_000)
@@ -54,4 +54,4 @@ def test_changed_file_is_fetched_whole(
     got = fastload.resolve(sources=[server.url("blob.bin")], cache=tmp_path / "cache",
                            destination=tmp_path / "out")  # fmt: skip
     assert got.read_bytes() == new  # If-Range did not match: the whole new file
-    assert server.ranges[-1] == "bytes=500000-"
+    assert server.range_headers[-1] == "bytes=500000-"

@@ -13,10 +13,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from httpserver import WebServer
 from s3server import tree_of
 
 import fastload
+from kit.web import WebServer
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -61,7 +61,7 @@ def test_stage_of_a_file_url_resumes_after_a_cut(
         fastload.stage(server.url("blob.bin"), out, checksum=want)
     r = fastload.stage(server.url("blob.bin"), out, checksum=want)
     assert (out / "blob.bin").read_bytes() == data and r.files == 1
-    first, second = server.ranges
+    first, second = server.range_headers
     assert first is None and second is not None and second != "bytes=0-"
     with pytest.raises(OSError, match="checksum mismatch"):
         fastload.stage(server.url("blob.bin"), tmp_path / "other", checksum="sha256:" + "0" * 64)
@@ -80,10 +80,13 @@ def test_a_changed_file_is_fetched_whole(
     (server.root / "x.tar").write_bytes(_tar(new))
     fastload.stage(server.url("x.tar"), tmp_path / "out")
     assert tree_of(tmp_path / "out") == new  # If-Range did not match: the whole new file
-    assert server.ranges[-1] == "bytes=20000-"
+    assert server.range_headers[-1] == "bytes=20000-"
 
 
-def test_a_missing_url_is_named_as_given(server: WebServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["urllib", "fsspec"])
+def test_a_missing_url_is_named_as_given(server: WebServer, tmp_path: Path, backend: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTLOAD_HTTP", backend)
     url = server.url("nope/x.tar")
     r = _cli("stage", "--no-progress", url, str(tmp_path / "out"))
     assert r.returncode == 1

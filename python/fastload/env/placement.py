@@ -266,16 +266,19 @@ def _measure_store(
 
 def _is_zip(source: str, unpack: Any) -> bool:
     """Whether stage() extracts ``source`` as a zip: a URL by its name, a local file by
-    its name or its first bytes (as stage() tells)."""
+    its name or its first bytes unless its content is a tar's (as stage() tells: a tar
+    named ``.zip`` is extracted as a tar)."""
     if unpack is False:
         return False
     if "://" in source:
         from ..staging.zipopen import is_zip_url
 
         return is_zip_url(source)
+    from ..staging import archive_compression
     from ..staging.zipformat import is_zip_file
 
-    return os.path.isfile(source) and is_zip_file(source)
+    return (os.path.isfile(source) and archive_compression(Path(source)) is None
+            and is_zip_file(source))  # fmt: skip
 
 
 def _zip_size(source: str, spool: Path, include: Patterns, unpack: Any,

@@ -94,3 +94,35 @@ def test_zip_object_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path
         zips.assert_same_extraction(archive, ref, d)
     proxy.reset_counts()
     assert fastload.stage(f"s3://{bucket}/data.zip", dsts[2]).skipped
+
+
+def test_a_prefix_of_zips_nested_three_nodes(s3: Any, bucket: str, proxy: Any,
+                                             tmp_path: Path) -> None:  # fmt: skip
+    """unpack="nested" over a prefix holding zips, fanned out over three nodes: node 0
+    lists the prefix once (its zips taken out of that listing, not listed again), the
+    store serves the objects about once, and every node holds the files and each zip
+    extracted into the folder of its name."""
+    from kit import zips
+
+    tree = tmp_path / "tree"
+    build_small_files(tree / "small", 120, per_dir=40)
+    inner = tmp_path / "inner"
+    build_small_files(inner, 150, per_dir=50)
+    (tree / "scans").mkdir()
+    zips.infozip(inner, (tree / "scans" / "a.zip").resolve())
+    zips.py_zip(inner, tree / "scans" / "b.zip")
+    for p in sorted(tree.rglob("*")):
+        if p.is_file():
+            upload_file(s3, bucket, f"nz/{p.relative_to(tree)}", p)
+    total = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+    proxy.reset_counts()
+    dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
+    got = results(start_nodes(f"s3://{bucket}/nz/", dsts, args=("--nested",)))
+    assert proxy.requests["LIST"] == 1, proxy.requests
+    assert proxy.bytes_out <= 1.1 * total + (1 << 20), (proxy.bytes_out, total)
+    assert all(r["nodes"] == 3 and r["files"] == 120 + 2 * 150 for r in got), got
+    for d in dsts:
+        assert not list(d.rglob("*.zip"))
+        assert_same_tree(tree / "small", d / "small", mtimes=False)
+        for name in ("a", "b"):
+            assert_same_tree(inner, d / "scans" / name, mtimes=False)

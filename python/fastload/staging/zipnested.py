@@ -90,9 +90,14 @@ class NestedZips:
         self.spooled: list[str] = []  # a tar's zips staged by this run
         self.prefix_zips: list[str] | None = None  # an object prefix's, taken out of it
         if getattr(outer, "store", None) is not None and outer.listed:  # listed already
-            keys = [outer.objects.key_str(i) for i in range(len(outer.objects))]
-            self.prefix_zips = sorted(k for k in keys if is_zip_name(k))
-            outer.objects = outer.objects.select(bytes(not is_zip_name(k) for k in keys))
+            outer.objects = self.take_zips(outer.objects)
+
+    def take_zips(self, objects: Any) -> Any:
+        """An object prefix's listing without its zips, which become :attr:`prefix_zips`
+        (staged into their folders): the prefix listed once for both."""
+        keys = [objects.key_str(i) for i in range(len(objects))]
+        self.prefix_zips = sorted(k for k in keys if is_zip_name(k))
+        return objects.select(bytes(not is_zip_name(k) for k in keys))
 
     def run(self, req: StageRequest, dest: Destination, listing: Any = None) -> StageResult:
         t0 = time.monotonic()
@@ -116,7 +121,7 @@ class NestedZips:
         if isinstance(self.outer, ZipSource):
             self.outer.skip_inner = True
             return self.outer
-        return _TreeWithoutZips(self.outer)
+        return _TreeWithoutZips(self.outer, self)
 
     def run_inner(self, req: StageRequest, dest: Destination, result: StageResult,
                   t0: float, x: Any = None) -> StageResult:  # fmt: skip
@@ -324,16 +329,22 @@ def _store_zip(outer: Any, rel: str, req: StageRequest) -> ZipData:
 
 
 class _TreeWithoutZips:
-    """A tree as fan-out lists and plans it under unpack="nested": its zips left out."""
+    """A tree (or an object prefix) as fan-out lists and plans it under
+    unpack="nested": its zips left out (a prefix's kept by ``nested``, from the same
+    listing)."""
 
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
+    def __init__(self, tree: Any, nested: NestedZips) -> None:
+        self.tree, self.nested = tree, nested
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.tree, attr)
 
     def listing(self, req: StageRequest) -> Any:
-        return self.tree.listing(nested_tree_request(req))
+        if getattr(self.tree, "store", None) is None:
+            return self.tree.listing(nested_tree_request(req))
+        objects, dirs = self.tree.listing(req)  # (node 0's, in a fan-out)
+        self.tree.objects = self.nested.take_zips(objects)
+        return self.tree.objects, dirs
 
     def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> Any:
         return self.tree.plan(nested_tree_request(req), dest, listing)

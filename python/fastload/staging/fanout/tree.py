@@ -68,7 +68,9 @@ def _read_source(
 ) -> None:
     """``view`` from the source's file ``f`` of ``plan`` at ``off``: positional reads of a
     local file, or ranged GETs (If-Match the listed ETag, several in flight for a big
-    unit) of an object."""
+    unit) of an object. (``source`` may be unpack="nested"'s tree without its zips:
+    zipnested.py's wrapper, ``tree`` the source it wraps.)"""
+    source = getattr(source, "tree", source)
     if not isinstance(source, ObjectPrefix):
         e = plan.files[f]
         _read_file(source.source_path(e), e, off, view, pool)

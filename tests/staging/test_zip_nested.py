@@ -71,6 +71,24 @@ def test_a_tree_of_zips(tmp_path: Path) -> None:
     assert (tmp_path / "plain/scans/scene0000_00/scene0000_00_2d-label.zip").is_file()
 
 
+def test_a_zip_named_in_capitals_is_extracted_not_also_copied(tmp_path: Path) -> None:
+    """``SCAN.ZIP`` and ``b.Zip`` are zips as ``scan.zip`` is (their names are told
+    without case): each extracted into its folder, neither also copied as a file (the
+    tree's listing left out only ``*.zip``: both landed, and the file count said 4)."""
+    src = tmp_path / "src"
+    (src / "s").mkdir(parents=True)
+    with zipfile.ZipFile(src / "s" / "SCAN.ZIP", "w") as zf:
+        zf.writestr("x.txt", b"upper")
+    with zipfile.ZipFile(src / "s" / "b.Zip", "w") as zf:
+        zf.writestr("y.txt", b"mixed")
+    (src / "a.txt").write_bytes(b"plain")
+    res = fastload.stage(src, tmp_path / "dst", unpack="nested")
+    assert staged(tmp_path / "dst") == {"a.txt": b"plain", "s/SCAN/x.txt": b"upper",
+                                        "s/b/y.txt": b"mixed"}  # fmt: skip
+    assert res.files == 3
+    assert fastload.stage(src, tmp_path / "dst", unpack="nested").skipped
+
+
 @pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
 def test_a_zip_of_zips(method: int, tmp_path: Path) -> None:
     want = _scene_zips(tmp_path / "src", scenes=2)

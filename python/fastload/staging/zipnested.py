@@ -3,7 +3,7 @@
 with each inner archive extracted into a folder of its name without its suffix
 (:class:`NestedZips`).
 
-The outer source is staged as usual, its zips left out (``*.zip`` excluded from a tree;
+The outer source is staged as usual, its zips left out (``*.zip``, any case, excluded from a tree;
 a zip's zip and tar members left out of its listing; a tar's zips extracted as files,
 its tars by the native extractor); then each inner archive is staged as a source of its
 own into its folder, with its own destination state beside that folder
@@ -36,7 +36,7 @@ from .zipformat import Member, ZipLimits, data_span, is_zip_name, zip_error
 from .zipio import Decoder, LocalZip, ZipData
 from .zipsource import ZipSource
 
-INNER_GLOB = "*.zip"
+INNER_GLOB = "*.[zZ][iI][pP]"  # is_zip_name(): the suffix without case
 _STRIPPED = (".zip", *sorted(SUFFIXES, key=len, reverse=True))
 
 

@@ -5,12 +5,14 @@ space states a size.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from kit.tools import missing
@@ -79,6 +81,34 @@ def cached(path: Path, offset: int = 0, length: int | None = None) -> int:
     try:
         size = os.fstat(fd).st_size
         return _core.cached_bytes(fd, offset, size - offset if length is None else length)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def resident(path: Path) -> Iterator[None]:
+    """``path``'s pages read into the page cache and held there meanwhile (mapped and
+    locked with mlock): a test that needs an archive cached is not undone by memory
+    pressure from what runs beside it (the sanitized pass beside the benchmarks)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {path}: {os.strerror(err)}")
+        try:
+            if libc.mlock(addr, size) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mlock of {path}: {os.strerror(err)}")
+            yield
+        finally:
+            libc.munmap(addr, size)
     finally:
         os.close(fd)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import re
@@ -45,11 +46,15 @@ def make_world_readable(root: Path) -> None:
 _MS_REMOUNT = 32
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def remount_tmpfs_size(path: Path, size: int) -> int:
     """Changes a tmpfs's size limit in place. Returns 0 or an errno (EINVAL when the new
     limit is below what the tmpfs already holds)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    rc = libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_REMOUNT,
+    rc = _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_REMOUNT,
                     f"size={size}".encode())
     return 0 if rc == 0 else ctypes.get_errno()
 
@@ -90,7 +95,7 @@ def resident(path: Path) -> Iterator[None]:
     """``path``'s pages read into the page cache and held there meanwhile (mapped and
     locked with mlock): a test that needs an archive cached is not undone by memory
     pressure from what runs beside it (the sanitized pass beside the benchmarks)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = _libc()
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]  # fmt: skip

@@ -19,6 +19,14 @@ from kit.trees import assert_same_tree, build_small_files, write_patterned
 require_module("torch.distributed")
 
 
+def _upload_tree(s3: Any, bucket: str, tree: Path, prefix: str) -> int:
+    """Each file of ``tree`` put under ``prefix/`` in ``bucket``; returns their bytes."""
+    files = [p for p in sorted(tree.rglob("*")) if p.is_file()]
+    for p in files:
+        upload_file(s3, bucket, f"{prefix}/{p.relative_to(tree)}", p)
+    return sum(p.stat().st_size for p in files)
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_archive_object_three_nodes(
     s3: Any, bucket: str, proxy: Any, tmp_path: Path, gz: bool
@@ -54,10 +62,7 @@ def test_prefix_three_nodes(s3: Any, bucket: str, proxy: Any, tmp_path: Path) ->
     build_small_files(tree / "small", 200, per_dir=50)
     (tree / "big").mkdir()
     write_patterned(tree / "big" / "w.bin", 24 << 20, seed=4)
-    for p in sorted(tree.rglob("*")):
-        if p.is_file():
-            upload_file(s3, bucket, f"ds/{p.relative_to(tree)}", p)
-    total = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+    total = _upload_tree(s3, bucket, tree, "ds")
     proxy.reset_counts()
     dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
     got = results(start_nodes(f"s3://{bucket}/ds/", dsts))
@@ -111,10 +116,7 @@ def test_a_prefix_of_zips_nested_three_nodes(s3: Any, bucket: str, proxy: Any,
     (tree / "scans").mkdir()
     zips.infozip(inner, (tree / "scans" / "a.zip").resolve())
     zips.py_zip(inner, tree / "scans" / "b.zip")
-    for p in sorted(tree.rglob("*")):
-        if p.is_file():
-            upload_file(s3, bucket, f"nz/{p.relative_to(tree)}", p)
-    total = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+    total = _upload_tree(s3, bucket, tree, "nz")
     proxy.reset_counts()
     dsts = [tmp_path / f"node{k}" / "data" for k in range(3)]
     got = results(start_nodes(f"s3://{bucket}/nz/", dsts, args=("--nested",)))

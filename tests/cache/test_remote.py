@@ -230,6 +230,40 @@ def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str], tmp_
     assert sorted(epoch) == sorted(e.name for e in entries), (before, events)
 
 
+def test_an_epoch_ends_with_its_downloads_logged(shards: tuple[list[Path], str],
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch thread puts its shard in place, then logs and counts the download: the
+    reader may read the shard in between. The epoch ends only once its threads have
+    ended (CI once read the log a moment too early: shard 6's line came after)."""
+    _, url = shards
+    cache_dir = tmp_path / "c"
+    ds = emptied(url, cache_dir, shuffle=False, batch_size=2, prefetch=2)
+    before = len(ShardCache(cache_dir).events())
+    log = ShardCache._log
+    looked = threading.Event()
+    last = ds._remote.shards.entries[-1].name  # fetched ahead while shard 5 is read
+
+    def late_log(self: Any, op: str, name: str, size: int) -> None:
+        if name == last and threading.current_thread().name.startswith("fastload-prefetch"):
+            looked.wait(3)  # until the test has looked (or 3 s: the epoch's end waits)
+        log(self, op, name, size)
+
+    monkeypatch.setattr(ShardCache, "_log", late_log)
+    running = set(threading.enumerate())
+    try:
+        samples = sum(len(b) for b in ds)
+        events = ShardCache(cache_dir).events()[before:]
+        left = [t.name for t in threading.enumerate()
+                if t not in running and t.name.startswith("fastload-prefetch")]  # fmt: skip
+    finally:
+        looked.set()
+    assert samples == sum(SIZES)
+    epoch = [n for _, op, n, _ in events if op == "download"]
+    assert sorted(epoch) == sorted(e.name for e in ds._remote.shards.entries), events
+    assert not left
+
+
 def test_prefetch_window_downloads_at_once(shards: tuple[list[Path], str], tmp_path: Path,
                                            proxy: Any) -> None:
     """The shard read and the ``prefetch`` after it download together (the first batch

@@ -54,10 +54,19 @@ class Prefetcher:
                 self._full = False
                 self._cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, *, settle: bool = False) -> None:
+        """Ends the threads; with ``settle`` (the reader got to the end of its order:
+        the shards it read are in place, a thread at most finishes a download's
+        bookkeeping, its log line and counters, or one the reader did not need), returns
+        once they have ended, so that an epoch ends with its downloads logged and
+        counted and no thread of it left downloading."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if settle:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
 
     def _next(self) -> int | None:
         """The first shard of the window that no thread has, or None (with the lock)."""

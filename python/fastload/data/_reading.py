@@ -117,6 +117,7 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
     read = _probe.timed(_probe.READ, read)
     transform = _probe.timed(_probe.TRANSFORM, transform)
 
+    whole = False  # every shard of the order read (not closed early, no error)
     try:
         if ds.batch_size is None:
             yield from samples_of(run, chunks, read, transform)
@@ -137,6 +138,7 @@ def remote_epoch(ds: ShardIterableDataset, run: _Run, remote: RemoteReader,
                 yield batch_of(run, ids, read, transform, collate)
         else:
             yield from ds._sized_batches(run, chunks, read)
+        whole = True
     finally:
-        ahead.stop()
+        ahead.stop(settle=whole)
         remote.release()

@@ -408,9 +408,11 @@ class Mix(ShardIterableDataset):
         transform = _probe.timed(_probe.TRANSFORM, self.transform)
         collate = _probe.timed(_probe.COLLATE, self.collate_fn)
         self._ahead = self._prefetchers(run, plan)
+        whole = False  # every shard of the plan read (not closed early, no error)
         try:
             if self.batching == "per_stream":
                 yield from self._per_stream(run, plan, read)
+                whole = True
                 return
             unit = self._unit
             chunks = rechunk(plan.take(run.positions, 1 << 12), unit if unit > 1 else CHUNK)
@@ -421,9 +423,10 @@ class Mix(ShardIterableDataset):
                     yield batch_of(run, ids, read, transform, collate)
             else:
                 yield from self._sized_batches(run, chunks, read)
+            whole = True
         finally:
             for ahead in self._ahead.values():
-                ahead.stop()
+                ahead.stop(settle=whole)
             self._ahead = {}
             for p in self._parts:
                 if p.remote is not None:

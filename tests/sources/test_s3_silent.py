@@ -80,3 +80,29 @@ def test_the_limit_is_checked(silent: tuple[str, list[socket.socket]], tmp_path:
         env=_env(endpoint, FASTLOAD_STORE_TIMEOUT="soon"),
     )  # fmt: skip
     assert r.returncode == 1 and "FASTLOAD_STORE_TIMEOUT" in r.stderr and "'soon'" in r.stderr
+
+
+def test_a_silent_metadata_service_is_named_not_the_store(
+    silent: tuple[str, list[socket.socket]], tmp_path: Path
+) -> None:
+    """No keys set: the first request asks the instance metadata service for credentials
+    before the store. A metadata service that never answers is what the line names, not
+    the store (here one that refuses every connection and was never asked)."""
+    metadata, held = silent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull,
+               AWS_METADATA_ENDPOINT=metadata, FASTLOAD_STORE_TIMEOUT="5")  # fmt: skip
+    store = "http://127.0.0.1:9"
+    r = subprocess.run(
+        [sys.executable, "-m", "fastload", "stage", "--no-progress", "s3://bkt/prefix/",
+         str(tmp_path / "out"), "--endpoint-url", store],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    *before, last = r.stderr.strip().splitlines()
+    assert any(f"the instance metadata service ({metadata}), asked for credentials" in line
+               and store in line for line in before), r.stderr  # fmt: skip
+    assert f"{store} is not answering" not in r.stderr
+    assert "no credentials found for 's3://bkt/prefix/'" in last and "not contacted" in last
+    assert held  # the client did ask it
+    assert not (tmp_path / "out").exists()

@@ -116,6 +116,9 @@ class ObjectStore:
         client: dict[str, Any] = {"connect_timeout": "5s", "read_timeout": f"{self.timeout:g}s",
                                   "timeout": f"{max(300.0, 4 * self.timeout):g}s"}  # fmt: skip
         self._answered = False
+        # No keys: the first request asks the instance metadata service for a role's
+        # credentials before it reaches the store (the silence may be that service's).
+        self._keyless = False
         # Listings, and GETs of keys obstore would address under another name, made by
         # sources/s3raw.py where the credentials are keys (or none are needed).
         self._raw: Any = None
@@ -145,6 +148,7 @@ class ObjectStore:
                     "storage_options, or anonymous=True for a public bucket",
                     url,
                 )
+            self._keyless = not anonymous and "access_key_id" not in config
             if self.endpoint.startswith("http://"):
                 client["allow_http"] = True
             client.update(s.get("client_options", {}))
@@ -261,12 +265,22 @@ class ObjectStore:
                 watch.cancel()
 
     def _not_answering(self, failed_at_once: list[bool]) -> None:
-        if not self._answered and not failed_at_once[0]:
+        if self._answered or failed_at_once[0]:
+            return
+        if self._keyless:  # the store may not have been asked yet
+            metadata = os.environ.get("AWS_METADATA_ENDPOINT") or "http://169.254.169.254"
             log.warning(
-                "fastload: %s is not answering (no reply for %g s); giving up after %g s "
-                "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
-                self.endpoint, NOT_ANSWERING, self.timeout,
+                "fastload: no reply for %g s from the instance metadata service (%s), "
+                "asked for credentials since none are set, or from %s; giving up after "
+                "%g s (FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
+                NOT_ANSWERING, metadata, self.endpoint, self.timeout,
             )
+            return
+        log.warning(
+            "fastload: %s is not answering (no reply for %g s); giving up after %g s "
+            "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
+            self.endpoint, NOT_ANSWERING, self.timeout,
+        )
 
     def _full(self, key: str) -> str:
         return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from s3server import FaultProxy, S3Server, tree_of, upload
+from s3server import FaultProxy, S3Server, put_each, tree_of
 
 import fastload
 from fastload._util import selected
@@ -33,13 +33,6 @@ pytestmark = pytest.mark.slow
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fastload", *args], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ))  # fmt: skip
-
-
-def _put(s3: S3Server, bucket: str, files: dict[str, bytes]) -> None:
-    """Each key as given (boto3: no path parsing on the client's side)."""
-    client = s3.client()
-    for key, data in files.items():
-        client.put_object(Bucket=bucket, Key=key, Body=data)
 
 
 # --- 1: filters before the clash check ---------------------------------------------------
@@ -57,7 +50,7 @@ def _put(s3: S3Server, bucket: str, files: dict[str, bytes]) -> None:
 def test_a_clash_left_out_by_the_filters_is_none(
     s3: S3Server, bucket: str, tmp_path: Path, flags: list[str], staged: dict[str, bytes]
 ) -> None:
-    upload(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
+    put_each(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
     url = f"s3://{bucket}/"
     # patterns are relative to the staged prefix: stage the bucket, keys q/...
     r = _cli("stage", "--no-progress", url, str(tmp_path / "all"))
@@ -71,7 +64,7 @@ def test_a_clash_left_out_by_the_filters_is_none(
 
 
 def test_the_suggested_exclude_works(s3: S3Server, bucket: str, tmp_path: Path) -> None:
-    upload(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
+    put_each(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
     url = f"s3://{bucket}/q/"
     with pytest.raises(FileExistsError, match=r"--exclude '([^']+)'") as e:
         fastload.stage(url, tmp_path / "x")
@@ -91,7 +84,7 @@ def test_a_key_obstore_cannot_parse_is_listed_and_fetched(
     # obstore's listing failed on the whole prefix: InvalidPathError, its own words
     files = {"c/a\tb": b"tab" * 100, "c/n\x01x": b"ctrl", "c/ok": b"ok",
              "c/big\tone": b"B" * (3 << 20)}  # fmt: skip
-    _put(s3, bucket, files)
+    put_each(s3, bucket, files)
     out = tmp_path / "out"
     r = fastload.stage(f"s3://{bucket}/c/", out)
     assert r.files == 4
@@ -107,7 +100,7 @@ def test_where_obstore_lists_a_key_it_refuses_is_named(s3: S3Server, bucket: str
     refuses is named in fastload's words, with what gets past it."""
     from fastload.sources.objstore import ObjectStore
 
-    _put(s3, bucket, {"c/a\tb": b"tab", "c/ok": b"ok"})
+    put_each(s3, bucket, {"c/a\tb": b"tab", "c/ok": b"ok"})
     store = ObjectStore(f"s3://{bucket}/c/")
     store._raw = None  # what a store whose credentials are not keys has
     with pytest.raises(OSError) as e:
@@ -159,7 +152,7 @@ def test_unsafe_keys_are_each_named_and_the_suggested_excludes_work() -> None:
 def test_zero_byte_objects_cost_no_head(
     s3: S3Server, bucket: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
-    _put(s3, bucket, {"z/e0.bin": b"", "z/sub/e1.bin": b"", "z/dir/": b"", "z/a.txt": b"a"})
+    put_each(s3, bucket, {"z/e0.bin": b"", "z/sub/e1.bin": b"", "z/dir/": b"", "z/a.txt": b"a"})
     proxy.reset_counts()
     out = tmp_path / "out"
     r = fastload.stage(f"s3://{bucket}/z/", out)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3server import KEY_ID, SECRET, S3Server, tree_of, upload
+from s3server import KEY_ID, SECRET, S3Server, put_each, tree_of, upload
 
 import fastload
 from fastload.sources.settings import normalize_s3_options
@@ -128,7 +128,7 @@ def test_folder_markers_and_empty_objects(
 def test_object_that_is_also_a_prefix_is_refused_before_writing(
     s3: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    upload(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
+    put_each(s3, bucket, {"q/a": b"file", "q/a/b": b"under", "q/c": b"c"})
     out = tmp_path / "out"
     with pytest.raises(OSError, match=r"'q/a' and 'q/a/b'") as e:
         fastload.stage(f"s3://{bucket}/q/", out)

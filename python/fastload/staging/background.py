@@ -123,6 +123,7 @@ class _Participant:
         from .destination import stage_into
 
         schedule = self.schedule = Schedule(self.dst)
+        fresh = _empty(self.dst)
         self.server = Server(channel_name(self.dst), schedule.handle)
         try:
             options = dict(self.options)
@@ -138,7 +139,7 @@ class _Participant:
                 source, dest = self.opener(self.src, self.dst, req)
                 dest.lock_held = True
                 dest.scheduler = schedule
-                schedule.opened(source, dest, req)
+                schedule.opened(source, dest, req, fresh)
                 result = stage_into(dest, source, retried)
             schedule.finish(result)
             return result
@@ -163,6 +164,17 @@ class _Participant:
         if self.server is not None:
             self.server.forget()
         self.finished.set()
+
+
+def _empty(dst: Path) -> bool:
+    """Whether ``dst`` is absent or an empty folder (a stage's start on it is fresh)."""
+    try:
+        with os.scandir(dst) as it:
+            return next(it, None) is None
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 _participants: dict[Path, _Participant] = {}  # this process's, by destination
@@ -257,6 +269,9 @@ class Staging:
         self._hints: list[str] = []  # ahead(): paths not sent yet
         self._hints_cond = threading.Condition()
         self._hints_pid = 0  # the process whose thread sends them
+        # The stager said a file at its final name is whole and final (a fresh stage of
+        # a tree or a prefix): local() reads one there without asking.
+        self._present_whole = False
 
     def __getstate__(self) -> dict[str, Any]:
         options = {k: v for k, v in self._options.items() if k != "progress"}
@@ -340,6 +355,8 @@ class Staging:
             if c is not None:
                 c.close()  # nothing more to ask
                 self._local.client = None
+        if reply.get("present_whole"):
+            self._present_whole = True
         if state == "done":
             r = reply["result"]
             self._final = ("done", StageResult(self._dst, r["files"], r["bytes"], r["seconds"],
@@ -475,6 +492,10 @@ class Staging:
     def local_all(self, relpaths: Iterable[str | os.PathLike[str]]) -> list[Path]:
         """:meth:`local` of several files, asked for at once (fetched together)."""
         rels = [self._rel(os.fspath(p)) for p in relpaths]
+        if self._final is None and self._present_whole:
+            here = [self._at(rel) for rel in rels]
+            if all(os.path.isfile(p) for p in here):
+                return here  # whole and final: no round trip to the stager
         if self._final is None:
             reply = self._ask({"op": "want", "paths": rels})
             if reply is not None:

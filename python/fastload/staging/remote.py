@@ -92,6 +92,8 @@ class ObjectPrefix:
     objects are held in columns (:class:`ObjectList`); an ObjectInfo is made only for an
     object being fetched."""
 
+    lands_once = True  # each object lands once, whole, at its final name (Schedule.opened)
+
     def __init__(
         self, store: ObjectStore, objects: ObjectList | None, req: StageRequest, *,
         single: bool, dirs: list[str] | None = None,

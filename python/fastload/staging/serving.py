@@ -70,6 +70,9 @@ class Served:
         self._ahead: deque[int] = deque()  # rows hinted, for the chunks before the plan's
         self._hinted = bytearray()
         self._hints_early: list[str] = []  # hinted before the plan: queued when it begins
+        # Every file at its final name is whole and the stage's own (Schedule.opened):
+        # readers told so read what is there without asking.
+        self.present_whole = False
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A reader's request: ``want`` (``paths``: wait until each is whole here),
@@ -81,7 +84,7 @@ class Served:
             return self._final()
         if op == "want":
             return {"results": self.want([str(p) for p in msg["paths"]]),
-                    **self._final()}  # fmt: skip
+                    "present_whole": self.present_whole, **self._final()}  # fmt: skip
         if op == "wait":
             with self.cond:
                 while self.state not in ("done", "failed"):

@@ -227,6 +227,7 @@ class LocalTree:
     """A directory, or one file (``single``), on a file system (:class:`Source`)."""
 
     batch = 16384  # files per copy job (run_plan): what one holds per file is ~250 bytes
+    lands_once = True  # each file lands once, whole, at its final name (Schedule.opened)
 
     def __init__(self, src: Path, req: StageRequest, *, single: bool) -> None:
         self.src = src  # absolute, symbolic links resolved

@@ -1,0 +1,185 @@
+"""What a stage in the background costs the loop beside it (issue 49): a file a reader
+asks for that is already whole is read without a round trip to the stager (when the
+stage began on an empty destination), the stage's own order runs nicer than the
+process, and a FUSE source's small files are read in one request each.
+
+Sources are on a netsim mount (2 ms per request); the stager of the first two tests is
+a child process with 2 files in flight, stopped with SIGSTOP while a read is tried (a
+read that needs it cannot return then; one that does not, returns)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fastload
+from fastload.staging.schedule import BACKGROUND_NICE
+from kit import procs, trees
+from kit.netsim import listed, mounts
+
+N = 600
+
+_STAGER = r"""
+import sys, time
+import fastload
+h = fastload.stage(sys.argv[1], sys.argv[2], wait=False, workers=2)
+while h.progress().state not in ("copying", "done", "failed"):
+    time.sleep(0.01)
+print("STAGER", flush=True)
+h.wait()
+"""
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("rwsc") / "src"
+    trees.build_small_files(root, N, per_dir=100, seed=251)
+    return root
+
+
+def _stager(src: Path, dst: Path) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", _STAGER, str(src), str(dst)],
+                         stdout=subprocess.PIPE, text=True, env=procs.child_env())  # fmt: skip
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "STAGER"
+    return p
+
+
+def _end(p: subprocess.Popen[str]) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    if p.stdout is not None:
+        p.stdout.close()
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_whole_file_of_a_fresh_stage_is_read_without_the_stager(tree: Path, tmp_path: Path
+                                                                  ) -> None:  # fmt: skip
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        dst = tmp_path / "dst"
+        p = _stager(m.path, dst)
+        try:
+            h = fastload.stage(m.path, dst, wait=False)
+            names = sorted(trees.regular_files(tree))
+            h.local(names[0])
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                here = [n for n in names if (dst / n).is_file()]
+                assert here, "nothing staged yet"
+                t, out = _in_thread(lambda: [h.local(n).read_bytes() for n in here])
+                t.join(60)  # a bound: read without the stopped stager, or never
+                assert not t.is_alive(), "a whole file waited for the stopped stager"
+                assert out[0] == [(tree / n).read_bytes() for n in here]
+                missing = next(n for n in names if not (dst / n).exists())
+                t, out = _in_thread(lambda: h.local(missing).read_bytes())
+                t.join(1.0)
+                assert t.is_alive(), "a file not staged yet was read without the stager"
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            t.join(120)
+            assert out == [(tree / missing).read_bytes()]
+            h.wait()
+        finally:
+            _end(p)
+    trees.assert_same_tree(tree, dst)
+
+
+def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path) -> None:
+    """The destination is not empty when the stage begins: a file there may be an older
+    copy the stage replaces, so a reader asks the stager, and gets the source's bytes."""
+    src = tmp_path / "src"
+    subprocess.run(["cp", "-a", str(tree), str(src)], check=True)
+    names = sorted(trees.regular_files(src))
+    with mounts(tmp_path) as mount:
+        m = mount(src, 2000, 2000)
+        dst = tmp_path / "dst"
+        fastload.stage(m.path, dst)
+        for n in names:  # every file changed since: each copy there is an older one
+            (src / n).write_bytes(os.urandom((src / n).stat().st_size + 1))
+        time.sleep(1.5)  # (netsim's attributes are cached for a second)
+        p = _stager(m.path, dst)
+        try:
+            h = fastload.stage(m.path, dst, wait=False)
+            h.local(names[0])
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                old = next(n for n in names if (dst / n).read_bytes() != (src / n).read_bytes())
+                t, out = _in_thread(lambda: h.local(old).read_bytes())
+                t.join(1.0)
+                assert t.is_alive(), "an older copy was read without asking the stager"
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            t.join(120)
+            assert out == [(src / old).read_bytes()]
+            h.wait()
+        finally:
+            _end(p)
+    trees.assert_same_tree(src, dst)
+
+
+def test_the_stages_own_order_runs_nicer_than_the_process(tree: Path, tmp_path: Path
+                                                          ) -> None:  # fmt: skip
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    want = min(19, base + BACKGROUND_NICE)
+    seen: dict[int, int] = {}
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        h = fastload.stage(m.path, tmp_path / "dst", wait=False, workers=2)
+        listed(h)
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline and not h.done:
+            for t in threading.enumerate():
+                if t.name.startswith("fastload-chunk") and t.native_id is not None:
+                    nice = _nice(t.native_id)
+                    if nice is not None and nice != base:
+                        seen[t.native_id] = nice
+            time.sleep(0.005)
+        python = {t.native_id for t in threading.enumerate()}
+        engine = [tid for tid in _tids() if tid not in python and _nice(tid) == want]
+        h.wait()
+    assert seen and set(seen.values()) == {want}, seen
+    assert engine, "no thread started by a chunk runs at its priority"
+    assert _nice(threading.get_native_id()) == base
+
+
+def _tids() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")]
+
+
+def _nice(tid: int) -> int | None:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_a_fuse_sources_small_files_take_one_read_each(tree: Path, tmp_path: Path) -> None:
+    """FUSE reads ahead through at most max_background requests of the whole mount (12
+    by default): with many files in flight the kernel falls back to page-sized reads,
+    each a round trip. The stage reads a small file of a FUSE source O_DIRECT: one
+    read request of the whole file."""
+    with mounts(tmp_path) as mount:
+        m = mount(tree, 2000, 2000)
+        r = fastload.stage(m.path, tmp_path / "dst", workers=64)
+        stats = m.unmount()
+    nonempty = sum(1 for n in trees.regular_files(tree) if (tree / n).stat().st_size)
+    assert r.files == N
+    assert stats["reads"] == nonempty, stats
+    trees.assert_same_tree(tree, tmp_path / "dst")

@@ -53,7 +53,11 @@ def _stager(src: Path, dst: Path) -> subprocess.Popen[str]:
     return p
 
 
-def _end(p: subprocess.Popen[str]) -> None:
+def _end(p: subprocess.Popen[str], h: Any) -> None:
+    """Ends the stager ``p``; ``h`` (a handle of this process, or None) first stops
+    waiting to take the stage over (a test that failed leaves no stage on the mount)."""
+    if h is not None and not h.done:
+        h.cancel()
     if p.poll() is None:
         p.kill()
     p.wait()
@@ -74,6 +78,7 @@ def test_a_whole_file_of_a_fresh_stage_is_read_without_the_stager(tree: Path, tm
         m = mount(tree, 2000, 2000)
         dst = tmp_path / "dst"
         p = _stager(m.path, dst)
+        h = None
         try:
             h = fastload.stage(m.path, dst, wait=False)
             names = sorted(trees.regular_files(tree))
@@ -96,7 +101,7 @@ def test_a_whole_file_of_a_fresh_stage_is_read_without_the_stager(tree: Path, tm
             assert out == [(tree / missing).read_bytes()]
             h.wait()
         finally:
-            _end(p)
+            _end(p, h)
     trees.assert_same_tree(tree, dst)
 
 
@@ -114,6 +119,7 @@ def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path
             (src / n).write_bytes(os.urandom((src / n).stat().st_size + 1))
         time.sleep(1.5)  # (netsim's attributes are cached for a second)
         p = _stager(m.path, dst)
+        h = None
         try:
             h = fastload.stage(m.path, dst, wait=False)
             h.local(names[0])
@@ -129,7 +135,7 @@ def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path
             assert out == [(src / old).read_bytes()]
             h.wait()
         finally:
-            _end(p)
+            _end(p, h)
     trees.assert_same_tree(src, dst)
 
 

@@ -9,12 +9,14 @@ read that needs it cannot return then; one that does not, returns)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,36 +74,60 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
     return t, out
 
 
+@contextlib.contextmanager
+def _beside_a_stager(shown: Path, dst: Path, first: str
+                     ) -> Iterator[tuple[subprocess.Popen[str], Any]]:  # fmt: skip
+    """A stager (a child) of ``shown`` into ``dst``, and a handle of this process that
+    has asked it for ``first`` (so it has heard from the stager); the stage's end."""
+    p = _stager(shown, dst)
+    h = None
+    try:
+        h = fastload.stage(shown, dst, wait=False)
+        h.local(first)
+        yield p, h
+        h.wait()
+    finally:
+        _end(p, h)
+
+
+@contextlib.contextmanager
+def _stopped(p: subprocess.Popen[str]) -> Iterator[None]:
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+
+
+def _asks_the_stager(p: subprocess.Popen[str], h: Any, pick: Callable[[], str],
+                     src: Path) -> None:  # fmt: skip
+    """With the stager stopped, a read of the file ``pick`` names (then) does not
+    return; once the stager goes on, it returns the source's bytes."""
+    with _stopped(p):
+        rel = pick()
+        t, out = _in_thread(lambda: h.local(rel).read_bytes())
+        t.join(1.0)  # a read that needs the stopped stager cannot return
+        assert t.is_alive(), f"'{rel}' was read without asking the stager"
+    t.join(120)
+    assert out == [(src / rel).read_bytes()]
+
+
 def test_a_whole_file_of_a_fresh_stage_is_read_without_the_stager(tree: Path, tmp_path: Path
                                                                   ) -> None:  # fmt: skip
+    names = sorted(trees.regular_files(tree))
     with mounts(tmp_path) as mount:
         m = mount(tree, 2000, 2000)
         dst = tmp_path / "dst"
-        p = _stager(m.path, dst)
-        h = None
-        try:
-            h = fastload.stage(m.path, dst, wait=False)
-            names = sorted(trees.regular_files(tree))
-            h.local(names[0])
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
+        with _beside_a_stager(m.path, dst, names[0]) as (p, h):
+            with _stopped(p):
                 here = [n for n in names if (dst / n).is_file()]
                 assert here, "nothing staged yet"
                 t, out = _in_thread(lambda: [h.local(n).read_bytes() for n in here])
                 t.join(60)  # a bound: read without the stopped stager, or never
                 assert not t.is_alive(), "a whole file waited for the stopped stager"
                 assert out[0] == [(tree / n).read_bytes() for n in here]
-                missing = next(n for n in names if not (dst / n).exists())
-                t, out = _in_thread(lambda: h.local(missing).read_bytes())
-                t.join(1.0)
-                assert t.is_alive(), "a file not staged yet was read without the stager"
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
-            t.join(120)
-            assert out == [(tree / missing).read_bytes()]
-            h.wait()
-        finally:
-            _end(p, h)
+            _asks_the_stager(p, h, lambda: next(n for n in names if not (dst / n).exists()),
+                             tree)  # fmt: skip
     trees.assert_same_tree(tree, dst)
 
 
@@ -111,6 +137,10 @@ def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path
     src = tmp_path / "src"
     subprocess.run(["cp", "-a", str(tree), str(src)], check=True)
     names = sorted(trees.regular_files(src))
+
+    def older() -> str:
+        return next(n for n in names if (dst / n).read_bytes() != (src / n).read_bytes())
+
     with mounts(tmp_path) as mount:
         m = mount(src, 2000, 2000)
         dst = tmp_path / "dst"
@@ -118,24 +148,8 @@ def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path
         for n in names:  # every file changed since: each copy there is an older one
             (src / n).write_bytes(os.urandom((src / n).stat().st_size + 1))
         time.sleep(1.5)  # (netsim's attributes are cached for a second)
-        p = _stager(m.path, dst)
-        h = None
-        try:
-            h = fastload.stage(m.path, dst, wait=False)
-            h.local(names[0])
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
-                old = next(n for n in names if (dst / n).read_bytes() != (src / n).read_bytes())
-                t, out = _in_thread(lambda: h.local(old).read_bytes())
-                t.join(1.0)
-                assert t.is_alive(), "an older copy was read without asking the stager"
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
-            t.join(120)
-            assert out == [(src / old).read_bytes()]
-            h.wait()
-        finally:
-            _end(p, h)
+        with _beside_a_stager(m.path, dst, names[0]) as (p, h):
+            _asks_the_stager(p, h, older, src)
     trees.assert_same_tree(src, dst)
 
 

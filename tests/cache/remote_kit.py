@@ -160,3 +160,13 @@ def cache_peak(cache_dir: Path, measure: Callable[[Path], int] = cache_bytes
     finally:
         done.set()
         watcher.join()
+
+
+def downloads_since(cache_dir: Path, before: int) -> tuple[list[str], list[Any]]:
+    """The shards the cache in ``cache_dir`` logged as downloaded after its first
+    ``before`` events (an epoch's, where ``before`` was counted at its start), and those
+    events (whose pid and order a failure shows)."""
+    from fastload.cache import ShardCache
+
+    events = ShardCache(cache_dir).events()[before:]
+    return [n for _, op, n, _ in events if op == "download"], events

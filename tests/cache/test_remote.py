@@ -34,6 +34,7 @@ torch = require_module("torch")
 from remote_kit import (  # noqa: E402
     after_last_modified,
     cache_bytes,
+    downloads_since,
     epoch_keys,
     keep,
     last_modified,
@@ -225,9 +226,8 @@ def test_prefetch_downloads_the_next_shards(shards: tuple[list[Path], str], tmp_
     assert [plain(s) for b in rest for s in b] == [plain(s) for b in local for s in b][2:]
     # Each shard downloaded once in the epoch (the events since it began, whose pid and
     # order a failure shows).
-    events = ShardCache(cache_dir).events()
-    epoch = [n for _, op, n, _ in events[before:] if op == "download"]
-    assert sorted(epoch) == sorted(e.name for e in entries), (before, events)
+    epoch, events = downloads_since(cache_dir, before)
+    assert sorted(epoch) == sorted(e.name for e in entries), events
 
 
 def test_an_epoch_ends_with_its_downloads_logged(shards: tuple[list[Path], str],
@@ -253,13 +253,12 @@ def test_an_epoch_ends_with_its_downloads_logged(shards: tuple[list[Path], str],
     running = set(threading.enumerate())
     try:
         samples = sum(len(b) for b in ds)
-        events = ShardCache(cache_dir).events()[before:]
+        epoch, events = downloads_since(cache_dir, before)
         left = [t.name for t in threading.enumerate()
                 if t not in running and t.name.startswith("fastload-prefetch")]  # fmt: skip
     finally:
         looked.set()
     assert samples == sum(SIZES)
-    epoch = [n for _, op, n, _ in events if op == "download"]
     assert sorted(epoch) == sorted(e.name for e in ds._remote.shards.entries), events
     assert not left
 

@@ -63,10 +63,9 @@ class Prefetcher:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if settle:
+        if settle:  # (called by the reader, never by a thread of its own)
             for t in self._threads:
-                if t is not threading.current_thread():
-                    t.join()
+                t.join()
 
     def _next(self) -> int | None:
         """The first shard of the window that no thread has, or None (with the lock)."""

@@ -269,18 +269,13 @@ class ObjectStore:
             return
         if self._keyless:  # the store may not have been asked yet
             metadata = os.environ.get("AWS_METADATA_ENDPOINT") or "http://169.254.169.254"
-            log.warning(
-                "fastload: no reply for %g s from the instance metadata service (%s), "
-                "asked for credentials since none are set, or from %s; giving up after "
-                "%g s (FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
-                NOT_ANSWERING, metadata, self.endpoint, self.timeout,
-            )
-            return
-        log.warning(
-            "fastload: %s is not answering (no reply for %g s); giving up after %g s "
-            "(FASTLOAD_STORE_TIMEOUT sets that for a slow store)",
-            self.endpoint, NOT_ANSWERING, self.timeout,
-        )
+            silent = (f"no reply for {NOT_ANSWERING:g} s from the instance metadata service "
+                      f"({metadata}), asked for credentials since none are set, or from "
+                      f"{self.endpoint}")  # fmt: skip
+        else:
+            silent = f"{self.endpoint} is not answering (no reply for {NOT_ANSWERING:g} s)"
+        log.warning("fastload: %s; giving up after %g s (FASTLOAD_STORE_TIMEOUT sets that "
+                    "for a slow store)", silent, self.timeout)  # fmt: skip
 
     def _full(self, key: str) -> str:
         return f"{self.prefix.rstrip('/')}/{key}" if self.prefix and key else (self.prefix or key)

@@ -169,7 +169,8 @@ void register_copy(py::module_& m) {
   py::class_<copy::CopyOptions>(m, "CopyOptions", "How a CopyJob runs.")
       .def(py::init([](const std::string& engine, const py::object& engine_path, unsigned depth,
                        unsigned threads, unsigned files_in_flight, uint64_t stripe_size,
-                       unsigned big_buffers, unsigned submitters, int src_network) {
+                       unsigned big_buffers, unsigned submitters, int src_network,
+                       int src_fuse) {
              copy::CopyOptions o;
              o.engine.kind = engine_kind(engine);
              if (!engine_path.is_none()) o.engine.where = fs_bytes(engine_path);
@@ -180,6 +181,7 @@ void register_copy(py::module_& m) {
              o.big_buffers = big_buffers;
              o.submitters = submitters;
              o.src_network = src_network < 0 ? -1 : src_network > 0 ? 1 : 0;
+             o.src_fuse = src_fuse < 0 ? -1 : src_fuse > 0 ? 1 : 0;
              return o;
            }),
            py::kw_only(), py::arg("engine") = "auto", py::arg("engine_path") = py::none(),
@@ -188,13 +190,17 @@ void register_copy(py::module_& m) {
            py::arg("stripe_size") = defaults.stripe_size,
            py::arg("big_buffers") = defaults.big_buffers,
            py::arg("submitters") = defaults.submitters,
-           py::arg("src_network") = defaults.src_network)
+           py::arg("src_network") = defaults.src_network,
+           py::arg("src_fuse") = defaults.src_fuse)
       .def_property(
           "engine", [](const copy::CopyOptions& o) { return io::kind_name(o.engine.kind); },
           [](copy::CopyOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
       .def_property_readonly(
           "src_network", [](const copy::CopyOptions& o) { return o.src_network; },
           "1: the source is on a network or FUSE file system, 0: not, -1: the job looks.")
+      .def_property_readonly(
+          "src_fuse", [](const copy::CopyOptions& o) { return o.src_fuse; },
+          "1: the source is on FUSE, 0: not, -1: the job looks.")
       .def_property_readonly("engine_path",
                              [](const copy::CopyOptions& o) -> py::object {
                                if (o.engine.where.empty()) return py::none();

@@ -152,16 +152,25 @@ class Runner {
       direct_dst_ = !network(job_.dst_root_);
       umask_ = read_umask();
     }
-    direct_src_close_ =
-        opt_.src_network >= 0 ? opt_.src_network == 0 : !network(job_.src_root_);
-    uint32_t magic = 0;
-    direct_src_ = io::fs_magic(job_.src_root_, &magic) == 0 && magic == kFuseMagic;
+    int net = opt_.src_network, fuse = opt_.src_fuse;  // told, else one statfs
+    if (net < 0 || fuse < 0) {
+      uint32_t magic = 0;
+      const bool known = io::fs_magic(job_.src_root_, &magic) == 0;
+      if (net < 0) net = known && network(magic);
+      if (fuse < 0) fuse = known && magic == kFuseMagic;
+    }
+    direct_src_close_ = net == 0;
+    direct_src_ = fuse == 1;
   }
 
-  // Whether path is on a network or FUSE file system (unknown kinds count as local).
+  // Whether path (or the file system of that magic) is a network or FUSE one (unknown
+  // kinds count as local).
   static bool network(const std::string& path) {
     uint32_t magic = 0;
-    const io::FsKind* fs = io::fs_magic(path, &magic) == 0 ? io::find_fs(magic) : nullptr;
+    return io::fs_magic(path, &magic) == 0 && network(magic);
+  }
+  static bool network(uint32_t magic) {
+    const io::FsKind* fs = io::find_fs(magic);
     return fs != nullptr && fs->network;
   }
 

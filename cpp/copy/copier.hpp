@@ -60,9 +60,11 @@ struct CopyOptions {
   // Threads each driving an engine of their own over a share of the files (0: from the
   // core count, default_submitters()).
   unsigned submitters = 0;
-  // Whether the source is on a network or FUSE file system, where the caller knows it
-  // (1 or 0): else (-1) the job asks statfs(2), a round trip there for every job.
+  // Whether the source is on a network or FUSE file system (1 or 0), and whether on
+  // FUSE, where the caller knows it: else (-1) the job asks statfs(2), a round trip
+  // there for every job.
   int src_network = -1;
+  int src_fuse = -1;
   bool write = true;
 };
 

@@ -76,12 +76,15 @@ class CopyOptions:
         big_buffers: int = 16,
         submitters: int = 0,
         src_network: int = -1,
+        src_fuse: int = -1,
     ) -> None: ...
     engine: str
     @property
     def engine_path(self) -> str | None: ...
     @property
     def src_network(self) -> int: ...
+    @property
+    def src_fuse(self) -> int: ...
     depth: int
     threads: int
     files_in_flight: int

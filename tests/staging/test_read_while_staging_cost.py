@@ -163,15 +163,17 @@ def test_the_stages_own_order_runs_nicer_than_the_process(tree: Path, tmp_path: 
         h = fastload.stage(m.path, tmp_path / "dst", wait=False, workers=2)
         listed(h)
         deadline = time.monotonic() + 60
-        while not seen and time.monotonic() < deadline and not h.done:
+        engine: list[int] = []
+        # (a chunk thread is niced as it starts, before its job starts the engine's)
+        while not (seen and engine) and time.monotonic() < deadline and not h.done:
             for t in threading.enumerate():
                 if t.name.startswith("fastload-chunk") and t.native_id is not None:
                     nice = _nice(t.native_id)
                     if nice is not None and nice != base:
                         seen[t.native_id] = nice
+            python = {t.native_id for t in threading.enumerate()}
+            engine = [tid for tid in _tids() if tid not in python and _nice(tid) == want]
             time.sleep(0.005)
-        python = {t.native_id for t in threading.enumerate()}
-        engine = [tid for tid in _tids() if tid not in python and _nice(tid) == want]
         h.wait()
     assert seen and set(seen.values()) == {want}, seen
     assert engine, "no thread started by a chunk runs at its priority"

@@ -23,12 +23,22 @@ _NETWORK_FS = frozenset(
 )
 
 
-def network_fs(path: Path | str) -> bool | None:
-    """Whether ``path`` is on a network or FUSE file system (None: cannot tell)."""
+FUSE_MAGIC = 0x65735546  # statfs(2)'s FUSE_SUPER_MAGIC
+
+
+def fs_kind(path: Path | str) -> int | None:
+    """The file system of ``path``: 0 local, 1 network, 2 FUSE (None: cannot tell)."""
     try:
-        return _core.fs_type(os.fspath(path)) in _NETWORK_FS
+        magic = _core.fs_type(os.fspath(path))
     except OSError:
         return None
+    return 2 if magic == FUSE_MAGIC else int(magic in _NETWORK_FS)
+
+
+def network_fs(path: Path | str) -> bool | None:
+    """Whether ``path`` is on a network or FUSE file system (None: cannot tell)."""
+    kind = fs_kind(path)
+    return None if kind is None else kind > 0
 
 
 def resolve_engine(engine: str, where: Path | str | None = None) -> str:

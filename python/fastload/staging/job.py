@@ -18,7 +18,7 @@ from typing import Any, Callable, Union
 
 from .. import _core
 from .._util import usable_cores
-from .engine import network_fs, resolve_engine
+from .engine import fs_kind, resolve_engine
 from .state import Record, Records, quick_same
 
 Patterns = Union[str, Sequence[str], None]
@@ -152,6 +152,8 @@ class InFlight:
     network: bool | None
     """Whether the storage the job waits on is a network or FUSE file system (None: no
     path given, or statfs could not tell)."""
+    fuse: bool = False
+    """Whether it is a FUSE one."""
 
 
 def network_per_core(latency_s: float | None) -> int:
@@ -180,14 +182,16 @@ def in_flight(
     files, at least 4, at most 64 on local storage (blocked threads there are few) and
     256 on a network (each waits out a round trip)."""
     cores = usable_cores() if cores is None else max(1, cores)
-    network = None if where is None else network_fs(where)
+    kind = None if where is None else fs_kind(where)
+    network = None if kind is None else kind > 0
     if workers:
         files = max(1, workers)
     elif network:
         files = min(network_per_core(latency_s) * min(cores, MAX_SUBMITTERS), MAX_NETWORK_FILES)
     else:
         files = LOCAL_PER_CORE * min(cores, MAX_SUBMITTERS)
-    return InFlight(files, min(max(4, files // 2), 256 if network else 64), cores, network)
+    return InFlight(files, min(max(4, files // 2), 256 if network else 64), cores, network,
+                    kind == 2)  # fmt: skip
 
 
 def copy_options(
@@ -214,6 +218,7 @@ def copy_options(
         # Told, not looked up by every job (a statfs is a round trip on a network file
         # system: a background stage runs a job per chunk, a readers' job per batch).
         src_network=-1 if flight.network is None else int(flight.network),
+        src_fuse=-1 if flight.network is None else int(flight.fuse),
     )
 
 

@@ -198,7 +198,6 @@ class Schedule(Served):
 
         def run(rows: list[int], sub: StageRequest = per_chunk) -> None:
             set_poll_ms(READERS_POLL_MS)
-            yield_cpu()
             part = dataclasses.replace(shared, todo=array("q", rows))
             used, n, nbytes = source.transfer(sub, dest, part, shared.done, flusher, None)
             with self.cond:
@@ -208,7 +207,8 @@ class Schedule(Served):
             progress()
 
         try:
-            with ThreadPoolExecutor(at_once, thread_name_prefix="fastload-chunk") as pool:
+            with ThreadPoolExecutor(at_once, thread_name_prefix="fastload-chunk",
+                                    initializer=yield_cpu) as pool:  # fmt: skip
                 running: set[Future[None]] = set()
                 todo, k = _spread(plan.todo, chunk), 0
                 while True:
@@ -371,11 +371,12 @@ class Schedule(Served):
 
 
 def yield_cpu() -> None:
-    """This thread, and the engine's threads it starts from now on, run BACKGROUND_NICE
-    steps nicer than the process (nice(2), at most 19): the stage's own order, beside a
-    training loop, takes the CPU the loop leaves. On 2 cores, netsim at 2 ms, 20,000
-    files: the loop's steps took 2-5 ms longer each while the stage ran at the loop's
-    priority. The readers' jobs (files a reader waits for) keep the process's."""
+    """(Each chunk thread's start.) This thread, and the engine's threads it starts
+    from now on, run BACKGROUND_NICE steps nicer than the process (nice(2), at most
+    19): the stage's own order, beside a training loop, takes the CPU the loop leaves.
+    On 2 cores, netsim at 2 ms, 20,000 files: the loop's steps took 2-5 ms longer each
+    while the stage ran at the loop's priority. The readers' jobs (files a reader waits
+    for) keep the process's."""
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):
         want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICE)

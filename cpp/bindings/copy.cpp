@@ -136,7 +136,8 @@ void register_copy(py::module_& m) {
                         "The files of a CopyJob: per-file lists of equal length.")
       .def(py::init([](const py::list& src, const py::object& dst,
                        const std::vector<uint64_t>& size, const std::vector<uint64_t>& blocks,
-                       const std::vector<uint32_t>& mode, const std::vector<int64_t>& mtime_ns) {
+                       const std::vector<uint32_t>& mode, const std::vector<int64_t>& mtime_ns,
+                       bool stat_at_open) {
              size_t n = src.size();
              if (size.size() != n || blocks.size() != n || mode.size() != n || mtime_ns.size() != n)
                throw py::value_error("CopyFiles: per-file lists differ in length");
@@ -156,13 +157,16 @@ void register_copy(py::module_& m) {
                t.blocks = blocks[i];
                t.mode = mode[i];
                t.mtime_ns = mtime_ns[i];
+               t.stat_at_open = stat_at_open;
              }
              return out;
            }),
            py::arg("src"), py::arg("dst"), py::arg("size"), py::arg("blocks"), py::arg("mode"),
-           py::arg("mtime_ns"),
+           py::arg("mtime_ns"), py::kw_only(), py::arg("stat_at_open") = false,
            "src: paths under the source root; dst: paths under the destination root, or "
-           "None to read and digest only (verify).")
+           "None to read and digest only (verify). stat_at_open: the files' size, blocks, "
+           "mode and mtime are not given (a listing of names): each is learned from the "
+           "opened source (CopyJob.task_meta).")
       .def("__len__", [](const CopyFiles& f) { return f.tasks.size(); });
 
   const copy::CopyOptions defaults;
@@ -244,6 +248,15 @@ void register_copy(py::module_& m) {
              }
              return out;
            })
+      .def(
+          "task_meta",
+          [](const copy::CopyJob& j, size_t i) {
+            const copy::FileTask& t = j.task(i);
+            return py::make_tuple(t.size, t.blocks, t.mode, t.mtime_ns);
+          },
+          py::arg("index"),
+          "(size, blocks, mode, mtime_ns) of task index: as given, or as found at its open "
+          "(stat_at_open); read it once take_done() returned the task.")
       .def_property_readonly("bytes_done", &copy::CopyJob::bytes_done)
       .def_property_readonly("files_done", &copy::CopyJob::files_done)
       .def_property_readonly("bytes_total", &copy::CopyJob::bytes_total)

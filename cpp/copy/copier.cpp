@@ -74,6 +74,7 @@ struct FileState {
   bool leftover = false;  // an earlier run left its temporary: truncated, not created
   bool anon = false;      // the temporary is an O_TMPFILE: linked into place, not renamed
   bool direct_src = false;  // the source is open O_DIRECT (a small file on FUSE)
+  bool unknown = false;     // its task's size and mode come from fstat once open
   std::string dir_path;   // anon: the folder it is made in (relative; "." for the root)
   std::vector<std::pair<uint64_t, uint64_t>> data;  // sparse: data extents [start, end)
   std::vector<uint64_t> digests;
@@ -180,11 +181,19 @@ class Runner {
     size_t nsmall = std::max(1u, opt_.files_in_flight);
     // Big buffers only for a job that has big files, no more than its stripes: a job of
     // small files neither maps nor pins them (registering pins, and so zeroes, every page).
+    // Files whose size is learned at their open may be big: their buffers are mapped
+    // (touched only if used) but not registered.
     size_t nbig = 0;
+    bool unknown = false;
     const size_t want_big = std::max(1u, opt_.big_buffers);
-    for (size_t i = 0; i < tasks_.size() && nbig < want_big; ++i)
-      if (tasks_[i].size >= small_size_)
+    for (size_t i = 0; i < tasks_.size() && nbig < want_big; ++i) {
+      if (tasks_[i].stat_at_open) {
+        nbig = want_big;
+        unknown = true;
+      } else if (tasks_[i].size >= small_size_) {
         nbig = std::min(want_big, nbig + size_t((tasks_[i].size + big_size_ - 1) / big_size_));
+      }
+    }
     small_stride_ = small_size_ + kPad;
     big_stride_ = big_size_ + kPad;
     size_t small_bytes = nsmall * small_stride_;
@@ -200,7 +209,7 @@ class Runner {
     // Fixed buffers save the kernel a page-pinning walk per read; worth it only for the
     // big stripes, and only if the backend (and RLIMIT_MEMLOCK) allow it.
     iovec iov[2] = {{small_base_, small_bytes}, {big_base_, nbig * big_stride_}};
-    fixed_ = nbig > 0 && eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
+    fixed_ = nbig > 0 && !unknown && eng_->register_buffers(std::span<const iovec>(iov, 2)) == 0;
   }
 
   // ---- admission ---------------------------------------------------------------------
@@ -237,16 +246,60 @@ class Runner {
     f.active = true;
     f.task = task;
     f.src_path = t.src;
-    f.nstripes = t.size == 0 ? 1 : (t.size + big_size_ - 1) / big_size_;
-    if (t.size < small_size_) f.nstripes = 1;
-    f.digests.assign(f.nstripes, 0);
     ++active_;
+    if (t.stat_at_open) {  // sized once open (on_src_open); O_DIRECT till found big
+      f.unknown = true;
+      f.nstripes = 1;
+      f.direct_src = direct_src_;
+      open_src(slot);
+      return;
+    }
+    size_stripes(f);
     f.direct_src = direct_src_ && t.size < small_size_;
     open_src(slot);
     if (opt_.write) {
       f.tmp_path = temp_name(t.dst);
       open_dst(slot);
     }
+  }
+
+  void size_stripes(FileState& f) {
+    const FileTask& t = tasks_[f.task];
+    f.nstripes = t.size == 0 ? 1 : (t.size + big_size_ - 1) / big_size_;
+    if (t.size < small_size_) f.nstripes = 1;
+    f.digests.assign(f.nstripes, 0);
+  }
+
+  // A stat_at_open task's source is open: its size, blocks, mode and time from fstat
+  // (a regular file still, else it changed since it was listed); false after an error.
+  bool learn(uint32_t slot) {
+    FileState& f = files_[slot];
+    FileTask& t = tasks_[f.task];
+    struct stat st;
+    if (::fstat(f.src_fd, &st) != 0) {
+      file_error(slot, Error::os(errno, "stat", src_name(f)));
+      return false;
+    }
+    if (!S_ISREG(st.st_mode)) {
+      file_error(slot, changed(f, "is no longer a regular file"));
+      return false;
+    }
+    t.size = uint64_t(st.st_size);
+    t.blocks = uint64_t(st.st_blocks);
+    t.mode = uint32_t(st.st_mode & 07777);
+    t.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    job_.bytes_total_.fetch_add(t.size, std::memory_order_relaxed);
+    f.unknown = false;
+    size_stripes(f);
+    if (f.direct_src && !is_small(f)) {  // read through the page cache, in stripes
+      f.direct_src = false;
+      int fl = ::fcntl(f.src_fd, F_GETFL);
+      if (fl < 0 || ::fcntl(f.src_fd, F_SETFL, fl & ~O_DIRECT) != 0) {
+        file_error(slot, Error::os(errno, "read", src_name(f)));
+        return false;
+      }
+    }
+    return true;
   }
 
   // The temporary is created with the file's final mode where the umask keeps it and the
@@ -479,6 +532,8 @@ class Runner {
 
   void on_src_open(uint32_t slot) {
     FileState& f = files_[slot];
+    const bool learned = f.unknown;
+    if (learned && !learn(slot)) return;
     const FileTask& t = tasks_[f.task];
     if (!is_small(f)) {
       ::posix_fadvise(f.src_fd, 0, 0, POSIX_FADV_SEQUENTIAL);
@@ -489,6 +544,11 @@ class Runner {
     } else {
       issue_next_stripe(slot);
       if (f.active && f.next_stripe < f.nstripes) want_big_.push_back(slot);
+    }
+    // The temporary last: its open may complete (and finish the file) at once.
+    if (learned && opt_.write && f.active && !error_) {
+      f.tmp_path = temp_name(t.dst);
+      open_dst(slot);
     }
   }
 
@@ -736,7 +796,7 @@ class Runner {
   uint64_t busy_ns_[kBusyKinds] = {};
   CopyJob& job_;
   const CopyOptions opt_;
-  const std::vector<FileTask>& tasks_;
+  std::vector<FileTask>& tasks_;  // a task is its submitter's alone (stat_at_open)
   io::Engine* eng_ = nullptr;
   UniqueFd src_root_;
   UniqueFd dst_root_;
@@ -773,7 +833,9 @@ CopyJob::CopyJob(std::string src_root, std::string dst_root, std::vector<FileTas
       dst_root_(std::move(dst_root)),
       tasks_(std::move(tasks)),
       opt_(options) {
-  for (const auto& t : tasks_) bytes_total_ += t.size;
+  uint64_t total = 0;
+  for (const auto& t : tasks_) total += t.size;
+  bytes_total_.store(total, std::memory_order_relaxed);
 }
 
 CopyJob::~CopyJob() {

@@ -49,6 +49,11 @@ struct FileTask {
   uint64_t blocks = 0;  // 512-byte blocks allocated in the source (sparse hint)
   uint32_t mode = 0644;
   int64_t mtime_ns = 0;
+  // Size, blocks, mode and time not known yet (a listing of names alone): the job learns
+  // them from fstat(2) of the opened source (on a network file system, from the open's
+  // own reply: no round trip), before it creates the temporary. CopyJob::task_meta
+  // tells them once the file is done.
+  bool stat_at_open = false;
 };
 
 struct CopyOptions {
@@ -105,7 +110,10 @@ class CopyJob {
   std::vector<FileDone> take_done();
   uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_relaxed); }
   uint64_t files_done() const { return files_done_.load(std::memory_order_relaxed); }
-  uint64_t bytes_total() const { return bytes_total_; }
+  uint64_t bytes_total() const { return bytes_total_.load(std::memory_order_relaxed); }
+  // A task's size, blocks, mode and mtime: as given, or (stat_at_open) as its source was
+  // found when opened. Read a task's once take_done() has returned it.
+  const FileTask& task(size_t i) const { return tasks_.at(i); }
   uint64_t files_total() const { return tasks_.size(); }
   std::string engine_name() const;
   // Seconds during which at least one operation of kind k (0 reads, 1 writes, 2 opens
@@ -125,7 +133,7 @@ class CopyJob {
   std::string dst_root_;
   std::vector<FileTask> tasks_;
   CopyOptions opt_;
-  uint64_t bytes_total_ = 0;
+  std::atomic<uint64_t> bytes_total_{0};  // grows as stat_at_open tasks are opened
   CancelToken cancel_;
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint64_t> files_done_{0};

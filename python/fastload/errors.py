@@ -135,7 +135,10 @@ def stage_error(
     path: str | None = None,
     base: type[StageError] = StageError,
 ) -> StageError:
-    """Builds a StageError (or a subclass) that is also the built-in for ``err``."""
+    """Builds a StageError (or a subclass) that is also the built-in for ``err``; a
+    plain one of ENOSPC is a NotEnoughSpaceError (a write found the disk full)."""
+    if err == _errno.ENOSPC and base is StageError:
+        return NotEnoughSpaceError(message, path=path or "", needed=0, free=0)
     exc = _class_for(base, err)(err, message)
     exc.filename = path
     return exc
@@ -172,7 +175,7 @@ def from_native(kind: str, err: int, op: str, path: str, message: str) -> Except
         iexc = IndexFormatError(message)
         iexc.path = path  # type: ignore[attr-defined]
         return iexc
-    if kind == "no_space":
+    if kind == "no_space" or (kind == "os" and err == _errno.ENOSPC):  # a write found it full
         return NotEnoughSpaceError(message, path=path, needed=0, free=0)
     if err <= 0:
         err = _errno.EINVAL if kind in ("unsupported", "unsafe") else _errno.EIO

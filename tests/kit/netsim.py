@@ -187,17 +187,18 @@ def staging_behind(tmp_path: Path, src: Path) -> Iterator[tuple[Mount, Path, Any
 
 
 def hold_the_listing(monkeypatch: Any) -> threading.Event:
-    """The stager's listing of a tree (its walk stat'ing every file) starts only once
-    the event returned is set: what a reader gets meanwhile comes before the plan."""
+    """The stager's plan of a tree (its listing: a walk stat'ing every file, or, on a
+    fresh destination, the names walked before) is made only once the event returned
+    is set: what a reader gets meanwhile comes before the plan."""
     from fastload.staging.tree import LocalTree
 
-    go, walk = threading.Event(), LocalTree.listing
+    go, plan = threading.Event(), LocalTree.plan
 
-    def held(self: LocalTree, req: Any) -> Any:
+    def held(self: LocalTree, req: Any, dest: Any, listing: Any = None) -> Any:
         go.wait(120)
-        return walk(self, req)
+        return plan(self, req, dest, listing)
 
-    monkeypatch.setattr(LocalTree, "listing", held)
+    monkeypatch.setattr(LocalTree, "plan", held)
     return go
 
 

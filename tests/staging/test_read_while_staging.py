@@ -132,23 +132,37 @@ def test_a_missing_source_fails_wait_and_every_read(tmp_path: Path) -> None:
 
 def test_a_full_disk_fails_the_stage_and_its_readers(tree: Path, small_fs, tmp_path: Path
                                                      ) -> None:  # fmt: skip
+    """A fresh stage's plan holds no sizes (its files' are learned as they are copied):
+    a write finds the disk full, and the stage and every later read fail with
+    NotEnoughSpaceError naming the destination; what is there is whole."""
     disk = small_fs("1m")
-    h = fastload.stage(tree, disk / "dst", wait=False)
-    _listed_or_failed(h)  # (a file asked for before the plan may fit, and be read)
-    assert h.progress().state == "failed"
-    with pytest.raises(fastload.NotEnoughSpaceError):
+    dst = disk / "dst"
+    h = fastload.stage(tree, dst, wait=False)
+    deadline = time.monotonic() + 120  # (a bound on the wait, not a timing figure)
+    while (p := h.progress()).state != "failed":  # (a file asked for early may fit)
+        assert p.state != "done" and time.monotonic() < deadline, p
+        time.sleep(0.01)
+    with pytest.raises(fastload.NotEnoughSpaceError) as e:
         h.local("dir000/f00001.dat")
+    assert str(dst) in str(e.value.filename)
     with pytest.raises(fastload.NotEnoughSpaceError):
         h.wait()
+    for f in dst.rglob("*"):  # no partial file at a final name, no temporary left
+        if f.is_file():
+            assert f.read_bytes() == (tree / f.relative_to(dst)).read_bytes()
 
 
 def test_a_file_changed_at_the_source_fails_its_reader(tmp_path: Path) -> None:
     """The reader that asked for a file that changed since the listing gets the
-    SourceChangedError; the stage fails with it too (as a plain stage would)."""
+    SourceChangedError; the stage fails with it too (as a plain stage would). (The
+    destination holds a folder when the stage begins: its plan is a walk's, each
+    file's size listed; a fresh stage's learns them as it copies, and a file changed
+    before its copy is staged as changed: test_read_while_staging_names.py.)"""
     src = tmp_path / "src"
     trees.build_small_files(src, N, per_dir=100, seed=7)
     names = sorted(trees.regular_files(src))
     victim = next(n for n in reversed(names) if (src / n).stat().st_size > 100)
+    (tmp_path / "dst" / "dir000").mkdir(parents=True)
     with staging_behind(tmp_path, src) as (_m, _dst, h):
         listed(h)  # the source is listed: its sizes are the plan's
         os.truncate(src / victim, 50)  # shorter than listed

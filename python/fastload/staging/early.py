@@ -30,19 +30,22 @@ import errno
 import os
 import stat
 import threading
+from array import array
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _core
 from .channel import encode_error, named_by
+from .columns import DIR, FILE, Listing
 from .job import run_job, set_poll_ms
 from .request import StageRequest
 from .state import quick_same
 from .tree import LocalTree
 
-__all__ = ["Early", "Fetched", "early_for", "names"]
+__all__ = ["Early", "Fetched", "early_for", "names", "walk_names"]
 
 NAME_THREADS = 32  # folders read at once by the names' walk
 STAT_THREADS = 32  # wanted files stat'ed at once
@@ -51,38 +54,96 @@ POLL_MS = 10  # how soon a fetched file reaches its readers
 HINTS_AT_ONCE = 32  # hinted files per job
 JOBS_AT_ONCE = 4  # jobs at once of wanted files, and of hinted ones
 
-# A file fetched early: (size, mtime_ns, mode, raw digests), as its copy job saw it.
-Fetched = tuple[int, int, int, bytes]
+# A file fetched early: (size, mtime_ns, mode, raw digests, blocks), as its copy job saw
+# it.
+Fetched = tuple[int, int, int, bytes, int]
 
 
-def _scan(root: str, rel: str) -> tuple[list[str], list[str]]:
-    """The regular files and the folders of ``root/rel`` (relative paths), from its
-    entries' types (a stat only where the file system gives none)."""
-    files, dirs = [], []
-    with os.scandir(os.path.join(root, rel) if rel else root) as it:
-        for e in it:
-            path = f"{rel}/{e.name}" if rel else e.name
-            if e.is_dir(follow_symlinks=False):
-                dirs.append(path)
-            elif e.is_file(follow_symlinks=False):
-                files.append(path)
-    return files, dirs
+class _Scanned(NamedTuple):
+    """One folder read: its regular files and folders (relative paths), its own mode and
+    mtime, and whether it holds anything else (a link, a special file)."""
+
+    files: list[str]
+    dirs: list[str]
+    mode: int
+    mtime_ns: int
+    other: bool
 
 
-def names(root: str | os.PathLike[str], threads: int = NAME_THREADS) -> list[str]:
+def _scan(root: str, rel: str) -> _Scanned:
+    """``root/rel`` read: the entries' types from the directory itself (a stat only
+    where the file system gives none), the folder's own mode and time from the open
+    folder (on a network file system, from its open's reply: no round trip more)."""
+    files, dirs, other = [], [], False
+    fd = os.open(os.path.join(root, rel) if rel else root,
+                 os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if rel else 0))
+    try:
+        st = os.fstat(fd)
+        with os.scandir(fd) as it:
+            for e in it:
+                path = f"{rel}/{e.name}" if rel else e.name
+                if e.is_dir(follow_symlinks=False):
+                    dirs.append(path)
+                elif e.is_file(follow_symlinks=False):
+                    files.append(path)
+                else:
+                    other = True
+    finally:
+        os.close(fd)
+    return _Scanned(files, dirs, stat.S_IMODE(st.st_mode), st.st_mtime_ns, other)
+
+
+def walk_names(root: str | os.PathLike[str], threads: int = NAME_THREADS
+               ) -> tuple[list[str], Listing | None]:  # fmt: skip
     """The paths of the regular files under ``root`` (relative, sorted): folders read
-    ``threads`` at once, no file stat'ed (links and special files are not regular)."""
+    ``threads`` at once, no file stat'ed (links and special files are not regular);
+    and, where the tree holds only folders and regular files, its listing as the
+    stager's walk makes it, but each file's size, blocks, mode and time unknown (0: a
+    copy job learns them when it opens the file, CopyFiles' ``stat_at_open``), else
+    None."""
     top, out = os.fspath(root), []
+    dirs: list[tuple[bytes, int, int]] = []  # (path, mode, mtime_ns) of each folder
+    plain = True
     with ThreadPoolExecutor(threads, thread_name_prefix="fastload-names") as pool:
-        pending: set[Future[tuple[list[str], list[str]]]] = {pool.submit(_scan, top, "")}
+        pending: set[Future[_Scanned]] = {pool.submit(_scan, top, "")}
+        folder: dict[Future[_Scanned], str] = {}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
-                files, dirs = f.result()
-                out.extend(files)
-                pending.update(pool.submit(_scan, top, d) for d in dirs)
+                got = f.result()
+                out.extend(got.files)
+                plain = plain and not got.other
+                rel = folder.pop(f, "")
+                if rel:
+                    dirs.append((os.fsencode(rel), got.mode, got.mtime_ns))
+                for d in got.dirs:
+                    sub = pool.submit(_scan, top, d)
+                    folder[sub] = d
+                    pending.add(sub)
     out.sort()
+    return out, _unstated(out, dirs) if plain else None
+
+
+def _unstated(files: list[str], dirs: list[tuple[bytes, int, int]]) -> Listing:
+    """The listing of ``files`` (sizes, blocks, modes and times 0: unknown) and
+    ``dirs``, in the byte order of their paths, as the stager's walk gives it."""
+    rows = [(os.fsencode(p), FILE, 0, 0) for p in files]
+    rows += [(p, DIR, mode, mtime) for p, mode, mtime in dirs]
+    rows.sort(key=lambda r: r[0])
+    blob = b"".join(r[0] for r in rows)
+    ends = array("q", [0])
+    ends.extend(accumulate(len(r[0]) for r in rows))
+    zeros = array("q", bytes(8 * len(rows)))
+    out = Listing(blob, ends, array("B", (r[1] for r in rows)), zeros, array("q", zeros),
+                  array("I", (r[2] for r in rows)), array("q", (r[3] for r in rows)), {})
+    out._sorted = True  # (each path once, in byte order)
     return out
+
+
+def names(root: str | os.PathLike[str], threads: int = NAME_THREADS) -> list[str]:
+    """The paths of the regular files under ``root`` (relative, sorted): see
+    :func:`walk_names`."""
+    return walk_names(root, threads)[0]
 
 
 def early_for(source: Any, dest: Any, req: StageRequest, cond: threading.Condition
@@ -102,6 +163,9 @@ class Early:
         self.source, self.src = source, source.src
         self.root, self.req, self.cond = root, req, cond
         self.names: list[str] | None = None  # once walked (None as well where it failed)
+        # The walk's listing of a tree of folders and regular files (walk_names), sizes
+        # unknown, till the plan takes it (take_listing); else None.
+        self.listing: Listing | None = None
         self.walked = False
         self._queue: list[str] = []  # wanted, not yet looked at
         self._hints: deque[str] = deque()  # hinted, not yet looked at
@@ -120,13 +184,23 @@ class Early:
             t.start()
 
     def _walk(self) -> None:
+        listing = None
         try:
-            got: list[str] | None = names(self.src)
+            got: list[str] | None
+            got, listing = walk_names(self.src)
         except OSError:
             got = None  # the stager's own listing says what is wrong
         with self.cond:
-            self.names, self.walked = got, True
+            self.names, self.listing, self.walked = got, listing, True
             self.cond.notify_all()
+
+    def take_listing(self) -> Listing | None:
+        """The walk's listing (once walked; see :func:`walk_names`), given once."""
+        with self.cond:
+            while not self.walked and not self._stop:
+                self.cond.wait()
+            got, self.listing = self.listing, None
+            return got
 
     def answer(self, rel: str) -> dict[str, Any] | None:
         """(Under the lock.) ``rel``'s answer, or None: not yet (asked for here)."""
@@ -258,7 +332,8 @@ class Early:
                     for idx, digests in batch:
                         rel, st = todo[idx]
                         self._fetched[rel] = (st.st_size, st.st_mtime_ns,
-                                              stat.S_IMODE(st.st_mode), digests)  # fmt: skip
+                                              stat.S_IMODE(st.st_mode), digests,
+                                              st.st_blocks)  # fmt: skip
                         self._answers[rel] = {"ok": True}
                     self.cond.notify_all()
 

@@ -64,7 +64,7 @@ FILE, DIR, LINK = 0, 1, 2
 class Bar:
     """A progress bar (tqdm) driven by the native counters."""
 
-    def __init__(self, desc: str, total: int, initial: int) -> None:
+    def __init__(self, desc: str, total: int | None, initial: int) -> None:
         from tqdm.auto import tqdm
 
         self._bar = tqdm(
@@ -92,7 +92,7 @@ class Bar:
 
 
 def progress_callback(
-    progress: Progress, desc: str, total: int, initial: int
+    progress: Progress, desc: str, total: int | None, initial: int
 ) -> tuple[ProgressCallback | None, Bar | None]:
     if progress is True:
         bar = Bar(desc, total, initial)

@@ -106,6 +106,16 @@ class Schedule(Served):
             while self._early is not None and not self._early.walked and not self.cancelled:
                 self.cond.wait()
 
+    def names_listing(self) -> Listing | None:
+        """The plan's listing where it needs no stat per file: a fresh stage of a plain
+        tree of folders and regular files (early.walk_names' listing, its files' sizes
+        learned as they are copied: tree.LocalTree.plan); else None (the stager walks
+        the source, a stat per file)."""
+        early = self._early
+        if early is None or not self.present_whole:
+            return None
+        return early.take_listing()
+
     def inner(self, folder: str | None, done: bool = False) -> None:
         """unpack="nested": the inner archive extracted into ``folder`` is next
         (``done``: its stage has ended, its files are whole); ``folder`` None: the
@@ -158,6 +168,7 @@ class Schedule(Served):
         counts: list[Any] = ["none", 0, 0]
         with self.cond:
             self._files, self._done = files, done
+            self._sizes_known = not plan.stat_at_open
             self._others = {plan.entries.path(i) for i in range(len(plan.entries))}
             self._claimed = bytearray(len(files))
             self._hinted = bytearray(len(files))
@@ -181,8 +192,9 @@ class Schedule(Served):
 
         def progress() -> None:
             if on_progress is not None:
-                with self.cond:
-                    on_progress(done.total_bytes, files.total_bytes, len(done), len(files))
+                with self.cond:  # (bytes_total 0: not known till the files are copied)
+                    on_progress(done.total_bytes, files.total_bytes if self._sizes_known
+                                else 0, len(done), len(files))  # fmt: skip
 
         depth = _depth(source, req)
         at_once = min(CHUNKS_AT_ONCE, depth)
@@ -270,13 +282,14 @@ class Schedule(Served):
         files, records = self._files, []
         rows: dict[int, bytes] = {}  # adopted: row -> its digests
         assert files is not None
-        for rel, (size, mtime, mode, digests) in fetched.items():
+        for rel, (size, mtime, mode, digests, blocks) in fetched.items():
             i = self._row(rel)
-            if (
-                i is None
-                or done.is_done(i)
-                or (files.size[i], files.mtime_ns[i], files.mode[i]) != (size, mtime, mode)
-            ):
+            if i is None or done.is_done(i):
+                continue
+            if not self._sizes_known:  # the listing learns them from the copy
+                files.size[i], files.mtime_ns[i], files.mode[i] = size, mtime, mode
+                files.blocks[i] = blocks
+            elif (files.size[i], files.mtime_ns[i], files.mode[i]) != (size, mtime, mode):
                 continue  # changed since: the plan's copy is the stage's
             records.append((os.fsencode(rel), size, mtime, mode, digests))
             rows[i] = digests

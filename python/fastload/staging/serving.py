@@ -49,6 +49,7 @@ class Served:
         self.error: BaseException | None = None
         self.cancelled = False
         self._files: Listing | None = None
+        self._sizes_known = True  # False: the listing's sizes are learned as files land
         self._others: set[str] = set()  # folders and links: whole at the stage's end
         self._done: Done | None = None
         self._rows: dict[str, int] | None = None
@@ -136,7 +137,8 @@ class Served:
             if self._files is not None and self._done is not None:
                 out.update(files_done=len(self._done), files_total=len(self._files),
                            bytes_done=self._done.total_bytes,
-                           bytes_total=self._files.total_bytes)  # fmt: skip
+                           bytes_total=self._files.total_bytes if self._sizes_known
+                           else None)  # fmt: skip
             if self.result is not None:
                 r = self.result
                 out.update(files_done=r.files, files_total=r.files, bytes_done=r.bytes,

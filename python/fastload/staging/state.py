@@ -315,13 +315,21 @@ class Journal:
         """One frame of ``records``, written with one write."""
         assert self._f is not None
         if records:
-            self._f.write(_frame(records))
-            self._f.flush()
+            try:
+                self._f.write(_frame(records))
+                self._f.flush()
+            except OSError as e:  # (a full disk: its error names the journal)
+                e.filename = e.filename or str(self.path)
+                raise
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()  # (closed even where its last flush fails)
+            except OSError as e:
+                e.filename = e.filename or str(self.path)
+                raise
 
     def remove(self) -> None:
         self.close()

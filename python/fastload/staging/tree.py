@@ -70,6 +70,10 @@ class TreePlan:
     complete: bool
     done: Done
     todo: array[int]
+    # The files' size, blocks, mode and time are not in the listing yet (a listing of
+    # names: LocalTree.plan): each is learned as it is copied (CopyFiles' stat_at_open),
+    # and the fingerprint is made once all are (LocalTree.fingerprint).
+    stat_at_open: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -77,7 +81,9 @@ class TreePlan:
 
 
 def space_needed(plan: TreePlan, dst_parent: Path) -> int:
-    """Bytes (in whole blocks of ``dst_parent``'s file system) the files to do take."""
+    """Bytes (in whole blocks of ``dst_parent``'s file system) the files to do take (0
+    where their sizes are not known yet: a write that finds the disk full fails the
+    stage with NotEnoughSpaceError)."""
     bsize = os.statvfs(dst_parent).f_frsize or 4096
     sizes, blocks = plan.files.size, plan.files.blocks
     needed = 0
@@ -186,9 +192,11 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
     done = plan.done
     done_bytes = done.total_bytes
     on_progress, bar = progress_callback(
-        req.progress, f"stage {source.label}", plan.total_bytes, done_bytes
-    )
+        req.progress, f"stage {source.label}",
+        None if plan.stat_at_open else plan.total_bytes, done_bytes,
+    )  # fmt: skip
     flusher = dest.begin(done)
+    ok = False
     try:
         engine, copied_files, copied_bytes = "none", 0, 0
         # A source with a ``batch`` transfers that many files at a time: what the copier
@@ -206,10 +214,17 @@ def _run(source: Any, req: StageRequest, dest: Destination, plan: TreePlan) -> S
                 copied_files, copied_bytes = copied_files + files, copied_bytes + nbytes
         flusher.close()
         source.finish(plan, dest)
+        if plan.stat_at_open:  # every file's size and time known now
+            plan.fingerprint = source.fingerprint(plan, req)
+        ok = True
     finally:
         with contextlib.suppress(Exception):
             flusher.close()  # after an error: keep what finished, report the first error
-        dest.journal.close()
+        if ok:
+            dest.journal.close()
+        else:  # (its error, a full disk's too, would hide the first)
+            with contextlib.suppress(OSError):
+                dest.journal.close()
         if bar is not None:
             bar.close()
     manifest = Manifest(
@@ -297,18 +312,40 @@ class LocalTree:
 
     def plan(self, req: StageRequest, dest: Destination, listing: Any = None) -> TreePlan:
         """Lists the source (or takes ``listing``) and works out what is already in place
-        (under the destination's lock)."""
+        (under the destination's lock). A fresh stage in the background of a tree of
+        folders and regular files takes the names its schedule walked (no stat per file:
+        on a network file system, a round trip each, which the stage's start would wait
+        for and the files readers want would queue behind): its files' sizes and times
+        are learned as they are copied."""
         with dest.timed("listing"):
+            names = None
+            if listing is None and dest.scheduler is not None and not self.single:
+                names = dest.scheduler.names_listing()
+            if names is not None:
+                self._measure(req)
+                with dest.timed("planning"):
+                    return self._plan(req, dest, names, stat_at_open=True)
             listed = listing if listing is not None else self.listing(req)
         with dest.timed("planning"):
             return self._plan(req, dest, listed)
 
-    def _plan(self, req: StageRequest, dest: Destination, listed: Any) -> TreePlan:
+    def fingerprint(self, plan: TreePlan, req: StageRequest) -> str:
+        """The fingerprint of the listing ``plan`` now holds (its files' records
+        filled in): the one a walk of the same tree gives (tree_fingerprint)."""
+        rows = sorted([*plan.entries, *plan.files], key=lambda e: os.fsencode(e.path))
+        return tree_fingerprint(self.name, Listing.of(rows),
+                                {**self.options, "chunk": req.stripe})  # fmt: skip
+
+    def _plan(self, req: StageRequest, dest: Destination, listed: Any,
+              stat_at_open: bool = False) -> TreePlan:  # fmt: skip
         if not isinstance(listed, Listing):
             listed = Listing.of(listed)
         entries = listed.with_paths([dest.path.name] * len(listed)) if self.single else listed
-        fp = tree_fingerprint(self.name, entries, {**self.options, "chunk": req.stripe})
+        # (unknown sizes: a fingerprint no manifest has, made again at the end)
+        fp = "" if stat_at_open else tree_fingerprint(self.name, entries,
+                                                      {**self.options, "chunk": req.stripe})
         plan = plan_against(dest, entries, fp)
+        plan.stat_at_open = stat_at_open
         journal = dest.journal
         # Files an interrupted run put in place (linked or renamed) but had not journalled
         # yet: whole, as long as the machine did not reboot since; their digests are read
@@ -349,14 +386,23 @@ class LocalTree:
         size, mtime, mode = sub.size, sub.mtime_ns, sub.mode
         blob, ends = sub.paths, sub.offsets
 
+        learn = plan.stat_at_open
+
         def on_done(batch: list[tuple[int, bytes]], final: bool) -> None:
             if not batch:
                 return
             records: list[JournalRecord] = []
             add, nbytes = records.append, 0
             for idx, digests in batch:
-                n = size[idx]
-                add((blob[ends[idx] : ends[idx + 1]], n, mtime[idx], mode[idx], digests))
+                if learn:  # the listing's row gets what the copy found
+                    n, blk, md, mt = job.task_meta(idx)
+                    row = todo[idx]
+                    files.size[row], files.blocks[row] = n, blk
+                    files.mode[row], files.mtime_ns[row] = md, mt
+                    add((blob[ends[idx] : ends[idx + 1]], n, mt, md, digests))
+                else:
+                    n = size[idx]
+                    add((blob[ends[idx] : ends[idx + 1]], n, mtime[idx], mode[idx], digests))
                 nbytes += n
             done.set_listed([todo[idx] for idx, _d in batch], [d for _i, d in batch])
             copied[0] += len(batch)
@@ -379,6 +425,7 @@ class LocalTree:
                 sub.blocks,
                 mode,
                 mtime,
+                stat_at_open=learn,
             ),
             self.copy_options(req, root),
         )

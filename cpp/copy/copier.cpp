@@ -933,7 +933,13 @@ void CopyJob::run() {
 }
 
 void CopyJob::start() {
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    if (opt_.idle) {  // this thread only (Linux), and the threads it starts
+      sched_param none{};
+      ::sched_setscheduler(0, SCHED_IDLE, &none);
+    }
+    run();
+  });
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return started_; });
 }

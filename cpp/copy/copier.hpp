@@ -71,6 +71,10 @@ struct CopyOptions {
   int src_network = -1;
   int src_fuse = -1;
   bool write = true;
+  // The job's threads (its submitters, and the engine's threads they start) run
+  // SCHED_IDLE: a stage in the background's own order, beside a training loop, gets
+  // the CPU time no other thread wants, and a thread of the loop that wakes runs at once.
+  bool idle = false;
 };
 
 struct FileDone {

@@ -79,6 +79,7 @@ class CopyOptions:
         submitters: int = 0,
         src_network: int = -1,
         src_fuse: int = -1,
+        idle: bool = False,
     ) -> None: ...
     engine: str
     @property
@@ -93,6 +94,7 @@ class CopyOptions:
     stripe_size: int
     big_buffers: int
     submitters: int
+    idle: bool
 
 class CopyJob:
     def __init__(

@@ -155,6 +155,8 @@ def test_a_file_left_by_an_earlier_stage_is_asked_for(tree: Path, tmp_path: Path
 
 def test_the_stages_own_order_runs_nicer_than_the_process(tree: Path, tmp_path: Path
                                                           ) -> None:  # fmt: skip
+    """The chunks' Python threads run BACKGROUND_NICE steps nicer; the copy jobs they
+    start run their threads SCHED_IDLE; the process's own threads keep their priority."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     want = min(19, base + BACKGROUND_NICE)
     seen: dict[int, int] = {}
@@ -168,26 +170,33 @@ def test_the_stages_own_order_runs_nicer_than_the_process(tree: Path, tmp_path: 
         while not (seen and engine) and time.monotonic() < deadline and not h.done:
             for t in threading.enumerate():
                 if t.name.startswith("fastload-chunk") and t.native_id is not None:
-                    nice = _nice(t.native_id)
-                    if nice is not None and nice != base:
-                        seen[t.native_id] = nice
+                    got = _sched(t.native_id)
+                    if got is not None and got[0] != base:
+                        seen[t.native_id] = got[0]
+                        assert got[1] == SCHED_NORMAL, got  # (it takes the GIL)
             python = {t.native_id for t in threading.enumerate()}
-            engine = [tid for tid in _tids() if tid not in python and _nice(tid) == want]
+            engine = [tid for tid in _tids()
+                      if tid not in python and (_sched(tid) or (0, 0))[1] == SCHED_IDLE]
             time.sleep(0.005)
         h.wait()
     assert seen and set(seen.values()) == {want}, seen
-    assert engine, "no thread started by a chunk runs at its priority"
-    assert _nice(threading.get_native_id()) == base
+    assert engine, "no thread started by a chunk runs SCHED_IDLE"
+    assert _sched(threading.get_native_id()) == (base, SCHED_NORMAL)
+
+
+SCHED_NORMAL, SCHED_IDLE = 0, 5  # /proc/PID/task/TID/stat's policy field
 
 
 def _tids() -> list[int]:
     return [int(t) for t in os.listdir("/proc/self/task")]
 
 
-def _nice(tid: int) -> int | None:
+def _sched(tid: int) -> tuple[int, int] | None:
+    """Thread ``tid``'s nice value and scheduling policy."""
     try:
         with open(f"/proc/self/task/{tid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[16])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[16]), int(fields[38])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -54,6 +54,17 @@ _poll = threading.local()
 def set_poll_ms(ms: int) -> None:
     """How often run_job takes finished files on this thread (default POLL_MS)."""
     _poll.ms = ms
+
+
+def set_idle() -> None:
+    """The copy jobs this thread makes from now on run their threads SCHED_IDLE
+    (CopyOptions.idle: a stage in the background's own order, schedule.yield_cpu)."""
+    _poll.idle = True
+
+
+def runs_idle() -> bool:
+    """Whether :func:`set_idle` was called on this thread."""
+    return bool(getattr(_poll, "idle", False))
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
 

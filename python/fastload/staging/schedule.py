@@ -37,7 +37,7 @@ from .channel import named_by
 from .columns import Listing
 from .done import Done, LockedDone
 from .early import Fetched, early_for
-from .job import ProgressCallback, in_flight, set_poll_ms
+from .job import ProgressCallback, in_flight, set_idle, set_poll_ms
 from .request import StageRequest
 from .result import StageResult
 from .serving import Served
@@ -384,12 +384,17 @@ class Schedule(Served):
 
 
 def yield_cpu() -> None:
-    """(Each chunk thread's start.) This thread, and the engine's threads it starts
-    from now on, run BACKGROUND_NICE steps nicer than the process (nice(2), at most
-    19): the stage's own order, beside a training loop, takes the CPU the loop leaves.
-    On 2 cores, netsim at 2 ms, 20,000 files: the loop's steps took 2-5 ms longer each
-    while the stage ran at the loop's priority. The readers' jobs (files a reader waits
-    for) keep the process's."""
+    """(Each chunk thread's start.) This thread runs BACKGROUND_NICE steps nicer than
+    the process (nice(2), at most 19), and the copy jobs it makes run their threads
+    SCHED_IDLE (job.set_idle, CopyOptions.idle): the stage's own order, beside a
+    training loop, takes the CPU the loop leaves, and a thread of the loop that wakes
+    runs at once. On 2 cores, netsim at 2 ms, 20,000 files: the loop's steps took 2-5
+    ms longer each while the stage ran at the loop's priority; the sampler's epoch took
+    8.2-8.6 s with the copy threads at nice +10 and 7.4-8.0 s with them SCHED_IDLE
+    (three runs each, interleaved). This thread itself is not SCHED_IDLE: it takes
+    the interpreter's lock, which the loop's threads wait for. The readers' jobs
+    (files a reader waits for) keep the process's priority."""
+    set_idle()
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):
         want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICE)

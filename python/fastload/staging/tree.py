@@ -37,6 +37,7 @@ from .job import (
     in_flight,
     progress_callback,
     run_job,
+    runs_idle,
 )
 from .request import StageRequest
 from .result import StageResult
@@ -257,7 +258,7 @@ class LocalTree:
         # Copy jobs' options by (engine, workers, stripe), the engine's rule applied once:
         # a stage in the background runs a job per few files (each look at the source's
         # file system is a round trip on a network one).
-        self._copy_options: dict[tuple[str, int | None, int], _core.CopyOptions] = {}
+        self._copy_options: dict[tuple[str, int | None, int, bool], _core.CopyOptions] = {}
 
     def _measure(self, req: StageRequest) -> None:
         """Starts measuring the source's request latency (engine.LatencyProbe), once,
@@ -445,14 +446,18 @@ class LocalTree:
         return str(job.engine), copied[0], copied[1]
 
     def copy_options(self, req: StageRequest, root: Path) -> _core.CopyOptions:
-        """A copy job's options for ``req`` (see job.copy_options), made once per stage."""
-        key = (req.engine, req.workers, req.stripe)
+        """A copy job's options for ``req`` (see job.copy_options), made once per stage;
+        on a thread of a stage in the background's own order (job.set_idle), its
+        threads run SCHED_IDLE."""
+        idle = runs_idle()
+        key = (req.engine, req.workers, req.stripe, idle)
         got = self._copy_options.get(key)
         if got is None:
             engine = resolve_engine(req.engine, root)
             # (given workers, the latency is not the rule's: not waited for)
             latency = None if req.workers else self.latency(req)
             got = copy_options(engine, req.workers, req.stripe, root, latency)
+            got.idle = idle
             self._copy_options[key] = got
         return got
 

@@ -174,7 +174,7 @@ void register_copy(py::module_& m) {
       .def(py::init([](const std::string& engine, const py::object& engine_path, unsigned depth,
                        unsigned threads, unsigned files_in_flight, uint64_t stripe_size,
                        unsigned big_buffers, unsigned submitters, int src_network,
-                       int src_fuse, bool idle) {
+                       int src_fuse, bool lowest_priority) {
              copy::CopyOptions o;
              o.engine.kind = engine_kind(engine);
              if (!engine_path.is_none()) o.engine.where = fs_bytes(engine_path);
@@ -186,7 +186,7 @@ void register_copy(py::module_& m) {
              o.submitters = submitters;
              o.src_network = src_network < 0 ? -1 : src_network > 0 ? 1 : 0;
              o.src_fuse = src_fuse < 0 ? -1 : src_fuse > 0 ? 1 : 0;
-             o.idle = idle;
+             o.lowest_priority = lowest_priority;
              return o;
            }),
            py::kw_only(), py::arg("engine") = "auto", py::arg("engine_path") = py::none(),
@@ -196,7 +196,7 @@ void register_copy(py::module_& m) {
            py::arg("big_buffers") = defaults.big_buffers,
            py::arg("submitters") = defaults.submitters,
            py::arg("src_network") = defaults.src_network,
-           py::arg("src_fuse") = defaults.src_fuse, py::arg("idle") = defaults.idle)
+           py::arg("src_fuse") = defaults.src_fuse, py::arg("lowest_priority") = defaults.lowest_priority)
       .def_property(
           "engine", [](const copy::CopyOptions& o) { return io::kind_name(o.engine.kind); },
           [](copy::CopyOptions& o, const std::string& e) { o.engine.kind = engine_kind(e); })
@@ -221,9 +221,9 @@ void register_copy(py::module_& m) {
       .def_readwrite("stripe_size", &copy::CopyOptions::stripe_size)
       .def_readwrite("big_buffers", &copy::CopyOptions::big_buffers)
       .def_readwrite("submitters", &copy::CopyOptions::submitters)
-      .def_readwrite("idle", &copy::CopyOptions::idle,
-                     "The job's threads run SCHED_IDLE (a stage in the background's own "
-                     "order): started by start(), not by run().");
+      .def_readwrite("lowest_priority", &copy::CopyOptions::lowest_priority,
+                     "The job's threads run at nice 19 (a stage in the background's own "
+                     "order): those start() starts, not run()'s caller.");
 
   py::class_<copy::CopyJob>(m, "CopyJob", "A copy (or, with dst=None, a digest-only read).")
       .def(py::init([](const py::object& src_root, const py::object& dst_root,
@@ -236,8 +236,10 @@ void register_copy(py::module_& m) {
            }),
            py::arg("src_root"), py::arg("dst_root"), py::arg("files"), py::arg("options"))
       .def("start", &copy::CopyJob::start, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &copy::CopyJob::wait, py::arg("timeout_ms"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("wait", &copy::CopyJob::wait, py::arg("timeout_ms"), py::arg("any_done") = false,
+           py::call_guard<py::gil_scoped_release>(),
+           "True once the job has finished; with any_done, returns (False) as soon as a "
+           "finished file waits for take_done().")
       .def("cancel", &copy::CopyJob::cancel)
       .def("rethrow", &copy::CopyJob::rethrow)
       .def("take_done",

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -735,10 +736,13 @@ class Runner {
     if (opt_.write && !f.anon &&
         ::renameat(dst_root_.get(), f.tmp_path.c_str(), dst_root_.get(), t.dst.c_str()) != 0)
       return file_error(slot, Error::os(errno, "rename into place", dst_name(f, false)));
+    bool wake = false;
     {
       std::lock_guard lk(job_.mu_);
       job_.done_.push_back(FileDone{f.task, std::move(f.digests)});
+      wake = job_.done_waiters_ > 0;
     }
+    if (wake) job_.cv_.notify_all();
     job_.files_done_.fetch_add(1, std::memory_order_relaxed);
     f.active = false;
     --active_;
@@ -934,20 +938,21 @@ void CopyJob::run() {
 
 void CopyJob::start() {
   thread_ = std::thread([this] {
-    if (opt_.idle) {  // this thread only (Linux), and the threads it starts
-      sched_param none{};
-      ::sched_setscheduler(0, SCHED_IDLE, &none);
-    }
+    if (opt_.lowest_priority)  // this thread only (Linux), and the threads it starts
+      ::setpriority(PRIO_PROCESS, 0, 19);
     run();
   });
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return started_; });
 }
 
-bool CopyJob::wait(int timeout_ms) {
+bool CopyJob::wait(int timeout_ms, bool any_done) {
   std::unique_lock lk(mu_);
-  if (!cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return finished_; }))
-    return false;
+  done_waiters_ += any_done;
+  cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms),
+               [&] { return finished_ || (any_done && !done_.empty()); });
+  done_waiters_ -= any_done;
+  if (!finished_) return false;
   lk.unlock();
   if (thread_.joinable()) thread_.join();
   return true;

@@ -71,10 +71,13 @@ struct CopyOptions {
   int src_network = -1;
   int src_fuse = -1;
   bool write = true;
-  // The job's threads (its submitters, and the engine's threads they start) run
-  // SCHED_IDLE: a stage in the background's own order, beside a training loop, gets
-  // the CPU time no other thread wants, and a thread of the loop that wakes runs at once.
-  bool idle = false;
+  // The job's threads (its submitters, and the engine's threads they start) run at
+  // nice 19, the lowest priority of ordinary threads: a stage in the background's own
+  // order, beside a training loop, takes little CPU a thread of the loop wants, and a
+  // thread of the loop that wakes preempts them. (Not SCHED_IDLE: that gets nothing at
+  // all while any other thread of the node runs, so the stage would stall behind, say,
+  // a compile, or the loop's own decoding workers.)
+  bool lowest_priority = false;
 };
 
 struct FileDone {
@@ -102,8 +105,10 @@ class CopyJob {
   // Runs on a background thread. Returns once the engine exists (or failed to start,
   // in which case the error is thrown by wait()/rethrow()).
   void start();
-  // Waits up to timeout_ms; true once the job has finished (successfully or not).
-  bool wait(int timeout_ms);
+  // Waits up to timeout_ms; true once the job has finished (successfully or not). With
+  // any_done, returns as well as soon as a finished file waits for take_done() (a
+  // reader waiting for that file need not wait out the timeout).
+  bool wait(int timeout_ms, bool any_done = false);
   // Asks the job to stop; it finishes the operations in flight and removes temporaries.
   void cancel() { cancel_.cancel(); }
   // Throws the job's error, if it failed.
@@ -153,6 +158,7 @@ class CopyJob {
   std::string engine_name_;
   std::optional<Error> error_;
   std::vector<FileDone> done_;
+  unsigned done_waiters_ = 0;  // wait(any_done) calls waiting: a finished file wakes them
   std::thread thread_;
 };
 

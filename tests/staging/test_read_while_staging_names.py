@@ -162,3 +162,38 @@ def test_the_source_is_asked_one_lookup_per_file(tmp_path: Path) -> None:
     trees.assert_same_tree(src, dst)
     assert counts["opens"] == N
     assert counts["meta"] < 2 * N + 50, counts
+
+
+def test_a_job_says_each_file_as_it_lands_and_what_it_found(tmp_path: Path) -> None:
+    """The copier itself: ``wait(any_done=True)`` returns as soon as a file is done
+    (a small one, while a big one is still read at 30 ms a request), not when the job
+    ends; a ``stat_at_open`` task's size, blocks, mode and time are the source's."""
+    from fastload import _core
+
+    src = tmp_path / "src"
+    trees.write_file(src / "big.bin", os.urandom(32 << 20))
+    trees.write_file(src / "small.bin", b"s" * 1000)
+    os.chmod(src / "small.bin", 0o640)
+    os.utime(src / "small.bin", ns=(5, 1_234_567_891))
+    names = [b"big.bin", b"small.bin"]
+    with mounts(tmp_path) as mount:
+        m = mount(src, 2000, 30000)
+        dst = tmp_path / "dst"
+        dst.mkdir()
+        job = _core.CopyJob(str(m.path), str(dst),
+                            _core.CopyFiles(names, names, [0, 0], [0, 0], [0, 0], [0, 0],
+                                            stat_at_open=True),
+                            _core.CopyOptions(files_in_flight=2))  # fmt: skip
+        job.start()
+        finished = job.wait(60_000, any_done=True)  # (a bound: a file, or the job's end)
+        first = job.take_done()
+        while not job.wait(100):
+            pass
+        job.rethrow()
+        m.unmount()
+    assert not finished and [i for i, _d in first] == [1]  # the small one, the big one on
+    st = (src / "small.bin").stat()
+    assert job.task_meta(1) == (1000, st.st_blocks, 0o640, 1_234_567_891)
+    assert job.task_meta(0)[0] == 32 << 20
+    assert (dst / "small.bin").read_bytes() == b"s" * 1000
+    assert (dst / "big.bin").read_bytes() == (src / "big.bin").read_bytes()

@@ -244,7 +244,7 @@ class Early:
         running = [0]
 
         def batch(rels: list[str], stats: ThreadPoolExecutor) -> None:
-            set_poll_ms(POLL_MS)
+            set_poll_ms(POLL_MS, eager=True)
             try:
                 self._batch(rels, hinted, stats)
             finally:

@@ -51,20 +51,23 @@ POLL_MS = 100
 _poll = threading.local()
 
 
-def set_poll_ms(ms: int) -> None:
-    """How often run_job takes finished files on this thread (default POLL_MS)."""
+def set_poll_ms(ms: int, eager: bool = False) -> None:
+    """How often run_job takes finished files on this thread (default POLL_MS); with
+    ``eager``, also as soon as one is (a job of files readers wait for: a few dozen)."""
     _poll.ms = ms
+    _poll.eager = eager
 
 
-def set_idle() -> None:
-    """The copy jobs this thread makes from now on run their threads SCHED_IDLE
-    (CopyOptions.idle: a stage in the background's own order, schedule.yield_cpu)."""
-    _poll.idle = True
+def set_background() -> None:
+    """The copy jobs this thread makes from now on run their threads at nice 19
+    (CopyOptions.lowest_priority: a stage in the background's own order,
+    schedule.yield_cpu)."""
+    _poll.background = True
 
 
-def runs_idle() -> bool:
-    """Whether :func:`set_idle` was called on this thread."""
-    return bool(getattr(_poll, "idle", False))
+def runs_background() -> bool:
+    """Whether :func:`set_background` was called on this thread."""
+    return bool(getattr(_poll, "background", False))
 PROGRESS_EVERY = 0.25  # seconds between progress callbacks
 JOURNAL_EVERY = 1.0  # seconds between journal flushes (each costs a syncfs)
 
@@ -132,9 +135,9 @@ def run_job(
                 base_bytes + job.bytes_done, total_bytes, base_files + job.files_done, total_files
             )
 
-    poll = getattr(_poll, "ms", POLL_MS)
+    poll, eager = getattr(_poll, "ms", POLL_MS), getattr(_poll, "eager", False)
     try:
-        while not job.wait(poll):
+        while not job.wait(poll, eager):
             now = time.monotonic()
             on_done(job.take_done(), False)
             if now - last >= PROGRESS_EVERY:

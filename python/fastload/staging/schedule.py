@@ -37,7 +37,7 @@ from .channel import named_by
 from .columns import Listing
 from .done import Done, LockedDone
 from .early import Fetched, early_for
-from .job import ProgressCallback, in_flight, set_idle, set_poll_ms
+from .job import ProgressCallback, in_flight, set_background, set_poll_ms
 from .request import StageRequest
 from .result import StageResult
 from .serving import Served
@@ -308,7 +308,7 @@ class Schedule(Served):
         running = [0]
 
         def job(rows: list[int]) -> None:
-            set_poll_ms(READERS_POLL_MS)
+            set_poll_ms(READERS_POLL_MS, eager=True)  # each file to its readers as it lands
             sub = dataclasses.replace(req, workers=min(len(rows), READERS_IN_FLIGHT))
             part = dataclasses.replace(plan, todo=array("q", rows))
             try:
@@ -385,16 +385,17 @@ class Schedule(Served):
 
 def yield_cpu() -> None:
     """(Each chunk thread's start.) This thread runs BACKGROUND_NICE steps nicer than
-    the process (nice(2), at most 19), and the copy jobs it makes run their threads
-    SCHED_IDLE (job.set_idle, CopyOptions.idle): the stage's own order, beside a
-    training loop, takes the CPU the loop leaves, and a thread of the loop that wakes
-    runs at once. On 2 cores, netsim at 2 ms, 20,000 files: the loop's steps took 2-5
-    ms longer each while the stage ran at the loop's priority; the sampler's epoch took
-    8.2-8.6 s with the copy threads at nice +10 and 7.4-8.0 s with them SCHED_IDLE
-    (three runs each, interleaved). This thread itself is not SCHED_IDLE: it takes
-    the interpreter's lock, which the loop's threads wait for. The readers' jobs
-    (files a reader waits for) keep the process's priority."""
-    set_idle()
+    the process (nice(2), at most 19), and the copy jobs it makes run their threads at
+    nice 19 (job.set_background, CopyOptions.lowest_priority): the stage's own order,
+    beside a training loop, takes the CPU the loop leaves, and a thread of the loop
+    that wakes preempts it. On 2 cores, netsim at 2 ms, 20,000 files: the loop's steps
+    took 2-5 ms longer each while the stage ran at the loop's priority; the sampler's
+    epoch took 8.2-8.6 s with the copy threads at nice +10, 7.6-7.7 s at nice 19
+    (three runs each, interleaved; SCHED_IDLE: 7.5-8.2 s, and it stalls the stage
+    outright while any other thread of the node wants the CPU). This thread itself is
+    only +10: it takes the interpreter's lock, which the loop's threads wait for. The
+    readers' jobs (files a reader waits for) keep the process's priority."""
+    set_background()
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):
         want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICE)

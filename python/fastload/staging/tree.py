@@ -37,7 +37,7 @@ from .job import (
     in_flight,
     progress_callback,
     run_job,
-    runs_idle,
+    runs_background,
 )
 from .request import StageRequest
 from .result import StageResult
@@ -447,17 +447,17 @@ class LocalTree:
 
     def copy_options(self, req: StageRequest, root: Path) -> _core.CopyOptions:
         """A copy job's options for ``req`` (see job.copy_options), made once per stage;
-        on a thread of a stage in the background's own order (job.set_idle), its
-        threads run SCHED_IDLE."""
-        idle = runs_idle()
-        key = (req.engine, req.workers, req.stripe, idle)
+        on a thread of a stage in the background's own order (job.set_background),
+        its threads run at nice 19."""
+        background = runs_background()
+        key = (req.engine, req.workers, req.stripe, background)
         got = self._copy_options.get(key)
         if got is None:
             engine = resolve_engine(req.engine, root)
             # (given workers, the latency is not the rule's: not waited for)
             latency = None if req.workers else self.latency(req)
             got = copy_options(engine, req.workers, req.stripe, root, latency)
-            got.idle = idle
+            got.lowest_priority = background
             self._copy_options[key] = got
         return got
 

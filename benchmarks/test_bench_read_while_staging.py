@@ -6,10 +6,11 @@ of it, each seen through netsim at 2 ms per metadata and per read request (a net
 file system). The loop: ``DataLoader(ImageFolder, batch_size=32, shuffle=True,
 num_workers=2)``, each sample its file read whole, and a fixed compute per batch (a
 sleep) chosen so that the loop alone takes about as long as the stage alone: the stage
-and an epoch over a staged copy without compute (the loader's own time) are measured
-once per N first (untimed), and the stage's seconds beyond the loader's own are spread
-over the batches (none where the loader alone takes longer than the stage: then the
-loop alone is the longer one, ``loader_s`` and ``calib_stage_s`` in ``extra_info``).
+(twice, the faster kept: the first of a mount is cold) and an epoch over a staged copy
+without compute (the loader's own time) are measured once per N first (untimed), and
+the stage's seconds beyond the loader's own are spread over the batches (none where
+the loader alone takes longer than the stage: then the loop alone is the longer one,
+``loader_s`` and ``calib_stage_s`` in ``extra_info``).
 
 Group ``rws-N``, one case per tool:
   stage-alone        stage(src, dst): the whole stage, nothing read
@@ -116,11 +117,16 @@ def sources(n: int, mounts: _Mounts) -> dict[str, Any]:
         subprocess.run(["tar", "-cf", str(tmp), "-C", str(tree), "."], check=True)
         tmp.replace(tar_dir / "tree.tar")
     out = {"tree": mounts.mount(tree), "tar": mounts.mount(tar_dir) / "tree.tar"}
-    calib = mounts.base / f"calibrate-{n}"
-    t0 = time.monotonic()
-    fastload.stage(out["tree"], calib)
-    stage_s = time.monotonic() - t0
-    shutil.rmtree(calib)
+    # The stage alone as the timed rounds see it: the first stage of a mount is a cold
+    # one (the source's pages and netsim's first requests: 8.8-9.0 s at 20,000 files
+    # against 5.5-6.1 s after), which made the loop half again as long as the stage.
+    stage_s = math.inf
+    for k in range(2):
+        calib = mounts.base / f"calibrate-{n}-{k}"
+        t0 = time.monotonic()
+        fastload.stage(out["tree"], calib)
+        stage_s = min(stage_s, time.monotonic() - t0)
+        shutil.rmtree(calib)
     out["staged"] = mounts.base / f"staged-{n}"
     fastload.stage(out["tree"], out["staged"])  # loop-staged's copy
     from fastload.data.files import FolderDataset

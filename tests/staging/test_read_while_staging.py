@@ -175,6 +175,30 @@ def test_a_file_changed_at_the_source_fails_its_reader(tmp_path: Path) -> None:
             h.wait()
 
 
+def test_a_call_right_after_a_failed_stage_starts_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed stage's thread still holds the lock for a moment after its handles
+    have the error (here: its channel closes half a second late). A call in that
+    moment, with other options, runs a stage of its own, not the failed one."""
+    from fastload.staging import background
+
+    src = tmp_path / "src"
+    trees.build_small_files(src, 50, per_dir=25, seed=3)
+    os.mkfifo(src / "dir000" / "fifo")
+    close = background.Server.close
+
+    def late(self: object) -> None:
+        time.sleep(0.5)
+        close(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(background.Server, "close", late)
+    with pytest.raises(fastload.UnsupportedFileError, match="fifo"):
+        fastload.stage(src, tmp_path / "dst", wait=False).wait()
+    result = fastload.stage(src, tmp_path / "dst", wait=False, on_special="skip").wait()
+    assert result.files == 50 and not (tmp_path / "dst" / "dir000" / "fifo").exists()
+
+
 def test_a_second_call_resumes_and_a_handle_of_a_complete_stage_reads_at_once(
     tree: Path, tmp_path: Path
 ) -> None:

@@ -154,6 +154,11 @@ class _Participant:
         if self.schedule is not None:
             self.schedule.cancel()
 
+    def ending(self) -> bool:
+        """Whether its stage has ended or was cancelled (the thread then finishes)."""
+        sched = self.schedule
+        return self.stop.is_set() or (sched is not None and sched.state in ("done", "failed"))
+
     def forked_away(self) -> None:
         """In a forked child: the lock and the channel are the parent's; this copy of
         their descriptors goes (the parent keeps them)."""
@@ -202,13 +207,21 @@ def _stop_all() -> None:
 
 def _participant(src: Any, dst: Path, options: dict[str, Any], fd: int | None,
                  opener: Opener) -> _Participant:  # fmt: skip
-    with _registry_lock:
-        p = _participants.get(dst)
-        if p is None or p.finished.is_set():
-            p = _participants[dst] = _Participant(src, dst, options, fd, opener)
-        elif fd is not None:
-            os.close(fd)
-        return p
+    """This process's participant in the stage of ``dst``: the one running, else a new
+    one. One whose stage has ended (its handles already have the result or the error)
+    but whose thread has not yet let go of the lock is waited for, not joined: a call
+    right after a failed stage starts the next (which resumes), not the failed one."""
+    while True:
+        with _registry_lock:
+            p = _participants.get(dst)
+            if p is None or p.finished.is_set():
+                p = _participants[dst] = _Participant(src, dst, options, fd, opener)
+                return p
+            if not p.ending():
+                if fd is not None:
+                    os.close(fd)
+                return p
+        p.finished.wait()
 
 
 def stage_in_background(src: Any, dst: Any, options: dict[str, Any], opener: Opener

@@ -45,7 +45,7 @@ from .request import StageRequest
 from .state import quick_same
 from .tree import LocalTree
 
-__all__ = ["Early", "Fetched", "early_for", "names", "walk_names"]
+__all__ = ["Early", "Fetched", "early_for", "walk_names"]
 
 NAME_THREADS = 32  # folders read at once by the names' walk
 STAT_THREADS = 32  # wanted files stat'ed at once
@@ -138,12 +138,6 @@ def _unstated(files: list[str], dirs: list[tuple[bytes, int, int]]) -> Listing:
                   array("I", (r[2] for r in rows)), array("q", (r[3] for r in rows)), {})
     out._sorted = True  # (each path once, in byte order)
     return out
-
-
-def names(root: str | os.PathLike[str], threads: int = NAME_THREADS) -> list[str]:
-    """The paths of the regular files under ``root`` (relative, sorted): see
-    :func:`walk_names`."""
-    return walk_names(root, threads)[0]
 
 
 def early_for(source: Any, dest: Any, req: StageRequest, cond: threading.Condition

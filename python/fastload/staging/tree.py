@@ -18,6 +18,7 @@ import os
 import stat
 from array import array
 from collections.abc import Callable
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,7 @@ class LocalTree:
             **req.selection(), "on_special": req.on_special, "file": single,
         }  # fmt: skip
         self._probe: LatencyProbe | None = None
+        self._names: Listing | None = None  # the names' listing a plan was made from
         self._latency: tuple[float | None] | None = None  # (seconds,) once measured
         # Copy jobs' options by (engine, workers, stripe), the engine's rule applied once:
         # a stage in the background runs a job per few files (each look at the source's
@@ -323,6 +325,7 @@ class LocalTree:
             if listing is None and dest.scheduler is not None and not self.single:
                 names = dest.scheduler.names_listing()
             if names is not None:
+                self._names = names  # (its files' rows filled in at the end: fingerprint)
                 self._measure(req)
                 with dest.timed("planning"):
                     return self._plan(req, dest, names, stat_at_open=True)
@@ -331,11 +334,17 @@ class LocalTree:
             return self._plan(req, dest, listed)
 
     def fingerprint(self, plan: TreePlan, req: StageRequest) -> str:
-        """The fingerprint of the listing ``plan`` now holds (its files' records
-        filled in): the one a walk of the same tree gives (tree_fingerprint)."""
-        rows = sorted([*plan.entries, *plan.files], key=lambda e: os.fsencode(e.path))
-        return tree_fingerprint(self.name, Listing.of(rows),
-                                {**self.options, "chunk": req.stripe})  # fmt: skip
+        """The fingerprint of the names' listing ``plan`` was made from, its files' rows
+        filled in from ``plan.files`` (as copied): the one a walk of the same tree gives
+        (tree_fingerprint)."""
+        whole = self._names
+        assert whole is not None
+        at = list(compress(range(len(whole)), (k == FILE for k in whole.kind)))
+        for name in ("size", "blocks", "mode", "mtime_ns"):
+            col, got = getattr(whole, name), getattr(plan.files, name)
+            for i, v in zip(at, got, strict=True):
+                col[i] = v
+        return tree_fingerprint(self.name, whole, {**self.options, "chunk": req.stripe})
 
     def _plan(self, req: StageRequest, dest: Destination, listed: Any,
               stat_at_open: bool = False) -> TreePlan:  # fmt: skip
